@@ -1,0 +1,128 @@
+"""Typed topology declaration: ``PipelineConfig`` and ``StageConfig``.
+
+A pipeline is a list of stages (list order = build order inside one process). A request
+enters at ``entry_stage`` and flows along ``next`` edges (optionally narrowed per request
+by ``route_fn``) until it reaches terminal stages; stages may also stream chunks to other
+stages along ``stream_to`` edges. Fan-in stages (``wait_for``) wait for the payloads of
+several sources and combine them with ``merge_fn``.
+
+Dynamic hooks are dotted paths (``"package.module:function"`` or ``"package.module.function"``)
+so a config is plain data: it round-trips through YAML and is rebuilt in child processes.
+Hook signatures (``payload`` is a :class:`omnistage.pipeline.messages.StagePayload`):
+
+- ``route_fn(payload) -> str | list[str]``: the subset of ``next`` this request goes to.
+- ``wait_for_fn(payload) -> list[str]``: the subset of ``wait_for`` this request waits for.
+- ``merge_fn(payloads: dict[str, StagePayload]) -> Any``: the merged stage input ``data``.
+- ``stream_done_to_fn(payload) -> list[str]``: the subset of ``stream_to`` this request
+  streams to (and sends stream-done to).
+- ``terminal_stages_fn(request) -> list[str]``: the terminal stages this request ends at.
+
+Hooks must decide from ``payload.request`` (the per-request decision), not from
+intermediate data: that is what lets :func:`omnistage.pipeline.topology.check_consistency`
+prove at build time, on the model's sample requests, that no request can wait for an input
+that never comes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class FactoryConfig(_Strict):
+    """Where a stage's scheduler comes from.
+
+    ``path`` is a dotted path to a callable ``factory(stage: StageContext, **args) ->
+    Scheduler``; ``args`` are its keyword arguments (the stage's tunable knobs).
+    """
+
+    path: str
+    args: dict[str, Any] = Field(default_factory=dict)
+
+
+class StageConfig(_Strict):
+    """One stage of a pipeline. See the module docstring for the hook signatures."""
+
+    name: str = Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    factory: FactoryConfig
+    process: str | None = Field(
+        default=None,
+        description="process group; None runs the stage in the coordinator's process",
+    )
+    device: str = Field(default="cpu", description='torch device, e.g. "cpu" or "cuda:0"')
+    gpu_memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
+    gpu_memory_bytes: int | None = Field(default=None, gt=0)
+
+    next: list[str] = Field(default_factory=list)
+    terminal: bool = False
+    route_fn: str | None = None
+
+    wait_for: list[str] = Field(default_factory=list)
+    wait_for_fn: str | None = None
+    merge_fn: str | None = None
+
+    stream_to: list[str] = Field(default_factory=list)
+    stream_done_to_fn: str | None = None
+    can_accept_stream_before_payload: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _next_as_list(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("next"), str):
+            data = {**data, "next": [data["next"]]}
+        return data
+
+    @model_validator(mode="after")
+    def _memory_budget_exclusive(self) -> StageConfig:
+        if self.gpu_memory_fraction is not None and self.gpu_memory_bytes is not None:
+            raise ValueError(
+                f"stage {self.name!r}: set gpu_memory_fraction or gpu_memory_bytes, not both"
+            )
+        return self
+
+
+class PipelineConfig(_Strict):
+    """A whole pipeline: its stages and the coordinator's request policy.
+
+    Model packages subclass this to set defaults (stages, hooks, sample requests).
+    """
+
+    name: str = "pipeline"
+    model_path: str | None = None
+    stages: list[StageConfig]
+    entry_stage: str | None = Field(default=None, description="default: the first stage")
+    terminal_stages_fn: str | None = None
+    sample_requests_fn: str | None = Field(
+        default=None,
+        description="dotted path to a function returning the model's sample requests "
+        "(list of (label, request)); the build-time consistency check runs every dynamic "
+        "hook on each of them",
+    )
+    max_concurrent_requests: int = Field(default=64, ge=1)
+    stream_queue_max_bytes: int = Field(
+        default=256 * 1024 * 1024,
+        ge=1,
+        description="global cap on stream bytes queued for clients; a request whose "
+        "chunk would exceed it fails (slow consumer) instead of exhausting memory",
+    )
+    request_timeout_s: float | None = Field(default=600.0, gt=0)
+    process_death_timeout_s: float = Field(
+        default=2.0, gt=0, description="bound on detecting a dead stage process"
+    )
+
+    @property
+    def entry(self) -> str:
+        """Name of the entry stage."""
+        return self.entry_stage or self.stages[0].name
+
+    def stage(self, name: str) -> StageConfig:
+        """The stage named ``name``; KeyError if absent."""
+        for stage in self.stages:
+            if stage.name == name:
+                return stage
+        raise KeyError(name)

@@ -1,0 +1,118 @@
+"""Typed errors of omnistage: the failure contract.
+
+Every failure a client can see is one of these classes; the HTTP layer maps them by type
+(never by matching message strings):
+
+=============================  ======  ==============================================
+class                          HTTP    meaning
+=============================  ======  ==============================================
+``RequestValidationError``     400     bad input, detected before any model work
+``PayloadTooLargeError``       413     request body or media above its cap
+``QueueFullError``             503     admission bound reached; retry later
+``PipelineUnhealthyError``     503     a stage process died or the pipeline is stopping
+``RequestTimeoutError``        504     the request's deadline passed
+``StageFailureError``          500     a stage raised while computing the request
+``RequestAbortedError``        499     the request was aborted (client gone, explicit)
+=============================  ======  ==============================================
+
+``PipelineConfigError`` is raised at build time (never per request) and names the stage.
+"""
+
+from __future__ import annotations
+
+
+class OmnistageError(Exception):
+    """Base of all omnistage errors. ``http_status`` is the status the server answers with."""
+
+    http_status: int = 500
+    error_type: str = "server_error"
+
+
+class PipelineConfigError(OmnistageError):
+    """A pipeline declaration is invalid; raised at build time.
+
+    Args:
+        message: what is wrong.
+        stage: the stage the problem is located at, when there is one.
+    """
+
+    def __init__(self, message: str, stage: str | None = None) -> None:
+        self.stage = stage
+        super().__init__(f"stage {stage!r}: {message}" if stage else message)
+
+
+class RequestValidationError(OmnistageError):
+    """The request is invalid. ``param`` names the offending field (OpenAI ``param``)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class PayloadTooLargeError(RequestValidationError):
+    """A request body or an embedded media item exceeds its size or duration cap."""
+
+    http_status = 413
+
+
+class QueueFullError(OmnistageError):
+    """Admission refused: ``limit`` requests are already in flight."""
+
+    http_status = 503
+    error_type = "queue_full"
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        super().__init__(f"server is at its limit of {limit} concurrent requests; retry later")
+
+
+class PipelineUnhealthyError(OmnistageError):
+    """The pipeline cannot serve: a stage process died, or it is starting or stopping."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
+class RequestTimeoutError(OmnistageError):
+    """The request's deadline (seconds from admission) passed before it finished."""
+
+    http_status = 504
+    error_type = "timeout"
+
+
+class StageFailureError(OmnistageError):
+    """A stage failed while computing a request.
+
+    Args:
+        stage: name of the failing stage.
+        cause: short description of the underlying exception (type and message).
+    """
+
+    http_status = 500
+    error_type = "stage_failure"
+
+    def __init__(self, stage: str, cause: str) -> None:
+        self.stage = stage
+        self.cause = cause
+        super().__init__(f"stage {stage!r} failed: {cause}")
+
+    def __reduce__(self):  # crosses process boundaries by pickle
+        return (type(self), (self.stage, self.cause))
+
+
+class RequestAbortedError(OmnistageError):
+    """The request was aborted before it finished (client disconnect or explicit abort)."""
+
+    http_status = 499
+    error_type = "aborted"
+
+
+class StreamBufferFullError(OmnistageError):
+    """The stream bytes queued for clients reached the global cap; the request whose chunk
+    would exceed it fails (its client is not reading fast enough)."""
+
+    http_status = 503
+    error_type = "stream_buffer_full"

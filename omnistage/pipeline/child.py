@@ -1,0 +1,66 @@
+"""Entry point of a stage process (one per process group, started with ``spawn``)."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import threading
+import traceback
+from typing import Any
+
+from omnistage.config.pipeline import PipelineConfig
+from omnistage.errors import PipelineConfigError
+from omnistage.pipeline.hooks import import_callable
+from omnistage.pipeline.host import StageHost
+from omnistage.pipeline.stage import StageRuntime, build_scheduler
+from omnistage.pipeline.topology import Topology
+from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+
+PARENT_CHECK_S = 0.5
+
+
+def run_child(
+    config_class: str, config_json: str, group: str, addresses: dict[str, str], routes: dict[str, str], prefix: str
+) -> None:
+    """Build this group's stages, report ``ready`` (or ``startup_failed``), and serve until
+    told to stop or the parent process is gone."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{group}] %(levelname)s %(name)s: %(message)s")
+    stopped = threading.Event()
+    host = StageHost(group, routes, coordinator_sink=lambda event: transport.send(MAIN_GROUP, "event", event))
+    transport = ZmqTransport(group, addresses, prefix, host.on_message)
+    host.transport = transport
+
+    def on_control(envelope: Envelope, body: Any) -> None:
+        if envelope.kind == "state_query":
+            transport.send(MAIN_GROUP, "state_reply", (body, group, host.live_state()))
+        elif envelope.kind == "stop":
+            stopped.set()
+
+    host.on_control = on_control
+    transport.start()
+    try:
+        config = _load_config(config_class, config_json)
+        topology = Topology(config)
+        for stage in config.stages:
+            if routes[stage.name] == group:
+                host.stages[stage.name] = StageRuntime(topology, stage.name, build_scheduler(config, stage), host)
+    except (PipelineConfigError, ImportError, TypeError, ValueError, RuntimeError, OSError) as exc:
+        transport.send(MAIN_GROUP, "startup_failed", (group, "".join(traceback.format_exception(exc))))
+        stopped.wait(5.0)
+        transport.stop()
+        return
+    for stage in host.stages.values():
+        stage.start()
+    transport.send(MAIN_GROUP, "ready", group)
+    parent = multiprocessing.parent_process()
+    while not stopped.wait(PARENT_CHECK_S):
+        if parent is not None and not parent.is_alive():
+            break
+    for stage in host.stages.values():
+        stage.stop()
+    transport.stop()
+
+
+def _load_config(config_class: str, config_json: str) -> PipelineConfig:
+    cls = import_callable(config_class, what="config class")
+    return cls.model_validate_json(config_json)

@@ -1,0 +1,243 @@
+"""The coordinator: request lifecycle in the server process, on its asyncio loop.
+
+It admits requests (bounded: over the bound raises :class:`QueueFullError`), decides each
+request's terminal set, hands the request to the entry stage, collects terminal stream
+output into a per-request queue (with a global byte cap), merges the results of several
+terminal stages, enforces deadlines, and ends every request exactly once: success, error
+or abort. Any stage failure fails the request and aborts it at every stage (fail fast).
+
+Thread model: every public method runs on the loop; stage threads hand events over with
+:meth:`Coordinator.post`, which is thread-safe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnistage.errors import (
+    OmnistageError,
+    PipelineUnhealthyError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestTimeoutError,
+    RequestValidationError,
+    StreamBufferFullError,
+)
+from omnistage.pipeline.messages import (
+    CoordinatorEvent,
+    FinishReason,
+    StageFailed,
+    StagePayload,
+    StageResult,
+    StreamChunk,
+)
+from omnistage.pipeline.topology import Topology
+
+_FINISH_PRIORITY = {"stop": 0, "length": 1, "abort": 2, "error": 3}
+
+
+@dataclass(frozen=True)
+class PipelineResult:
+    """A finished request: each terminal stage's result and the request's finish_reason
+    (the most severe of the terminals': error > abort > length > stop)."""
+
+    request_id: str
+    outputs: dict[str, Any]
+    finish_reason: FinishReason
+
+
+def chunk_nbytes(data: Any) -> int:
+    """Bytes a stream chunk holds (tensor, array or bytes; other objects count 0)."""
+    if isinstance(data, torch.Tensor):
+        return data.nbytes
+    if isinstance(data, np.ndarray | bytes | bytearray):
+        return data.nbytes if isinstance(data, np.ndarray) else len(data)
+    return 0
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """The client's view of one request: its stream chunks, then its result or error."""
+
+    request_id: str
+    terminals: frozenset[str]
+    _release_bytes: Callable[[int], None]
+    _queue: asyncio.Queue[StreamChunk | None] = field(default_factory=asyncio.Queue)
+    _done: asyncio.Event = field(default_factory=asyncio.Event)
+    _outputs: dict[str, Any] = field(default_factory=dict)
+    _finish_reason: FinishReason = "stop"
+    _error: OmnistageError | None = None
+    _timer: asyncio.TimerHandle | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._done.is_set()
+
+    async def stream(self) -> AsyncIterator[StreamChunk]:
+        """Terminal stages' stream chunks in arrival order.
+
+        Raises:
+            OmnistageError: the request failed (typed, see :mod:`omnistage.errors`).
+        """
+        while True:
+            chunk = await self._queue.get()
+            if chunk is None:
+                break
+            self._release_bytes(chunk_nbytes(chunk.data))
+            yield chunk
+        if self._error is not None:
+            raise self._error
+
+    async def result(self) -> PipelineResult:
+        """Wait for the end of the request (stream chunks not consumed stay queued).
+
+        Raises:
+            OmnistageError: the request failed, timed out or was aborted.
+        """
+        await self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return PipelineResult(self.request_id, dict(self._outputs), self._finish_reason)
+
+
+class Coordinator:
+    """Admission, terminal sets, stream queues, deadlines and the single end of a request.
+
+    Args:
+        topology: the validated pipeline graph.
+        dispatch: hands a payload to the entry stage (thread-safe, non-blocking).
+        broadcast_abort: tells every stage (every process) to drop a request.
+        max_concurrent_requests: admission bound.
+        stream_queue_max_bytes: global cap on queued stream bytes.
+        request_timeout_s: default deadline per request (None: no deadline).
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        dispatch: Callable[[StagePayload], None],
+        broadcast_abort: Callable[[str], None],
+        *,
+        max_concurrent_requests: int,
+        stream_queue_max_bytes: int,
+        request_timeout_s: float | None,
+    ) -> None:
+        self.topology = topology
+        self._dispatch = dispatch
+        self._broadcast_abort = broadcast_abort
+        self.max_concurrent_requests = max_concurrent_requests
+        self.stream_queue_max_bytes = stream_queue_max_bytes
+        self.request_timeout_s = request_timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.requests: dict[str, RequestHandle] = {}
+        self.queued_bytes = 0
+        self.unhealthy_reason: str | None = None
+        self._ids = itertools.count()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.requests)
+
+    def submit(self, request: Any, request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:
+        """Admit ``request`` and start it at the entry stage.
+
+        Raises:
+            PipelineUnhealthyError: a stage process died.
+            QueueFullError: ``max_concurrent_requests`` are in flight.
+            RequestValidationError: ``request_id`` is already in flight.
+            StageFailureError: ``terminal_stages_fn`` failed or broke its contract.
+        """
+        if self.unhealthy_reason is not None:
+            raise PipelineUnhealthyError(self.unhealthy_reason)
+        if len(self.requests) >= self.max_concurrent_requests:
+            raise QueueFullError(self.max_concurrent_requests)
+        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestValidationError(f"request id {request_id!r} is already in flight", "request_id")
+        terminals = self.topology.terminal_set(request)
+        handle = RequestHandle(request_id, terminals, self._release_bytes)
+        self.requests[request_id] = handle
+        timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
+        if timeout_s is not None:
+            handle._timer = self.loop.call_later(timeout_s, self._expire, request_id, timeout_s)
+        self._dispatch(StagePayload(request_id, request, None))
+        return handle
+
+    def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
+        """End ``request_id`` as aborted and drop it at every stage; idempotent."""
+        if request_id in self.requests:
+            self._finish(request_id, error=RequestAbortedError(reason), finish_reason="abort")
+
+    def post(self, event: CoordinatorEvent) -> None:
+        """Thread-safe: deliver a stage event to the loop."""
+        self.loop.call_soon_threadsafe(self.on_event, event)
+
+    def on_event(self, event: CoordinatorEvent) -> None:
+        handle = self.requests.get(event.request_id)
+        if handle is None:
+            return  # the request already ended: a late event
+        if isinstance(event, StreamChunk):
+            self._enqueue(handle, event)
+        elif isinstance(event, StageResult):
+            handle._outputs[event.stage] = event.data
+            if _FINISH_PRIORITY[event.finish_reason] > _FINISH_PRIORITY[handle._finish_reason]:
+                handle._finish_reason = event.finish_reason
+            if handle.terminals <= handle._outputs.keys():
+                self._finish(event.request_id)
+        elif isinstance(event, StageFailed):
+            self._finish(event.request_id, error=event.error, finish_reason="error")
+
+    def fail_all(self, reason: str) -> None:
+        """Mark the pipeline unhealthy and fail every in-flight request (a process died)."""
+        self.unhealthy_reason = reason
+        for request_id in list(self.requests):
+            self._finish(request_id, error=PipelineUnhealthyError(reason), finish_reason="error")
+
+    def _enqueue(self, handle: RequestHandle, chunk: StreamChunk) -> None:
+        size = chunk_nbytes(chunk.data)
+        if self.queued_bytes + size > self.stream_queue_max_bytes:
+            error = StreamBufferFullError(
+                f"stream buffers are full ({self.queued_bytes} of {self.stream_queue_max_bytes} bytes); "
+                "the client is not reading its stream"
+            )
+            self._finish(handle.request_id, error=error, finish_reason="error")
+            return
+        self.queued_bytes += size
+        handle._queue.put_nowait(chunk)
+
+    def _release_bytes(self, size: int) -> None:
+        self.queued_bytes -= size
+
+    def _expire(self, request_id: str, timeout_s: float) -> None:
+        if request_id in self.requests:
+            error = RequestTimeoutError(f"request did not finish within {timeout_s:g} s")
+            self._finish(request_id, error=error, finish_reason="error")
+
+    def _finish(
+        self, request_id: str, *, error: OmnistageError | None = None, finish_reason: FinishReason | None = None
+    ) -> None:
+        handle = self.requests.pop(request_id)
+        if handle._timer is not None:
+            handle._timer.cancel()
+        if finish_reason is not None:
+            handle._finish_reason = finish_reason
+        handle._error = error
+        if error is not None:
+            self._drop_queued(handle)
+            self._broadcast_abort(request_id)
+        handle._queue.put_nowait(None)
+        handle._done.set()
+
+    def _drop_queued(self, handle: RequestHandle) -> None:
+        while not handle._queue.empty():
+            chunk = handle._queue.get_nowait()
+            if chunk is not None:
+                self.queued_bytes -= chunk_nbytes(chunk.data)

@@ -1,0 +1,67 @@
+"""StageHost: the stages of one OS process and their links to everything else.
+
+A host delivers a message to a local stage directly (same-process stages pass Python
+objects; tensors stay where they are) or through the :class:`ZmqTransport` to the process
+of the target stage. Coordinator events go to the coordinator (directly in the server
+process, over ZMQ from a child process).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from omnistage.pipeline.messages import Abort, CoordinatorEvent, StageInput
+from omnistage.pipeline.stage import StageRuntime
+from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+
+
+class StageHost:
+    """Args:
+    group: this process's group name (``"main"`` for the server process).
+    routes: stage name -> group name of the process that runs it.
+    coordinator_sink: receives coordinator events (thread-safe callable).
+    """
+
+    def __init__(
+        self,
+        group: str,
+        routes: dict[str, str],
+        coordinator_sink: Callable[[CoordinatorEvent], None],
+    ) -> None:
+        self.group, self.routes, self.coordinator_sink = group, routes, coordinator_sink
+        self.stages: dict[str, StageRuntime] = {}
+        self.transport: ZmqTransport | None = None
+        self.on_control: Callable[[Envelope, Any], None] | None = None
+
+    # StageLinks --------------------------------------------------------------
+    def send(self, target: str, message: StageInput, source: str) -> None:
+        local = self.stages.get(target)
+        if local is not None:
+            local.deliver(message, source)
+        else:
+            assert self.transport is not None, f"stage {target!r} is remote but there is no transport"
+            self.transport.send(self.routes[target], "stage", message, target=target, source=source)
+
+    def to_coordinator(self, event: CoordinatorEvent) -> None:
+        self.coordinator_sink(event)
+
+    # -------------------------------------------------------------------------
+    def abort_local(self, request_id: str) -> None:
+        for stage in self.stages.values():
+            stage.deliver(Abort(request_id), MAIN_GROUP)
+
+    def on_message(self, envelope: Envelope, body: Any) -> None:
+        """Transport callback (receiver thread)."""
+        if envelope.kind == "stage":
+            self.stages[envelope.target].deliver(body, envelope.source)
+        elif envelope.kind == "abort":
+            self.abort_local(body)
+        elif envelope.kind == "event":
+            self.coordinator_sink(body)
+        elif self.on_control is not None:
+            self.on_control(envelope, body)
+
+    def live_state(self) -> dict[str, dict[str, list[str]]]:
+        """Per-request state of the local stages (only stages that hold some)."""
+        return {name: state for name, stage in self.stages.items() if (state := stage.live_state())}

@@ -1,0 +1,97 @@
+"""Messages that travel between stages and back to the coordinator.
+
+Between stages: a :class:`StagePayload` (the request's input to a stage), a
+:class:`StreamChunk` (an item on a streaming edge), :class:`StreamDone` (the end of one
+producer's stream), and :class:`Abort`. Back to the coordinator: :class:`StageResult`
+(a terminal stage's completion), a :class:`StreamChunk` from a terminal stage (output for
+the client) and :class:`StageFailed`.
+
+Stream chunks and stream-done may arrive at a stage BEFORE its payload (they travel on a
+different edge); see ``StageConfig.can_accept_stream_before_payload``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(frozen=True, slots=True)
+class StagePayload:
+    """A request's input to one stage.
+
+    Attributes:
+        request_id: the request's id.
+        request: the typed request as submitted; the same object for every stage, which
+            is what dynamic hooks decide from.
+        data: this stage's input (a model's typed payload; for fan-in, ``merge_fn``'s
+            result).
+    """
+
+    request_id: str
+    request: Any
+    data: Any
+
+
+@dataclass(frozen=True, slots=True)
+class StreamChunk:
+    """One item on a streaming edge (or, from a terminal stage, output for the client).
+
+    Attributes:
+        request_id: the request's id.
+        source: the producing stage.
+        data: the item, typically a tensor (e.g. ``[T, 16] int64`` codes, ``[N] float32``
+            audio); tensors stay on the device they were made on.
+        modality: what ``data`` is, e.g. ``"audio_codes"``, ``"audio"``, ``"text"``.
+        metadata: small scalar fields the consumer needs (e.g. ``sample_rate``).
+        request: the typed request, on the first chunk a producer sends to each target
+            (so a consumer that starts before its payload can evaluate its own hooks);
+            None on later chunks.
+    """
+
+    request_id: str
+    source: str
+    data: Any
+    modality: str = "data"
+    metadata: dict[str, int | float | str | bool] = field(default_factory=dict)
+    request: Any = None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamDone:
+    """The producer ``source`` will send no more chunks for ``request_id``."""
+
+    request_id: str
+    source: str
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    """Drop every trace of ``request_id``; idempotent."""
+
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class StageResult:
+    """A terminal stage's completion of a request, sent to the coordinator."""
+
+    request_id: str
+    stage: str
+    data: Any
+    finish_reason: FinishReason = "stop"
+
+
+@dataclass(frozen=True, slots=True)
+class StageFailed:
+    """A stage failed a request; ``error`` is a typed :class:`omnistage.errors.OmnistageError`."""
+
+    request_id: str
+    stage: str
+    error: Exception
+
+
+StageInput = StagePayload | StreamChunk | StreamDone | Abort
+CoordinatorEvent = StageResult | StreamChunk | StageFailed

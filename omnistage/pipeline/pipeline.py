@@ -1,0 +1,261 @@
+"""Pipeline: validate a config, place its stages, and run the coordinator.
+
+Placement: stages without ``process`` (or with ``process: main``) run in the server
+process; each other process group is one spawned OS process. Start-up builds the stages
+in list order (a model relies on that: e.g. the vocoder is resident before the engine
+sizes its KV pool), waits until every process reports ready, then admits requests. A
+process that dies fails every in-flight request within ``process_death_timeout_s`` and
+marks the pipeline unhealthy (new requests get :class:`PipelineUnhealthyError`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import uuid
+from typing import Any
+
+from omnistage.config.pipeline import PipelineConfig
+from omnistage.errors import PipelineConfigError, PipelineUnhealthyError
+from omnistage.pipeline import relay
+from omnistage.pipeline.child import run_child
+from omnistage.pipeline.coordinator import Coordinator, RequestHandle
+from omnistage.pipeline.hooks import import_callable
+from omnistage.pipeline.host import StageHost
+from omnistage.pipeline.messages import StagePayload
+from omnistage.pipeline.stage import StageRuntime, build_scheduler
+from omnistage.pipeline.topology import Topology
+from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+
+logger = logging.getLogger(__name__)
+
+
+def sample_requests(config: PipelineConfig) -> list[tuple[str, Any]]:
+    """The model's declared sample requests (``sample_requests_fn``), or none."""
+    if not config.sample_requests_fn:
+        return []
+    return list(import_callable(config.sample_requests_fn, what="sample_requests_fn")())
+
+
+def build_topology(config: PipelineConfig) -> Topology:
+    """Validate ``config`` statically and prove it on its sample requests.
+
+    Raises:
+        PipelineConfigError: naming the stage at fault.
+    """
+    topology = Topology(config)
+    topology.check_consistency(sample_requests(config))
+    return topology
+
+
+class Pipeline:
+    """A running pipeline. Use ``async with Pipeline(config) as pipeline`` or
+    :meth:`start` / :meth:`stop` on a running event loop.
+
+    Raises:
+        PipelineConfigError: at construction, if the topology is invalid.
+    """
+
+    def __init__(self, config: PipelineConfig, *, startup_timeout_s: float = 120.0) -> None:
+        self.config = config
+        self.topology = build_topology(config)
+        self.startup_timeout_s = startup_timeout_s
+        self.routes = {s.name: s.process or MAIN_GROUP for s in config.stages}
+        self.groups = sorted({g for g in self.routes.values() if g != MAIN_GROUP})
+        self.coordinator: Coordinator | None = None
+        self.host: StageHost | None = None
+        self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
+        self._segment_prefix = f"omnistage_{os.getpid()}_{uuid.uuid4().hex[:6]}_"
+        self._socket_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._control: dict[str, asyncio.Future[Any]] = {}
+        self._watchdog: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Pipeline:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        """Build local stages, spawn the process groups, and wait until all are ready.
+
+        Raises:
+            PipelineConfigError: a stage failed to build (the message names it).
+        """
+        config = self.config
+        self.coordinator = Coordinator(
+            self.topology,
+            self._dispatch,
+            self._broadcast_abort,
+            max_concurrent_requests=config.max_concurrent_requests,
+            stream_queue_max_bytes=config.stream_queue_max_bytes,
+            request_timeout_s=config.request_timeout_s,
+        )
+        self.host = StageHost(MAIN_GROUP, self.routes, self.coordinator.post)
+        self.host.on_control = self._on_control
+        if self.groups:
+            self._start_transport()
+        for stage in config.stages:
+            if self.routes[stage.name] == MAIN_GROUP:
+                runtime = StageRuntime(self.topology, stage.name, build_scheduler(config, stage), self.host)
+                self.host.stages[stage.name] = runtime
+        if self.groups:
+            await self._spawn_groups()
+        for runtime in self.host.stages.values():
+            runtime.start()
+
+    def _start_transport(self) -> None:
+        assert self.host is not None
+        self._socket_dir = tempfile.TemporaryDirectory(prefix="omnistage-")
+        addresses = {g: f"ipc://{self._socket_dir.name}/{g}.sock" for g in [MAIN_GROUP, *self.groups]}
+        self.host.transport = ZmqTransport(MAIN_GROUP, addresses, self._segment_prefix, self.host.on_message)
+        self.host.transport.start()
+        self._addresses = addresses
+
+    async def _spawn_groups(self) -> None:
+        context = multiprocessing.get_context("spawn")
+        config_class = f"{type(self.config).__module__}:{type(self.config).__qualname__}"
+        ready = [self._expect(f"ready:{g}") for g in self.groups]
+        for group in self.groups:
+            process = context.Process(
+                target=run_child,
+                args=(config_class, self.config.model_dump_json(), group, self._addresses, self.routes, self._segment_prefix),
+                name=f"omnistage-{group}",
+                daemon=True,
+            )
+            process.start()
+            self.processes[group] = process
+        try:
+            await asyncio.wait_for(asyncio.gather(*ready), self.startup_timeout_s)
+        except TimeoutError as exc:
+            await self.stop()
+            raise PipelineConfigError(f"stage processes not ready within {self.startup_timeout_s:g} s") from exc
+        except PipelineConfigError:
+            await self.stop()
+            raise
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_processes())
+
+    async def stop(self) -> None:
+        """Stop all stages and processes; fails requests still in flight."""
+        if self.coordinator is not None and self.coordinator.unhealthy_reason is None:
+            self.coordinator.fail_all("the pipeline is stopping")
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self.host is not None:
+            for runtime in self.host.stages.values():
+                runtime.stop()
+            if self.host.transport is not None:
+                for group in self.groups:
+                    self.host.transport.send(group, "stop")
+        for process in self.processes.values():
+            await asyncio.get_running_loop().run_in_executor(None, process.join, 5.0)
+            if process.is_alive():
+                process.kill()
+        self.processes.clear()
+        if self.host is not None and self.host.transport is not None:
+            self.host.transport.stop()
+            self.host.transport = None
+        relay.sweep_segments(self._segment_prefix)
+        if self._socket_dir is not None:
+            self._socket_dir.cleanup()
+            self._socket_dir = None
+
+    async def _watch_processes(self) -> None:
+        interval = self.config.process_death_timeout_s / 4
+        while True:
+            await asyncio.sleep(interval)
+            for group, process in self.processes.items():
+                if not process.is_alive():
+                    reason = f"stage process {group!r} (pid {process.pid}) died with exit code {process.exitcode}"
+                    logger.error(reason)
+                    assert self.coordinator is not None
+                    self.coordinator.fail_all(reason)
+                    return
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, request: Any, request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:
+        """Admit a request (see :meth:`Coordinator.submit` for the errors raised)."""
+        if self.coordinator is None:
+            raise PipelineUnhealthyError("the pipeline is not started")
+        return self.coordinator.submit(request, request_id, timeout_s)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request everywhere; idempotent."""
+        if self.coordinator is not None:
+            self.coordinator.abort(request_id)
+
+    @property
+    def healthy(self) -> bool:
+        return self.coordinator is not None and self.coordinator.unhealthy_reason is None
+
+    def _dispatch(self, payload: StagePayload) -> None:
+        assert self.host is not None
+        self.host.send(self.topology.entry, payload, MAIN_GROUP)
+
+    def _broadcast_abort(self, request_id: str) -> None:
+        assert self.host is not None
+        self.host.abort_local(request_id)
+        if self.host.transport is not None:
+            for group in self.groups:
+                self.host.transport.send(group, "abort", request_id)
+
+    # -------------------------------------------------------------- introspection
+    async def live_state(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Per-request state held anywhere (empty when nothing leaked): coordinator
+        requests and queued stream bytes, each stage's structures (in every process),
+        and shared-memory segments not yet received."""
+        assert self.coordinator is not None and self.host is not None
+        state: dict[str, Any] = {}
+        if self.coordinator.requests:
+            state["coordinator.requests"] = sorted(self.coordinator.requests)
+        if self.coordinator.queued_bytes:
+            state["coordinator.queued_bytes"] = self.coordinator.queued_bytes
+        state.update({f"main.{k}": v for k, v in self.host.live_state().items()})
+        if self.host.transport is not None:
+            for group in self.groups:
+                token = uuid.uuid4().hex
+                reply = self._expect(f"state:{token}")
+                self.host.transport.send(group, "state_query", token)
+                _, _, child_state = await asyncio.wait_for(reply, timeout_s)
+                state.update({f"{group}.{k}": v for k, v in child_state.items()})
+        segments = [n for n in os.listdir("/dev/shm") if n.startswith(self._segment_prefix)] if os.path.isdir("/dev/shm") else []
+        if segments:
+            state["shared_memory"] = segments
+        return state
+
+    def _expect(self, key: str) -> asyncio.Future[Any]:
+        future = asyncio.get_running_loop().create_future()
+        self._control[key] = future
+        return future
+
+    def _on_control(self, envelope: Envelope, body: Any) -> None:
+        """Transport callback for control replies (receiver thread)."""
+        assert self.coordinator is not None
+        if envelope.kind == "ready":
+            key, value = f"ready:{body}", body
+        elif envelope.kind == "state_reply":
+            key, value = f"state:{body[0]}", body
+        elif envelope.kind == "startup_failed":
+            group, trace = body
+            error = PipelineConfigError(f"process group {group!r} failed to start:\n{trace}")
+            self.coordinator.loop.call_soon_threadsafe(self._resolve_error, f"ready:{group}", error)
+            return
+        else:
+            return
+        self.coordinator.loop.call_soon_threadsafe(self._resolve, key, value)
+
+    def _resolve(self, key: str, value: Any) -> None:
+        future = self._control.pop(key, None)
+        if future is not None and not future.done():
+            future.set_result(value)
+
+    def _resolve_error(self, key: str, error: Exception) -> None:
+        future = self._control.pop(key, None)
+        if future is not None and not future.done():
+            future.set_exception(error)

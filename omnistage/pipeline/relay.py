@@ -1,0 +1,103 @@
+"""Serialization of stage messages between processes.
+
+Control data is pickled (all processes are ours); tensors take the transport their device
+calls for, never configured:
+
+- CUDA tensors: a CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``);
+  the receiver maps the same device memory, nothing is copied through the host.
+- CPU tensors and numpy arrays of at least ``SHM_MIN_BYTES``: one POSIX shared-memory
+  segment each; the receiver copies the data out and unlinks the segment at once.
+- Smaller CPU tensors/arrays: inline in the pickle (a segment costs more than the copy).
+
+Segments are named ``<prefix><n>`` so a pipeline can sweep the segments of messages that
+were never received (e.g. a process died) when it stops (:func:`sweep_segments`).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import os
+import pickle
+from multiprocessing import resource_tracker, shared_memory
+from typing import Any
+
+import numpy as np
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+SHM_MIN_BYTES = 64 * 1024
+_counter = itertools.count()
+
+
+class _Pickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, prefix: str) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.prefix = prefix
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda:
+                return ("cuda", reduce_tensor(obj))
+            if obj.nbytes >= SHM_MIN_BYTES:
+                return ("shm_torch", *_to_segment(self.prefix, obj.detach()))
+        elif isinstance(obj, np.ndarray) and obj.dtype != object and obj.nbytes >= SHM_MIN_BYTES:
+            return ("shm_numpy", *_to_segment(self.prefix, torch.from_numpy(np.ascontiguousarray(obj))))
+        return None
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid: Any) -> Any:
+        kind = pid[0]
+        if kind == "cuda":
+            rebuild, args = pid[1]
+            return rebuild(*args)
+        tensor = _from_segment(*pid[1:])
+        return tensor if kind == "shm_torch" else tensor.numpy()
+
+
+def _to_segment(prefix: str, tensor: torch.Tensor) -> tuple[str, torch.dtype, tuple[int, ...]]:
+    name = f"{prefix}{next(_counter)}"
+    segment = shared_memory.SharedMemory(name=name, create=True, size=max(tensor.nbytes, 1))
+    # The receiver unlinks the segment; the creator's tracker must not unlink it again.
+    resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    view = torch.frombuffer(segment.buf, dtype=tensor.dtype, count=tensor.numel()) if tensor.numel() else None
+    if view is not None:
+        view.copy_(tensor.reshape(-1))
+        del view
+    segment.close()
+    return name, tensor.dtype, tuple(tensor.shape)
+
+
+def _from_segment(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    segment = shared_memory.SharedMemory(name=name)  # registers; unlink() unregisters
+    count = int(np.prod(shape)) if shape else 1
+    view = torch.frombuffer(segment.buf, dtype=dtype, count=count) if count else None
+    tensor = view.clone().reshape(shape) if view is not None else torch.empty(shape, dtype=dtype)
+    del view
+    segment.close()
+    segment.unlink()
+    return tensor
+
+
+def dumps(obj: Any, prefix: str) -> bytes:
+    """Serialize ``obj``; large CPU tensors go to segments named ``prefix<n>``."""
+    buffer = io.BytesIO()
+    _Pickler(buffer, prefix).dump(obj)
+    return buffer.getvalue()
+
+
+def loads(data: bytes) -> Any:
+    """Inverse of :func:`dumps`; unlinks the segments it reads."""
+    return _Unpickler(io.BytesIO(data)).load()
+
+
+def sweep_segments(prefix: str) -> int:
+    """Unlink leftover segments named ``prefix*`` (Linux ``/dev/shm``); returns the count."""
+    root = "/dev/shm"
+    if not os.path.isdir(root):
+        return 0
+    names = [n for n in os.listdir(root) if n.startswith(prefix)]
+    for name in names:
+        os.unlink(os.path.join(root, name))
+    return len(names)

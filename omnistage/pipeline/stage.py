@@ -1,0 +1,249 @@
+"""StageRuntime: the I/O shell around a stage's scheduler.
+
+Inbound (from the host, any thread): fan-in collection and ``merge_fn``; stream chunks
+and stream-done (counted over the stage's stream sources, forwarded once); aborts
+(idempotent, forwarded to the scheduler on every race path); tombstones that drop late
+messages. Outbound (the scheduler's :class:`~omnistage.scheduling.base.StageOutbox`, any
+thread): stream-done to the active stream targets before the payload goes on, routing
+via ``route_fn``, completions and stream output of terminal stages to the coordinator,
+failures to the coordinator as typed errors.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from omnistage.config.pipeline import PipelineConfig, StageConfig
+from omnistage.errors import OmnistageError, StageFailureError
+from omnistage.pipeline.hooks import import_callable
+from omnistage.pipeline.messages import (
+    Abort,
+    CoordinatorEvent,
+    FinishReason,
+    StageFailed,
+    StageInput,
+    StagePayload,
+    StageResult,
+    StreamChunk,
+    StreamDone,
+)
+from omnistage.pipeline.tombstones import Tombstones
+from omnistage.pipeline.topology import Topology
+from omnistage.scheduling.base import Scheduler
+
+
+class StageLinks(Protocol):
+    """What a stage runtime needs from its host process."""
+
+    def send(self, target: str, message: StageInput, source: str) -> None: ...
+
+    def to_coordinator(self, event: CoordinatorEvent) -> None: ...
+
+
+@dataclass(frozen=True)
+class StageBuildContext:
+    """What a stage factory is given: ``factory(ctx, **factory.args) -> Scheduler``."""
+
+    pipeline: PipelineConfig
+    stage: StageConfig
+
+
+def build_scheduler(pipeline: PipelineConfig, stage: StageConfig) -> Scheduler:
+    """Call the stage's factory.
+
+    Raises:
+        PipelineConfigError: the factory path does not resolve.
+        TypeError: the factory did not return a :class:`Scheduler`.
+    """
+    factory = import_callable(stage.factory.path, stage=stage.name, what="factory")
+    scheduler = factory(StageBuildContext(pipeline, stage), **stage.factory.args)
+    if not isinstance(scheduler, Scheduler):
+        raise TypeError(f"stage {stage.name!r}: factory returned {type(scheduler).__name__}, not a Scheduler")
+    return scheduler
+
+
+@dataclass
+class _Active:
+    """A request known at this stage: from its payload, or from a first stream chunk."""
+
+    request: Any
+    stream_targets: list[str]
+    payload: StagePayload | None = None
+    announced: set[str] = field(default_factory=set)  # stream targets that got `request`
+
+
+def describe_failure(stage: str, error: BaseException) -> OmnistageError:
+    """A typed error for ``error`` raised in ``stage`` (typed errors pass through)."""
+    if isinstance(error, OmnistageError):
+        return error
+    return StageFailureError(stage, f"{type(error).__name__}: {error}")
+
+
+Outgoing = list[tuple[str, StageInput]]
+
+
+class StageRuntime:
+    """One stage in one process: a scheduler plus its inbound and outbound plumbing.
+
+    Messages are prepared under the stage's lock and sent after it is released, so two
+    stages never hold each other's locks.
+    """
+
+    def __init__(self, topology: Topology, name: str, scheduler: Scheduler, links: StageLinks) -> None:
+        self.topology, self.name, self.scheduler, self.links = topology, name, scheduler, links
+        self.config = topology.stages[name]
+        self.stream_sources = frozenset(topology.stream_sources.get(name, ()))
+        self._lock = threading.Lock()
+        self._fan_in: dict[str, dict[str, StagePayload]] = {}
+        self._dones: dict[str, set[str]] = {}
+        self._active: dict[str, _Active] = {}
+        self._ended = Tombstones()
+        scheduler.bind(name, self, expects_stream=bool(self.stream_sources))
+
+    # ------------------------------------------------------------------- inbound
+    def deliver(self, message: StageInput, source: str) -> None:
+        """Thread-safe entry for every message addressed to this stage."""
+        request_id = message.request_id
+        if isinstance(message, Abort):
+            with self._lock:
+                self._forget(request_id)
+            self.scheduler.put(message)
+            return
+        forward: StageInput | None = None
+        with self._lock:
+            if request_id in self._ended:
+                return
+            try:
+                if isinstance(message, StagePayload):
+                    forward = self._on_payload(message, source)
+                else:
+                    forward = self._on_stream(message, source)
+            except StageFailureError as exc:  # a dynamic hook failed or broke its contract
+                self._fail_locked(request_id, exc)
+        if forward is not None:
+            self.scheduler.put(forward)
+
+    def _on_payload(self, payload: StagePayload, source: str) -> StagePayload | None:
+        request_id = payload.request_id
+        if self.config.wait_for:
+            arrived = self._fan_in.setdefault(request_id, {})
+            arrived[source] = payload
+            if set(arrived) != self.topology.waits(self.name, payload):
+                return None
+            del self._fan_in[request_id]
+            payload = StagePayload(request_id, payload.request, self.topology.merge(self.name, arrived))
+        active = self._known(request_id, payload.request)
+        active.payload = payload
+        return payload
+
+    def _on_stream(self, message: StreamChunk | StreamDone, source: str) -> StageInput | None:
+        request_id = message.request_id
+        active = self._active.get(request_id)
+        if active is None or active.payload is None:
+            if not self.config.can_accept_stream_before_payload:
+                raise StageFailureError(
+                    self.name,
+                    f"{type(message).__name__} from {source!r} arrived before the payload, and "
+                    "the stage does not declare can_accept_stream_before_payload",
+                )
+            if active is None and isinstance(message, StreamChunk) and message.request is not None:
+                self._known(request_id, message.request)
+        if isinstance(message, StreamChunk):
+            return message
+        done = self._dones.setdefault(request_id, set())
+        done.add(source)
+        if done != self.stream_sources:
+            return None
+        del self._dones[request_id]
+        return StreamDone(request_id, self.name)
+
+    def _known(self, request_id: str, request: Any) -> _Active:
+        active = self._active.get(request_id)
+        if active is None:
+            targets = self.topology.stream_targets(self.name, StagePayload(request_id, request, None))
+            active = self._active[request_id] = _Active(request, targets)
+        return active
+
+    def _forget(self, request_id: str) -> _Active | None:
+        self._ended.add(request_id)
+        self._fan_in.pop(request_id, None)
+        self._dones.pop(request_id, None)
+        return self._active.pop(request_id, None)
+
+    # ----------------------------------------------------- outbound (StageOutbox)
+    def result(self, request_id: str, data: Any, finish_reason: FinishReason = "stop") -> None:
+        outgoing: Outgoing = []
+        with self._lock:
+            if request_id in self._ended:
+                return
+            active = self._forget(request_id)
+            if active is None or active.payload is None:
+                error = StageFailureError(self.name, "produced a result for a request without payload")
+                self.links.to_coordinator(StageFailed(request_id, self.name, error))
+                return
+            outgoing = [(t, StreamDone(request_id, self.name)) for t in active.stream_targets]
+            payload = StagePayload(request_id, active.request, data)
+            if self.config.terminal:
+                self.links.to_coordinator(StageResult(request_id, self.name, data, finish_reason))
+            else:
+                try:
+                    outgoing += [(t, payload) for t in self.topology.routes(self.name, payload)]
+                except StageFailureError as exc:
+                    self.links.to_coordinator(StageFailed(request_id, self.name, exc))
+                    return
+        self._send(outgoing)
+
+    def stream(
+        self,
+        request_id: str,
+        data: Any,
+        modality: str = "data",
+        metadata: dict[str, int | float | str | bool] | None = None,
+    ) -> None:
+        outgoing: Outgoing = []
+        with self._lock:
+            active = self._active.get(request_id)
+            if active is None:
+                return  # ended (or failed) meanwhile
+            if self.config.terminal:
+                self.links.to_coordinator(StreamChunk(request_id, self.name, data, modality, dict(metadata or {})))
+                return
+            for target in active.stream_targets:
+                first = target not in active.announced
+                active.announced.add(target)
+                request = active.request if first else None
+                outgoing.append((target, StreamChunk(request_id, self.name, data, modality, dict(metadata or {}), request)))
+        self._send(outgoing)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        with self._lock:
+            if request_id not in self._ended:
+                self._fail_locked(request_id, describe_failure(self.name, error))
+
+    def _fail_locked(self, request_id: str, error: OmnistageError) -> None:
+        self._forget(request_id)
+        self.links.to_coordinator(StageFailed(request_id, self.name, error))
+
+    def _send(self, outgoing: Outgoing) -> None:
+        for target, message in outgoing:
+            self.links.send(target, message, self.name)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    def live_state(self) -> dict[str, list[str]]:
+        """Per-request state still held, by structure (empty dict when clean)."""
+        with self._lock:
+            state = {
+                "fan_in": sorted(self._fan_in),
+                "stream_done": sorted(self._dones),
+                "active": sorted(self._active),
+            }
+        state["scheduler"] = sorted(self.scheduler.live_requests())
+        return {key: ids for key, ids in state.items() if ids}

@@ -1,0 +1,107 @@
+"""ZMQ transport between the processes of one pipeline.
+
+Each process binds one PULL socket (``ipc://<dir>/<group>.sock``) and owns PUSH sockets to
+the others. A message is two frames: a msgpack :class:`Envelope` (msgspec) and a body
+serialized by :mod:`omnistage.pipeline.relay` (tensors by shared memory or CUDA IPC).
+ZMQ sockets are not thread-safe, so one sender thread owns the PUSH sockets and one
+receiver thread owns the PULL socket; callers on any thread only touch a queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+
+from omnistage.pipeline import relay
+
+logger = logging.getLogger(__name__)
+
+MAIN_GROUP = "main"  # the coordinator's process
+
+
+class Envelope(msgspec.Struct, array_like=True):
+    """Frame 1 of a message. ``kind``: stage | abort | event | state_query | state_reply |
+    ready | startup_failed | stop. ``target``/``source``: stage names (stage messages)."""
+
+    kind: str
+    target: str = ""
+    source: str = ""
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(Envelope).decode
+
+
+class ZmqTransport:
+    """Sockets of one process.
+
+    Args:
+        group: this process's group name.
+        addresses: every group's PULL address.
+        segment_prefix: shared-memory segment name prefix of this pipeline.
+        on_message: ``on_message(envelope, body)``, called on the receiver thread.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        addresses: dict[str, str],
+        segment_prefix: str,
+        on_message: Callable[[Envelope, Any], None],
+    ) -> None:
+        self.group, self.addresses = group, addresses
+        self.segment_prefix = f"{segment_prefix}{group}_"
+        self.on_message = on_message
+        self._context = zmq.Context()
+        self._pull = self._context.socket(zmq.PULL)
+        self._pull.bind(addresses[group])
+        self._outgoing: queue.SimpleQueue[tuple[str, bytes, bytes] | None] = queue.SimpleQueue()
+        self._stopping = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._send_loop, name=f"zmq-send-{group}", daemon=True),
+            threading.Thread(target=self._recv_loop, name=f"zmq-recv-{group}", daemon=True),
+        ]
+
+    def start(self) -> None:
+        for thread in self._threads:
+            thread.start()
+
+    def send(self, group: str, kind: str, body: Any = None, target: str = "", source: str = "") -> None:
+        """Thread-safe: queue a message for ``group``'s process."""
+        header = _encode(Envelope(kind, target, source))
+        self._outgoing.put((group, header, relay.dumps(body, self.segment_prefix)))
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._outgoing.put(None)
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self._context.destroy(linger=0)
+
+    def _send_loop(self) -> None:
+        sockets: dict[str, zmq.Socket] = {}
+        while (item := self._outgoing.get()) is not None:
+            group, header, body = item
+            if group not in sockets:
+                sockets[group] = self._context.socket(zmq.PUSH)
+                sockets[group].setsockopt(zmq.LINGER, 0)
+                sockets[group].connect(self.addresses[group])
+            sockets[group].send_multipart([header, body], copy=False)
+        for socket in sockets.values():
+            socket.close(linger=0)
+
+    def _recv_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        while not self._stopping.is_set():
+            if not poller.poll(100):
+                continue
+            header, body = self._pull.recv_multipart()
+            self.on_message(_decode(header), relay.loads(body))
+        self._pull.close(linger=0)

@@ -1,0 +1,122 @@
+"""The scheduler protocol and the batch boundary.
+
+A scheduler owns one compute thread. The stage runtime puts
+:data:`omnistage.pipeline.messages.StageInput` messages into its thread-safe inbox
+(:meth:`Scheduler.put`); the scheduler reports through its :class:`StageOutbox`
+(results, stream chunks, failures), which is thread-safe too.
+
+Failure has one exit: :meth:`Scheduler.run_batch`, the batch boundary. Whatever a batch's
+compute raises (``torch.OutOfMemoryError`` included) fails exactly the requests of that
+batch, their per-request state is released through ``abort_callback``, and the scheduler
+goes on serving the next requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from omnistage.pipeline.messages import FinishReason, StageInput
+
+logger = logging.getLogger(__name__)
+
+
+class StageOutbox(Protocol):
+    """Where a scheduler reports; every method is thread-safe and ignores unknown requests
+    (a request aborted meanwhile is simply dropped)."""
+
+    def result(self, request_id: str, data: Any, finish_reason: FinishReason = "stop") -> None:
+        """The request is done at this stage; ``data`` goes to the next stages / client."""
+
+    def stream(
+        self,
+        request_id: str,
+        data: Any,
+        modality: str = "data",
+        metadata: dict[str, int | float | str | bool] | None = None,
+    ) -> None:
+        """One stream chunk to this stage's stream targets (or to the client, if terminal)."""
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """The request failed here; the coordinator fails it and aborts it everywhere."""
+
+
+@dataclass(frozen=True, slots=True)
+class ItemFailure:
+    """Returned in place of one item's output by a batch compute: only that item fails."""
+
+    error: BaseException
+
+
+class Scheduler(ABC):
+    """Base of all schedulers: an inbox, a compute thread, and the batch boundary.
+
+    Args:
+        abort_callback: ``callback(request_id)`` that releases the model's per-request
+            state (KV blocks, vocoder slots, buffers). Called on abort and on failure, on
+            every race path, possibly more than once per request: it must be idempotent.
+    """
+
+    def __init__(self, abort_callback: Callable[[str], None] | None = None) -> None:
+        self.abort_callback = abort_callback
+        self.stage_name = "?"
+        self.expects_stream = False
+        self._outbox: StageOutbox | None = None
+        self._inbox: queue.SimpleQueue[StageInput | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def outbox(self) -> StageOutbox:
+        assert self._outbox is not None, "bind() the scheduler before starting it"
+        return self._outbox
+
+    def bind(self, stage_name: str, outbox: StageOutbox, *, expects_stream: bool) -> None:
+        """Attach to a stage. ``expects_stream``: the stage has stream sources, so every
+        request also gets one :class:`StreamDone` (after all its sources finished)."""
+        self.stage_name, self._outbox, self.expects_stream = stage_name, outbox, expects_stream
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"stage-{self.stage_name}", daemon=True)
+        self._thread.start()
+
+    def put(self, message: StageInput) -> None:
+        """Thread-safe: hand a message to the compute thread."""
+        self._inbox.put(message)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout)
+            self._thread = None
+
+    @abstractmethod
+    def _run(self) -> None:
+        """The compute loop; returns when it takes ``None`` from the inbox."""
+
+    @abstractmethod
+    def live_requests(self) -> set[str]:
+        """Ids of requests this scheduler holds state for (for leak checks)."""
+
+    def release(self, request_id: str) -> None:
+        """Call ``abort_callback`` for ``request_id`` (idempotent by contract)."""
+        if self.abort_callback is not None:
+            self.abort_callback(request_id)
+
+    def run_batch(self, request_ids: Iterable[str], compute: Callable[[], None]) -> bool:
+        """The batch boundary: run ``compute``; if it raises, fail every request of the
+        batch (releasing their state) and return False. Returns True on success."""
+        try:
+            compute()
+        except Exception as exc:  # noqa: BLE001 -- the one batch boundary (module docstring)
+            ids = list(request_ids)
+            logger.warning("stage %s: batch of %d failed: %r", self.stage_name, len(ids), exc)
+            for request_id in ids:
+                self.release(request_id)
+                self.outbox.fail(request_id, exc)
+            return False
+        return True

@@ -1,0 +1,119 @@
+"""StreamingScheduler: the base of stages that consume a stream (e.g. a vocoder).
+
+Per request it keeps a :class:`StreamState` that may be created by the first chunk, the
+stream-done or the payload, in any order (chunks and done may arrive before the payload).
+Each tick takes every message already in the inbox, ingests them, and runs :meth:`step`
+once on all touched requests, inside the batch boundary, so a subclass can process
+several requests' due work as one batch. A request finishes (:meth:`complete`) once it has
+its payload and, when the stage has stream sources, its stream-done. Finished and aborted
+requests leave a tombstone: late chunks never recreate state.
+"""
+
+from __future__ import annotations
+
+import queue
+from abc import abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnistage.pipeline.messages import Abort, FinishReason, StagePayload, StreamChunk, StreamDone
+from omnistage.pipeline.tombstones import Tombstones
+from omnistage.scheduling.base import Scheduler
+
+
+@dataclass
+class StreamState:
+    """A request's state at a streaming stage.
+
+    Attributes:
+        request_id: the request.
+        payload: the stage payload once it arrived, else None.
+        chunks: chunks ingested but not yet consumed by :meth:`StreamingScheduler.step`.
+        done: all stream sources finished.
+        model_state: the subclass's own per-request state.
+    """
+
+    request_id: str
+    payload: StagePayload | None = None
+    chunks: list[StreamChunk] = field(default_factory=list)
+    done: bool = False
+    model_state: Any = None
+
+
+class StreamingScheduler(Scheduler):
+    """Subclasses implement :meth:`step` and call :meth:`emit` / :meth:`complete`."""
+
+    max_messages_per_tick = 256
+
+    def __init__(self, abort_callback: Callable[[str], None] | None = None) -> None:
+        super().__init__(abort_callback)
+        self.states: dict[str, StreamState] = {}
+        self._ended = Tombstones()
+
+    def live_requests(self) -> set[str]:
+        return set(self.states)
+
+    @abstractmethod
+    def step(self, states: list[StreamState]) -> None:
+        """Process the due work of ``states`` (new chunks in ``state.chunks``; finishing
+        requests have :meth:`ready_to_finish`); runs inside the batch boundary."""
+
+    def ready_to_finish(self, state: StreamState) -> bool:
+        return state.payload is not None and (state.done or not self.expects_stream)
+
+    def emit(self, state: StreamState, data: Any, modality: str = "data", **metadata: Any) -> None:
+        self.outbox.stream(state.request_id, data, modality, metadata)
+
+    def complete(self, state: StreamState, data: Any, finish_reason: FinishReason = "stop") -> None:
+        """Finish ``state``'s request with ``data``; its state is dropped."""
+        self._end(state.request_id)
+        self.outbox.result(state.request_id, data, finish_reason)
+
+    def _end(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+        self._ended.add(request_id)
+
+    def _run(self) -> None:
+        while True:
+            messages = [self._inbox.get()]
+            while len(messages) < self.max_messages_per_tick:
+                try:
+                    messages.append(self._inbox.get_nowait())
+                except queue.Empty:
+                    break
+            touched: dict[str, StreamState] = {}
+            for message in messages:
+                if message is None:
+                    return
+                state = self._ingest(message)
+                if state is not None:
+                    touched[state.request_id] = state
+            live = [s for s in touched.values() if s.request_id in self.states]
+            if live:
+                self._tick(live)
+
+    def _tick(self, states: list[StreamState]) -> None:
+        ids = [s.request_id for s in states]
+        if not self.run_batch(ids, lambda: self.step(states)):
+            for request_id in ids:
+                self._end(request_id)
+
+    def _ingest(self, message: Any) -> StreamState | None:
+        request_id = message.request_id
+        if isinstance(message, Abort):
+            self._end(request_id)
+            self.release(request_id)
+            return None
+        if request_id in self._ended:
+            return None
+        state = self.states.get(request_id)
+        if state is None:
+            state = self.states[request_id] = StreamState(request_id)
+        if isinstance(message, StagePayload):
+            state.payload = message
+        elif isinstance(message, StreamChunk):
+            state.chunks.append(message)
+        elif isinstance(message, StreamDone):
+            state.done = True
+        return state

@@ -1,0 +1,79 @@
+"""ThreadedScheduler: N worker threads computing one request each."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from omnistage.pipeline.messages import Abort, StagePayload
+from omnistage.scheduling.base import Scheduler
+
+
+class ThreadedScheduler(Scheduler):
+    """Runs ``compute(payload) -> output`` for up to ``num_workers`` requests at once.
+
+    Several requests in flight at once is what lets a batcher further down (e.g. a
+    reference-audio encoder shared by the workers) see batches larger than one.
+
+    An abort releases the request at once (``abort_callback``) and leaves a tombstone;
+    a compute that finishes after its request was aborted is dropped and releases again
+    (the third race path), which is why ``abort_callback`` must be idempotent.
+
+    Args:
+        compute: per-request compute, called on a worker thread.
+        num_workers: worker threads (>= 1).
+        abort_callback: see :class:`Scheduler`.
+    """
+
+    def __init__(
+        self,
+        compute: Callable[[StagePayload], Any],
+        num_workers: int = 8,
+        abort_callback: Callable[[str], None] | None = None,
+    ) -> None:
+        super().__init__(abort_callback)
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self.compute = compute
+        self.num_workers = num_workers
+        self._lock = threading.Lock()
+        self._running: dict[str, Future[None]] = {}
+        self._aborted: set[str] = set()
+
+    def live_requests(self) -> set[str]:
+        with self._lock:
+            return set(self._running) | self._aborted
+
+    def _run(self) -> None:
+        with ThreadPoolExecutor(self.num_workers, thread_name_prefix=f"{self.stage_name}-w") as pool:
+            while True:
+                message = self._inbox.get()
+                if message is None:
+                    return
+                if isinstance(message, StagePayload):
+                    with self._lock:
+                        self._running[message.request_id] = pool.submit(self._work, message)
+                elif isinstance(message, Abort):
+                    self._abort(message.request_id)
+                else:
+                    self.outbox.fail(message.request_id, TypeError(f"stage {self.stage_name!r} takes no streams"))
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            if request_id in self._running:
+                self._aborted.add(request_id)
+        self.release(request_id)
+
+    def _work(self, payload: StagePayload) -> None:
+        outputs: list[Any] = []
+        ok = self.run_batch([payload.request_id], lambda: outputs.append(self.compute(payload)))
+        with self._lock:
+            self._running.pop(payload.request_id, None)
+            aborted = payload.request_id in self._aborted
+            self._aborted.discard(payload.request_id)
+        if aborted:
+            self.release(payload.request_id)
+        elif ok:
+            self.outbox.result(payload.request_id, outputs[0])

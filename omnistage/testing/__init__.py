@@ -1,0 +1,1 @@
+"""Helpers for testing pipelines: toy stages, topologies and the leak check."""

@@ -1,0 +1,234 @@
+"""Toy stages and topologies used by the runtime's tests (CPU, deterministic).
+
+``ToyRequest.text`` drives them: the characters are the data, ``"FAIL"`` makes the
+``double`` stage raise ``RuntimeError``, ``"OOM"`` makes it raise
+``torch.OutOfMemoryError``; ``delay_s`` slows the ``double`` stage down (for abort races).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
+from omnistage.pipeline.messages import StagePayload
+from omnistage.pipeline.stage import StageBuildContext
+from omnistage.scheduling import (
+    ItemFailure,
+    SimpleScheduler,
+    StreamingScheduler,
+    StreamState,
+    ThreadedScheduler,
+)
+
+
+@dataclass(frozen=True)
+class ToyRequest:
+    text: str
+    image: bool = False
+    audio_in: bool = False
+    audio_out: bool = True
+    delay_s: float = 0.0
+
+
+@dataclass
+class Released:
+    """Records abort_callback calls per stage (tests read it)."""
+
+    calls: dict[str, list[str]] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def record(self, stage: str, request_id: str) -> None:
+        with self.lock:
+            self.calls.setdefault(stage, []).append(request_id)
+
+
+RELEASED = Released()
+
+
+def _release(stage: str):
+    return lambda request_id: RELEASED.record(stage, request_id)
+
+
+# ------------------------------------------------------------------ stage factories
+def encode(ctx: StageBuildContext, max_batch_size: int = 4, max_batch_wait_ms: float = 2.0) -> SimpleScheduler:
+    """text -> ``[len] int64`` character codes."""
+
+    def compute(batch: list[StagePayload]) -> list[object]:
+        out: list[object] = []
+        for p in batch:
+            text = p.request.text
+            out.append(ItemFailure(ValueError("bad item")) if "BADITEM" in text else torch.tensor([ord(c) for c in text]))
+        return out
+
+    return SimpleScheduler(compute, max_batch_size, max_batch_wait_ms, abort_callback=_release(ctx.stage.name))
+
+
+def double(ctx: StageBuildContext, chunk_size: int = 3, max_batch_size: int = 4) -> SimpleScheduler:
+    """Streams ``codes * 2`` in chunks of ``chunk_size``; result: the number of codes."""
+    scheduler = SimpleScheduler(lambda batch: [], max_batch_size, 2.0, abort_callback=_release(ctx.stage.name))
+
+    def compute(batch: list[StagePayload]) -> list[object]:
+        for p in batch:
+            if "OOM" in p.request.text:
+                raise torch.OutOfMemoryError("toy: CUDA out of memory")
+            if "FAIL" in p.request.text:
+                raise RuntimeError("toy failure")
+        out: list[object] = []
+        for p in batch:
+            time.sleep(p.request.delay_s)
+            codes: torch.Tensor = p.data
+            for i in range(0, len(codes), chunk_size):
+                scheduler.outbox.stream(p.request_id, codes[i : i + chunk_size] * 2, "codes")
+            out.append(len(codes))
+        return out
+
+    scheduler.compute = compute
+    return scheduler
+
+
+class _Accumulate(StreamingScheduler):
+    """Emits ``chunk + 1`` for every chunk; result: the sum of all emitted values."""
+
+    def step(self, states: list[StreamState]) -> None:
+        for state in states:
+            total = state.model_state or 0
+            for chunk in state.chunks:
+                out = chunk.data + 1
+                total += int(out.sum())
+                self.emit(state, out, "audio")
+            state.chunks.clear()
+            state.model_state = total
+            if self.ready_to_finish(state):
+                self.complete(state, total)
+
+
+def accumulate(ctx: StageBuildContext) -> _Accumulate:
+    return _Accumulate(abort_callback=_release(ctx.stage.name))
+
+
+def tag(ctx: StageBuildContext, label: str = "", num_workers: int = 4) -> ThreadedScheduler:
+    """Threaded stage: result ``(label, request text)`` after ``request.delay_s``."""
+
+    def compute(p: StagePayload) -> object:
+        time.sleep(p.request.delay_s)
+        return (label or ctx.stage.name, p.request.text)
+
+    return ThreadedScheduler(compute, num_workers, abort_callback=_release(ctx.stage.name))
+
+
+# ---------------------------------------------------------------- linear pipeline
+def _stage(name: str, factory: str, **kwargs: object) -> StageConfig:
+    args = kwargs.pop("args", {})
+    return StageConfig(name=name, factory=FactoryConfig(path=f"omnistage.testing.toy:{factory}", args=args), **kwargs)
+
+
+def linear_config(process: dict[str, str] | None = None, **overrides: object) -> PipelineConfig:
+    """encode -> double (streams to accumulate) -> accumulate (terminal, streaming)."""
+    process = process or {}
+    return PipelineConfig(
+        name="toy-linear",
+        stages=[
+            _stage("encode", "encode", next="double", process=process.get("encode")),
+            _stage("double", "double", next="accumulate", stream_to=["accumulate"], process=process.get("double")),
+            _stage(
+                "accumulate", "accumulate", terminal=True, can_accept_stream_before_payload=True,
+                process=process.get("accumulate"),
+            ),
+        ],
+        **overrides,
+    )
+
+
+def expected_linear(text: str, chunk_size: int = 3) -> tuple[list[list[int]], int]:
+    """Exact client chunks and result of :func:`linear_config` for ``text``."""
+    codes = [ord(c) for c in text]
+    chunks = [[2 * c + 1 for c in codes[i : i + chunk_size]] for i in range(0, len(codes), chunk_size)]
+    return chunks, sum(sum(c) for c in chunks)
+
+
+# ------------------------------------------------------ Qwen3-Omni routing topology
+def wants_audio(request: ToyRequest) -> bool:
+    """The one per-request decision every Omni hook derives from."""
+    return request.audio_out
+
+
+def omni_route_preprocessing(payload: StagePayload) -> list[str]:
+    r = payload.request
+    return ["thinker"] + ["image_encoder"] * r.image + ["audio_encoder"] * r.audio_in
+
+
+def omni_thinker_waits(payload: StagePayload) -> list[str]:
+    r = payload.request
+    return ["preprocessing"] + ["image_encoder"] * r.image + ["audio_encoder"] * r.audio_in
+
+
+def omni_merge(payloads: dict[str, StagePayload]) -> torch.Tensor:
+    """The thinker's input: the request text as codes (all sources carry the request)."""
+    request = next(iter(payloads.values())).request
+    return torch.tensor([ord(c) for c in request.text])
+
+
+def omni_route_thinker(payload: StagePayload) -> list[str]:
+    return ["decode", "talker"] if wants_audio(payload.request) else ["decode"]
+
+
+def omni_thinker_streams(payload: StagePayload) -> list[str]:
+    return ["talker"] if wants_audio(payload.request) else []
+
+
+def omni_terminals(request: ToyRequest) -> list[str]:
+    return ["decode", "code2wav"] if wants_audio(request) else ["decode"]
+
+
+def omni_samples() -> list[tuple[str, ToyRequest]]:
+    return [
+        ("text-only", ToyRequest("hi", audio_out=False)),
+        ("text+audio", ToyRequest("hi", audio_in=True)),
+        ("text+image", ToyRequest("hi", image=True, audio_out=False)),
+        ("all", ToyRequest("hi", image=True, audio_in=True)),
+    ]
+
+
+def omni_config(process: dict[str, str] | None = None, **overrides: object) -> PipelineConfig:
+    """Seed 001's Qwen3-Omni topology with toy stages: preprocessing -> image/audio
+    encoders -> thinker (fan-in) -> decode (terminal, text); thinker streams to talker ->
+    code2wav (terminal, audio). Text-only requests skip talker and code2wav."""
+    p = process or {}
+    hooks = "omnistage.testing.toy:"
+    return PipelineConfig(
+        name="toy-omni",
+        stages=[
+            _stage("preprocessing", "tag", next=["image_encoder", "audio_encoder", "thinker"],
+                   route_fn=hooks + "omni_route_preprocessing", process=p.get("preprocessing")),
+            _stage("image_encoder", "tag", next="thinker", process=p.get("image_encoder")),
+            _stage("audio_encoder", "tag", next="thinker", process=p.get("audio_encoder")),
+            _stage("thinker", "double", next=["decode", "talker"], route_fn=hooks + "omni_route_thinker",
+                   wait_for=["preprocessing", "image_encoder", "audio_encoder"],
+                   wait_for_fn=hooks + "omni_thinker_waits", merge_fn=hooks + "omni_merge",
+                   stream_to=["talker"], stream_done_to_fn=hooks + "omni_thinker_streams",
+                   process=p.get("thinker")),
+            _stage("talker", "accumulate", next="code2wav", stream_to=["code2wav"],
+                   can_accept_stream_before_payload=True, process=p.get("talker")),
+            _stage("decode", "tag", terminal=True, process=p.get("decode")),
+            _stage("code2wav", "accumulate", terminal=True, can_accept_stream_before_payload=True,
+                   process=p.get("code2wav")),
+        ],
+        terminal_stages_fn=hooks + "omni_terminals",
+        sample_requests_fn=hooks + "omni_samples",
+        **overrides,
+    )
+
+
+def expected_omni(request: ToyRequest, chunk_size: int = 3) -> tuple[dict[str, object], list[list[int]]]:
+    """Exact terminal outputs and client audio chunks of :func:`omni_config`."""
+    outputs: dict[str, object] = {"decode": ("decode", request.text)}
+    chunks: list[list[int]] = []
+    if request.audio_out:
+        codes = [ord(c) for c in request.text]
+        chunks = [[2 * c + 2 for c in codes[i : i + chunk_size]] for i in range(0, len(codes), chunk_size)]
+        outputs["code2wav"] = sum(sum(c) for c in chunks)
+    return outputs, chunks
