@@ -46,12 +46,14 @@ _FINISH_PRIORITY = {"stop": 0, "length": 1, "abort": 2, "error": 3}
 
 @dataclass(frozen=True)
 class PipelineResult:
-    """A finished request: each terminal stage's result and the request's finish_reason
-    (the most severe of the terminals': error > abort > length > stop)."""
+    """A finished request: each terminal stage's result, the request's finish_reason
+    (the most severe of the terminals': error > abort > length > stop), and the stream
+    chunks the client had not consumed through :meth:`RequestHandle.stream`."""
 
     request_id: str
     outputs: dict[str, Any]
     finish_reason: FinishReason
+    chunks: list[StreamChunk] = field(default_factory=list)
 
 
 def chunk_nbytes(data: Any) -> int:
@@ -97,15 +99,21 @@ class RequestHandle:
             raise self._error
 
     async def result(self) -> PipelineResult:
-        """Wait for the end of the request (stream chunks not consumed stay queued).
+        """Wait for the end of the request; stream chunks not consumed yet come with it.
 
         Raises:
             OmnistageError: the request failed, timed out or was aborted.
         """
         await self._done.wait()
+        chunks = []
+        while not self._queue.empty():
+            chunk = self._queue.get_nowait()
+            if chunk is not None:
+                self._release_bytes(chunk_nbytes(chunk.data))
+                chunks.append(chunk)
         if self._error is not None:
             raise self._error
-        return PipelineResult(self.request_id, dict(self._outputs), self._finish_reason)
+        return PipelineResult(self.request_id, dict(self._outputs), self._finish_reason, chunks)
 
 
 class Coordinator:

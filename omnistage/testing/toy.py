@@ -47,6 +47,32 @@ class Released:
 
 
 RELEASED = Released()
+BATCH_SIZES: list[int] = []  # batch sizes the `double` stage computed (in-process)
+
+
+class Gates:
+    """Hold a stage's compute for a request text until the test releases it (in-process)."""
+
+    def __init__(self) -> None:
+        self.entered: dict[str, threading.Event] = {}
+        self.opened: dict[str, threading.Event] = {}
+
+    def close(self, key: str) -> None:
+        self.entered[key], self.opened[key] = threading.Event(), threading.Event()
+
+    def open(self, key: str) -> None:
+        self.opened[key].set()
+
+    def wait_entered(self, key: str, timeout: float = 10.0) -> bool:
+        return self.entered[key].wait(timeout)
+
+    def pass_through(self, key: str) -> None:
+        if key in self.opened:
+            self.entered[key].set()
+            self.opened[key].wait(10.0)
+
+
+GATES = Gates()
 
 
 def _release(stage: str):
@@ -72,6 +98,7 @@ def double(ctx: StageBuildContext, chunk_size: int = 3, max_batch_size: int = 4)
     scheduler = SimpleScheduler(lambda batch: [], max_batch_size, 2.0, abort_callback=_release(ctx.stage.name))
 
     def compute(batch: list[StagePayload]) -> list[object]:
+        BATCH_SIZES.append(len(batch))
         for p in batch:
             if "OOM" in p.request.text:
                 raise torch.OutOfMemoryError("toy: CUDA out of memory")
@@ -110,10 +137,22 @@ def accumulate(ctx: StageBuildContext) -> _Accumulate:
     return _Accumulate(abort_callback=_release(ctx.stage.name))
 
 
+def hold(ctx: StageBuildContext) -> SimpleScheduler:
+    """One at a time: waits at its gate, result: the request text."""
+
+    def compute(batch: list[StagePayload]) -> list[object]:
+        for p in batch:
+            GATES.pass_through(f"{ctx.stage.name}:{p.request.text}")
+        return [p.request.text for p in batch]
+
+    return SimpleScheduler(compute, 1, 0.0, abort_callback=_release(ctx.stage.name))
+
+
 def tag(ctx: StageBuildContext, label: str = "", num_workers: int = 4) -> ThreadedScheduler:
     """Threaded stage: result ``(label, request text)`` after ``request.delay_s``."""
 
     def compute(p: StagePayload) -> object:
+        GATES.pass_through(f"{ctx.stage.name}:{p.request.text}")
         time.sleep(p.request.delay_s)
         return (label or ctx.stage.name, p.request.text)
 
@@ -232,3 +271,13 @@ def expected_omni(request: ToyRequest, chunk_size: int = 3) -> tuple[dict[str, o
         chunks = [[2 * c + 2 for c in codes[i : i + chunk_size]] for i in range(0, len(codes), chunk_size)]
         outputs["code2wav"] = sum(sum(c) for c in chunks)
     return outputs, chunks
+
+
+def omni_wait_all(payload: StagePayload) -> list[str]:
+    """A misconfigured ``wait_for_fn``: waits for both encoders whatever the request."""
+    return ["preprocessing", "image_encoder", "audio_encoder"]
+
+
+def route_nowhere(payload: StagePayload) -> str:
+    """A misbehaving ``route_fn``: names a stage outside ``next``."""
+    return "nowhere"
