@@ -53,6 +53,15 @@ class ItemFailure:
     error: BaseException
 
 
+@dataclass(frozen=True, slots=True)
+class ItemResult:
+    """Returned in place of a bare output to finish an item with another finish_reason
+    (e.g. ``"length"`` when a generation cap was reached)."""
+
+    data: Any
+    finish_reason: FinishReason = "stop"
+
+
 class Scheduler(ABC):
     """Base of all schedulers: an inbox, a compute thread, and the batch boundary.
 
@@ -69,6 +78,7 @@ class Scheduler(ABC):
         self._outbox: StageOutbox | None = None
         self._inbox: queue.SimpleQueue[StageInput | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self.batch_observer: Callable[[int], None] | None = None  # e.g. a metrics histogram
 
     @property
     def outbox(self) -> StageOutbox:
@@ -87,6 +97,10 @@ class Scheduler(ABC):
     def put(self, message: StageInput) -> None:
         """Thread-safe: hand a message to the compute thread."""
         self._inbox.put(message)
+
+    def queue_depth(self) -> int:
+        """Messages waiting in the inbox (approximate; for metrics)."""
+        return self._inbox.qsize()
 
     def stop(self, timeout: float = 5.0) -> None:
         if self._thread is not None:
@@ -110,10 +124,12 @@ class Scheduler(ABC):
     def run_batch(self, request_ids: Iterable[str], compute: Callable[[], None]) -> bool:
         """The batch boundary: run ``compute``; if it raises, fail every request of the
         batch (releasing their state) and return False. Returns True on success."""
+        ids = list(request_ids)
+        if self.batch_observer is not None:
+            self.batch_observer(len(ids))
         try:
             compute()
         except Exception as exc:  # noqa: BLE001 -- the one batch boundary (module docstring)
-            ids = list(request_ids)
             logger.warning("stage %s: batch of %d failed: %r", self.stage_name, len(ids), exc)
             for request_id in ids:
                 self.release(request_id)

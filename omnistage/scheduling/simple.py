@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omnistage.pipeline.messages import Abort, StageInput, StagePayload
-from omnistage.scheduling.base import ItemFailure, Scheduler
+from omnistage.scheduling.base import ItemFailure, ItemResult, Scheduler
 
 
 class SimpleScheduler(Scheduler):
@@ -85,5 +85,7 @@ class SimpleScheduler(Scheduler):
             if isinstance(output, ItemFailure):
                 self.release(payload.request_id)
                 self.outbox.fail(payload.request_id, output.error)
+            elif isinstance(output, ItemResult):
+                self.outbox.result(payload.request_id, output.data, output.finish_reason)
             else:
                 self.outbox.result(payload.request_id, output)

@@ -46,7 +46,7 @@ async def test_abort_before_hand_off():
             await handle.result()
         toy.GATES.open("a:p1")
         await assert_no_request_state(pipeline)
-        assert released("a", handle.request_id) >= 1 and released("b", handle.request_id) >= 1
+        await wait_until(lambda: released("a", handle.request_id) >= 1 and released("b", handle.request_id) >= 1)
         assert handle.request_id not in pipeline.host.stages["b"].scheduler.live_requests()
 
 
@@ -65,7 +65,7 @@ async def test_abort_after_hand_off_before_consumer_state():
         toy.GATES.open("b:first")
         assert (await first.result()).outputs == {"b": "first"}
         await assert_no_request_state(pipeline)
-        assert released("b", second.request_id) >= 1
+        await wait_until(lambda: released("b", second.request_id) >= 1)
 
 
 async def test_producer_finishes_after_the_request_is_gone():

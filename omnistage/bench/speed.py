@@ -1,0 +1,499 @@
+"""Speed benchmark: latency, time to first audio and throughput of ``/v1/audio/speech``.
+
+An HTTP client (httpx) against any running OpenAI-compatible speech server; it never imports
+the server. For each concurrency level ``c`` it keeps ``c`` requests in flight until
+``num_requests`` have completed, cycling through the samples.
+
+Metrics, per request:
+
+* **TTFA** (time to first audio, ms): request sent -> first response body byte received. With
+  ``response_format="pcm"`` the body is raw audio, so this is the first audio byte; for a
+  non-streaming request it is close to the full latency.
+* **latency** (end-to-end, ms): request sent -> last body byte received.
+* **audio duration** (s): samples received / sample rate. pcm is s16le mono, its rate taken
+  from the ``X-Sample-Rate`` response header (24000 Hz, OpenAI's documented pcm rate, when
+  the header is absent); wav is decoded with soundfile.
+* **RTF** (real-time factor): generation wall time / audio duration = latency / duration;
+  below 1 is faster than real time.
+
+Per level: TTFA and latency p50/p90/p99 and mean (linear-interpolated percentiles over the
+successful requests), RTF mean and p50, audio throughput (seconds of audio per wall-clock
+second of the level), request throughput (successful requests per wall-clock second),
+failures and their first distinct error messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import io
+import json
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import soundfile
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from omnistage.bench.dataset import BenchSample
+
+__all__ = [
+    "DEFAULT_PCM_SAMPLE_RATE",
+    "Distribution",
+    "LevelStats",
+    "SpeechResult",
+    "SpeechTarget",
+    "SpeedOptions",
+    "SpeedReport",
+    "make_client",
+    "percentile",
+    "plot_speed_report",
+    "print_speed_report",
+    "request_speech",
+    "run_speed",
+    "run_speed_benchmark",
+    "summarize_level",
+    "write_speed_json",
+]
+
+DEFAULT_PCM_SAMPLE_RATE = 24000  # OpenAI's documented rate for response_format="pcm"
+MAX_ERRORS_KEPT = 5
+
+
+@dataclass(frozen=True)
+class SpeechTarget:
+    """Where and how to send speech requests.
+
+    Attributes:
+        base_url: server root, e.g. ``http://127.0.0.1:8000`` (``/v1/audio/speech`` appended).
+        model: the ``model`` field; omitted when ``None``.
+        voice: the ``voice`` field; omitted when ``None``.
+        api_key: sent as ``Authorization: Bearer <api_key>`` when set.
+        extra_fields: more JSON fields merged into every request body (e.g. ``speed``).
+        timeout_s: per-request timeout in seconds (connect, read and write).
+    """
+
+    base_url: str
+    model: str | None = None
+    voice: str | None = None
+    api_key: str | None = None
+    extra_fields: Mapping[str, Any] = field(default_factory=dict)
+    timeout_s: float = 300.0
+
+    @property
+    def url(self) -> str:
+        return self.base_url.rstrip("/") + "/v1/audio/speech"
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def body(self, text: str, stream: bool, response_format: str) -> dict[str, Any]:
+        """The JSON request body (the wire format, hence a dict)."""
+        body: dict[str, Any] = {"input": text, "response_format": response_format}
+        if stream:
+            body.update(stream=True, stream_format="audio")
+        body.update({k: v for k, v in (("model", self.model), ("voice", self.voice)) if v})
+        body.update(self.extra_fields)
+        return body
+
+
+@dataclass(frozen=True)
+class SpeechResult:
+    """Outcome of one request; times in ms, ``audio_s`` in seconds (0 on failure).
+
+    ``audio`` (float32 mono in [-1, 1] at ``sample_rate`` Hz) is kept only when asked for.
+    """
+
+    sample_id: str
+    ok: bool
+    latency_ms: float
+    ttfa_ms: float | None = None
+    audio_s: float = 0.0
+    sample_rate: int = 0
+    error: str | None = None
+    audio: np.ndarray | None = field(default=None, repr=False, compare=False)
+
+
+def _decode(body: bytes, response_format: str, rate_header: str | None) -> tuple[np.ndarray, int]:
+    """(float32 mono audio, sample rate) of a response body."""
+    if response_format == "pcm":
+        rate = int(rate_header) if rate_header else DEFAULT_PCM_SAMPLE_RATE
+        pcm = np.frombuffer(body[: len(body) // 2 * 2], dtype="<i2")
+        return pcm.astype(np.float32) / 32768.0, rate
+    data, rate = soundfile.read(io.BytesIO(body), dtype="float32", always_2d=True)
+    return data.mean(axis=1), int(rate)
+
+
+async def request_speech(
+    client: httpx.AsyncClient,
+    target: SpeechTarget,
+    sample: BenchSample,
+    *,
+    stream: bool,
+    response_format: str = "pcm",
+    keep_audio: bool = False,
+) -> SpeechResult:
+    """Send one speech request and time it; never raises (failures are results)."""
+    start = time.perf_counter()
+    first: float | None = None
+    try:
+        body = target.body(sample.text, stream, response_format)
+        async with client.stream("POST", target.url, json=body, headers=target.headers()) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode("utf-8", "replace")[:300]
+                raise RuntimeError(f"HTTP {r.status_code}: {text}")
+            chunks = []
+            async for chunk in r.aiter_bytes():
+                if chunk:
+                    first = first if first is not None else time.perf_counter()
+                    chunks.append(chunk)
+            rate_header = r.headers.get("X-Sample-Rate")
+        end = time.perf_counter()
+        audio, rate = _decode(b"".join(chunks), response_format, rate_header)
+        if audio.size == 0 or first is None:
+            raise RuntimeError("response contained no audio")
+    except Exception as error:  # the client boundary: every failure becomes a result
+        return SpeechResult(
+            sample.id, False, (time.perf_counter() - start) * 1e3, error=_describe(error)
+        )
+    return SpeechResult(
+        sample_id=sample.id,
+        ok=True,
+        latency_ms=(end - start) * 1e3,
+        ttfa_ms=(first - start) * 1e3,
+        audio_s=audio.size / rate,
+        sample_rate=rate,
+        audio=audio if keep_audio else None,
+    )
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+
+
+# ------------------------------------------------------------------------------ statistics
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) with linear interpolation (numpy's default).
+
+    Raises:
+        ValueError: ``values`` is empty or ``q`` is outside [0, 100].
+    """
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= q <= 100:
+        raise ValueError(f"q must be in [0, 100], got {q}")
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+@dataclass(frozen=True)
+class Distribution:
+    """Mean and p50/p90/p99 of a metric; all ``None`` when there were no values."""
+
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Distribution:
+        if not values:
+            return cls(None, None, None, None)
+        mean = float(np.mean(np.asarray(values, dtype=np.float64)))
+        return cls(mean, percentile(values, 50), percentile(values, 90), percentile(values, 99))
+
+
+@dataclass(frozen=True)
+class LevelStats:
+    """Aggregates of one concurrency level (see the module docstring for each metric).
+
+    Attributes:
+        concurrency: requests kept in flight.
+        num_requests: requests sent (successes + failures).
+        num_ok, num_failed: their split.
+        wall_s: wall-clock seconds of the level.
+        ttfa_ms, latency_ms: distributions over successful requests, in ms.
+        rtf: distribution of latency / audio duration over successful requests.
+        audio_s_total: seconds of audio received.
+        audio_throughput: ``audio_s_total / wall_s`` (audio seconds per second).
+        request_throughput: ``num_ok / wall_s`` (requests per second).
+        errors: first distinct error messages (at most 5).
+    """
+
+    concurrency: int
+    num_requests: int
+    num_ok: int
+    num_failed: int
+    wall_s: float
+    ttfa_ms: Distribution
+    latency_ms: Distribution
+    rtf: Distribution
+    audio_s_total: float
+    audio_throughput: float
+    request_throughput: float
+    errors: list[str]
+
+
+def summarize_level(concurrency: int, results: Sequence[SpeechResult], wall_s: float) -> LevelStats:
+    """Aggregate one level's results measured over ``wall_s`` seconds (> 0)."""
+    if wall_s <= 0:
+        raise ValueError(f"wall_s must be > 0, got {wall_s}")
+    ok = [r for r in results if r.ok]
+    errors: list[str] = []
+    for r in results:
+        if not r.ok and r.error not in errors and len(errors) < MAX_ERRORS_KEPT:
+            errors.append(r.error or "unknown error")
+    audio_total = sum(r.audio_s for r in ok)
+    return LevelStats(
+        concurrency=concurrency,
+        num_requests=len(results),
+        num_ok=len(ok),
+        num_failed=len(results) - len(ok),
+        wall_s=wall_s,
+        ttfa_ms=Distribution.of([r.ttfa_ms for r in ok if r.ttfa_ms is not None]),
+        latency_ms=Distribution.of([r.latency_ms for r in ok]),
+        rtf=Distribution.of([r.latency_ms / 1e3 / r.audio_s for r in ok if r.audio_s > 0]),
+        audio_s_total=audio_total,
+        audio_throughput=audio_total / wall_s,
+        request_throughput=len(ok) / wall_s,
+        errors=errors,
+    )
+
+
+# ------------------------------------------------------------------------------ the run
+
+
+@dataclass(frozen=True)
+class SpeedOptions:
+    """Options of a speed run (the CLI maps its flags onto these).
+
+    Attributes:
+        target: server, model, voice, key, extra fields, timeout.
+        concurrencies: levels to run, in order (each >= 1).
+        stream: request ``stream=true`` (audio arrives in chunks).
+        num_requests: requests per level; ``None`` = ``max(len(samples), concurrency)``.
+        warmup: unmeasured requests sent one by one before the first level.
+        response_format: ``"pcm"`` (default) or ``"wav"`` (non-streaming only).
+        show_progress: draw a rich progress bar.
+    """
+
+    target: SpeechTarget
+    concurrencies: tuple[int, ...] = (1,)
+    stream: bool = True
+    num_requests: int | None = None
+    warmup: int = 1
+    response_format: str = "pcm"
+    show_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.concurrencies or min(self.concurrencies) < 1:
+            raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
+        if self.num_requests is not None and self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if self.warmup < 0 or self.response_format not in ("pcm", "wav"):
+            raise ValueError("warmup must be >= 0 and response_format 'pcm' or 'wav'")
+        if self.stream and self.response_format != "pcm":
+            raise ValueError("streaming is measured with response_format='pcm'")
+
+
+@dataclass(frozen=True)
+class SpeedReport:
+    """Result of a speed run: what was measured and one :class:`LevelStats` per level."""
+
+    base_url: str
+    model: str | None
+    voice: str | None
+    stream: bool
+    response_format: str
+    num_samples: int
+    warmup: int
+    started_at: str
+    levels: list[LevelStats]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+async def _run_level(
+    client: httpx.AsyncClient,
+    options: SpeedOptions,
+    samples: Sequence[BenchSample],
+    concurrency: int,
+    progress: Progress,
+) -> LevelStats:
+    total = options.num_requests or max(len(samples), concurrency)
+    task = progress.add_task(f"concurrency {concurrency}", total=total)
+    jobs = iter(range(total))
+    results: list[SpeechResult] = []
+
+    async def worker() -> None:
+        for index in jobs:  # one shared iterator: each index is taken by one worker
+            sample = samples[index % len(samples)]
+            results.append(
+                await request_speech(
+                    client,
+                    options.target,
+                    sample,
+                    stream=options.stream,
+                    response_format=options.response_format,
+                )
+            )
+            progress.advance(task)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, total))))
+    return summarize_level(concurrency, results, time.perf_counter() - start)
+
+
+def make_client(
+    target: SpeechTarget, connections: int, transport: httpx.AsyncBaseTransport | None = None
+) -> httpx.AsyncClient:
+    """An AsyncClient allowing ``connections`` concurrent connections (no pool queueing)."""
+    limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
+    return httpx.AsyncClient(timeout=target.timeout_s, limits=limits, transport=transport)
+
+
+async def run_speed(
+    options: SpeedOptions,
+    samples: Sequence[BenchSample],
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> SpeedReport:
+    """Run every concurrency level of ``options`` against ``samples`` (non-empty).
+
+    ``transport`` replaces httpx's network transport (tests pass an ``httpx.MockTransport``).
+    """
+    if not samples:
+        raise ValueError("no samples to benchmark")
+    started = datetime.now(UTC).isoformat(timespec="seconds")
+    async with make_client(options.target, max(options.concurrencies), transport) as client:
+        for index in range(options.warmup):
+            await request_speech(
+                client,
+                options.target,
+                samples[index % len(samples)],
+                stream=options.stream,
+                response_format=options.response_format,
+            )
+        with Progress(disable=not options.show_progress) as progress:
+            levels = [
+                await _run_level(client, options, samples, c, progress)
+                for c in options.concurrencies
+            ]
+    return SpeedReport(
+        base_url=options.target.base_url,
+        model=options.target.model,
+        voice=options.target.voice,
+        stream=options.stream,
+        response_format=options.response_format,
+        num_samples=len(samples),
+        warmup=options.warmup,
+        started_at=started,
+        levels=levels,
+    )
+
+
+async def run_speed_benchmark(
+    base_url: str,
+    samples: Sequence[BenchSample],
+    concurrencies: Sequence[int] = (1,),
+    stream: bool = True,
+    num_requests: int | None = None,
+    warmup: int = 1,
+    api_key: str | None = None,
+    model: str | None = None,
+    voice: str | None = None,
+    extra_fields: Mapping[str, Any] | None = None,
+    *,
+    timeout_s: float = 300.0,
+    show_progress: bool = True,
+) -> SpeedReport:
+    """Flat-argument form of :func:`run_speed` (see :class:`SpeedOptions` for each field)."""
+    target = SpeechTarget(base_url, model, voice, api_key, dict(extra_fields or {}), timeout_s)
+    options = SpeedOptions(
+        target, tuple(concurrencies), stream, num_requests, warmup, show_progress=show_progress
+    )
+    return await run_speed(options, samples)
+
+
+# ------------------------------------------------------------------------------ output
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def print_speed_report(report: SpeedReport, console: Console | None = None) -> None:
+    """Print one table row per concurrency level, then the errors seen."""
+    console = console or Console()
+    mode = "stream" if report.stream else "non-stream"
+    table = Table(title=f"TTS speed: {report.base_url} ({mode}, {report.response_format})")
+    for name in (
+        "conc",
+        "ok/fail",
+        "TTFA p50/p90/p99 ms",
+        "latency p50/p90/p99 ms",
+        "latency mean ms",
+        "RTF mean/p50",
+        "audio s/s",
+        "req/s",
+    ):
+        table.add_column(name, justify="right")
+    for s in report.levels:
+        t, lat = s.ttfa_ms, s.latency_ms
+        table.add_row(
+            str(s.concurrency),
+            f"{s.num_ok}/{s.num_failed}",
+            f"{_fmt(t.p50)}/{_fmt(t.p90)}/{_fmt(t.p99)}",
+            f"{_fmt(lat.p50)}/{_fmt(lat.p90)}/{_fmt(lat.p99)}",
+            _fmt(lat.mean),
+            f"{_fmt(s.rtf.mean, 3)}/{_fmt(s.rtf.p50, 3)}",
+            _fmt(s.audio_throughput, 2),
+            _fmt(s.request_throughput, 2),
+        )
+    console.print(table)
+    for s in report.levels:
+        for error in s.errors:
+            console.print(f"[red]concurrency {s.concurrency}: {error}[/red]")
+
+
+def write_speed_json(report: SpeedReport, path: str | Path) -> None:
+    """Write the report as indented JSON (UTF-8)."""
+    Path(path).write_text(json.dumps(report.to_dict(), indent=2), encoding="utf-8")
+
+
+def plot_speed_report(report: SpeedReport, path: str | Path) -> None:
+    """Save a PNG: TTFA/latency percentiles and audio throughput against concurrency.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install matplotlib``).
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError as error:
+        raise ImportError("plotting needs matplotlib: pip install matplotlib") from error
+    x = [s.concurrency for s in report.levels]
+    figure = Figure(figsize=(11, 4))
+    left, right = figure.subplots(1, 2)
+    for name, pick in (
+        ("TTFA p50", lambda s: s.ttfa_ms.p50),
+        ("TTFA p90", lambda s: s.ttfa_ms.p90),
+        ("latency p50", lambda s: s.latency_ms.p50),
+        ("latency p90", lambda s: s.latency_ms.p90),
+    ):
+        values = [pick(s) for s in report.levels]
+        left.plot(x, [math.nan if v is None else v for v in values], marker="o", label=name)
+    left.set(xlabel="concurrency", ylabel="ms", title="latency")
+    left.legend()
+    right.plot(x, [s.audio_throughput for s in report.levels], marker="o")
+    right.set(xlabel="concurrency", ylabel="audio s / wall s", title="audio throughput")
+    figure.tight_layout()
+    figure.savefig(str(path), format="png")

@@ -1,0 +1,85 @@
+"""The contract between the framework and a model package.
+
+A model package ``omnistage/models/<name>/config.py`` exposes ``EntryClass`` (a
+:class:`SpeechModelConfig` subclass: the pipeline's defaults plus what the server needs)
+and optionally ``Variants`` (``{name: SpeechModelConfig subclass}``). The framework never
+imports a model by name: :mod:`omnistage.config.registry` discovers them.
+
+Output convention for speech: audio terminal stages stream chunks with
+``modality="audio"`` whose ``data`` is mono float32 PCM (``[N]`` tensor or array, values
+in [-1, 1]) at ``capabilities().sample_rate``, and finish with an :class:`AudioResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Self
+
+from omnistage.config.pipeline import PipelineConfig
+from omnistage.serve.media import MediaPolicy
+from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
+
+
+@dataclass(frozen=True)
+class AudioResult:
+    """An audio terminal stage's completion.
+
+    Attributes:
+        num_samples: samples streamed in total.
+        sample_rate: Hz.
+        num_frames: codec frames / synthesis units generated (model-defined; e.g. 12.5 Hz
+            frames for Qwen3-TTS, sentences for Piper).
+        num_tokens: tokens generated, when the model has tokens.
+    """
+
+    num_samples: int
+    sample_rate: int
+    num_frames: int = 0
+    num_tokens: int = 0
+
+
+class SpeechModelConfig(PipelineConfig):
+    """Base of a speech model's ``EntryClass``.
+
+    Class attributes:
+        architecture: matched against the checkpoint's ``config.json`` ``architectures``.
+        aliases: other architecture names for the same model.
+        embedded_models: names served without a checkpoint path (e.g. a bundled voice);
+            the first one of the registry's default model is what ``omnistage serve``
+            without ``--model-path`` serves.
+    """
+
+    architecture: ClassVar[str]
+    aliases: ClassVar[tuple[str, ...]] = ()
+    embedded_models: ClassVar[tuple[str, ...]] = ()
+    is_default: ClassVar[bool] = False
+
+    @classmethod
+    def claims(cls, path: Path) -> bool:
+        """True if ``path`` is a checkpoint of this model in a layout without a
+        ``config.json`` (e.g. a Piper ``.onnx`` voice)."""
+        return False
+
+    @classmethod
+    def for_model_path(cls, model_path: str) -> Self:
+        """The default pipeline for the checkpoint (or embedded name) ``model_path``.
+
+        Raises:
+            FileNotFoundError / ValueError: the checkpoint is missing or malformed.
+        """
+        raise NotImplementedError
+
+    def capabilities(self) -> SpeechCapabilities:
+        """What this model accepts (fields, voices, languages, limits)."""
+        raise NotImplementedError
+
+    def build_request(self, request: SpeechRequest, media: MediaPolicy) -> Any:
+        """Turn a validated speech request into the pipeline's typed request; any
+        remaining bad input raises :class:`~omnistage.errors.RequestValidationError`
+        here, before model work."""
+        raise NotImplementedError
+
+    def warmup_request(self) -> SpeechRequest:
+        """A small request the server runs once before reporting ready."""
+        return SpeechRequest(input="Hello.")

@@ -1,0 +1,112 @@
+"""Model registry: discovers model packages and picks one for a ``--model-path``.
+
+Every package under ``omnistage.models`` whose ``config`` module exposes ``EntryClass``
+(a :class:`SpeechModelConfig` subclass) is registered under its ``architecture`` and
+``aliases``; ``Variants`` adds named variants. A duplicate architecture is an error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import pkgutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omnistage.config.model import SpeechModelConfig
+
+
+class RegistryError(ValueError):
+    """A model cannot be registered or resolved; the message says what is known."""
+
+
+@dataclass
+class ModelEntry:
+    entry: type[SpeechModelConfig]
+    variants: dict[str, type[SpeechModelConfig]] = field(default_factory=dict)
+
+
+class ModelRegistry:
+    """Architectures -> model entries."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, ModelEntry] = {}
+        self._names: dict[str, str] = {}  # architecture or alias -> architecture
+
+    @classmethod
+    def discover(cls, packages: tuple[str, ...] = ("omnistage.models",)) -> ModelRegistry:
+        """Import ``<package>.<model>.config`` for every sub-package and register it."""
+        registry = cls()
+        for package_name in packages:
+            package = importlib.import_module(package_name)
+            for info in pkgutil.iter_modules(package.__path__):
+                if not info.ispkg:
+                    continue
+                try:
+                    module = importlib.import_module(f"{package_name}.{info.name}.config")
+                except ModuleNotFoundError as exc:
+                    if exc.name == f"{package_name}.{info.name}.config":
+                        continue
+                    raise
+                entry = getattr(module, "EntryClass", None)
+                if entry is not None:
+                    registry.register(entry, getattr(module, "Variants", {}))
+        return registry
+
+    def register(self, entry: type[SpeechModelConfig], variants: dict[str, type[SpeechModelConfig]] | None = None) -> None:
+        """Raises: RegistryError on a duplicate architecture, alias or embedded name."""
+        for name in (entry.architecture, *entry.aliases, *entry.embedded_models):
+            if name in self._names:
+                raise RegistryError(
+                    f"{name!r} is claimed by both {self._names[name]} and {entry.architecture}"
+                )
+            self._names[name] = entry.architecture
+        self.entries[entry.architecture] = ModelEntry(entry, dict(variants or {}))
+
+    def known(self) -> list[str]:
+        return sorted(self._names)
+
+    def resolve(self, model_path: str | None, variant: str | None = None) -> SpeechModelConfig:
+        """The default pipeline config for ``model_path`` (None: the default embedded model).
+
+        Raises:
+            RegistryError: unknown architecture/name/variant (listing the known ones).
+            FileNotFoundError: the path does not exist.
+        """
+        entry = self._entry_for(model_path)
+        cls = entry.entry
+        if variant is not None:
+            if variant not in entry.variants:
+                raise RegistryError(
+                    f"{cls.architecture} has no variant {variant!r}; variants: {sorted(entry.variants) or 'none'}"
+                )
+            cls = entry.variants[variant]
+        return cls.for_model_path(model_path or cls.embedded_models[0])
+
+    def _entry_for(self, model_path: str | None) -> ModelEntry:
+        if model_path is None:
+            defaults = [e for e in self.entries.values() if e.entry.is_default]
+            if not defaults:
+                raise RegistryError("no default model is registered; pass --model-path")
+            return defaults[0]
+        if model_path in self._names:
+            return self.entries[self._names[model_path]]
+        path = Path(model_path)
+        if not path.exists():
+            raise FileNotFoundError(
+                f"model path {model_path!r} does not exist and is not a registered model name "
+                f"({', '.join(self.known())})"
+            )
+        for entry in self.entries.values():
+            if entry.entry.claims(path):
+                return entry
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise RegistryError(f"{model_path!r} has no config.json and no registered model claims it")
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+        for name in architectures:
+            if name in self._names:
+                return self.entries[self._names[name]]
+        raise RegistryError(
+            f"{model_path!r}: architectures {architectures} are not supported; known: {', '.join(self.known())}"
+        )

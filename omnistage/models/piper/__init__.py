@@ -1,0 +1,1 @@
+"""Piper (VITS exported to ONNX) text-to-speech voices."""

@@ -1,0 +1,401 @@
+"""The OpenAI-compatible HTTP server (FastAPI).
+
+Endpoints: ``POST /v1/audio/speech``, ``GET /v1/audio/voices``, ``GET /v1/models``,
+``GET /health`` (503 while starting or after a stage process died), ``GET /metrics``
+(Prometheus). Errors use the OpenAI envelope, mapped from the typed errors of
+:mod:`omnistage.errors`. Request flow: capped body -> parse -> validate against the
+model's capabilities -> the model's request builder (all 4xx, before any model work)
+-> admission -> response. A client disconnect aborts the request in the pipeline.
+
+Streaming: headers go out only once the first audio chunk exists, so a failure before it
+is a JSON error with its status; a failure after it truncates the stream (raw audio: no
+clean end of the chunked body; SSE: an ``error`` event and never ``speech.audio.done``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError as FastAPIValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from omnistage.config.model import AudioResult, SpeechModelConfig
+from omnistage.errors import OmnistageError, RequestAbortedError, StageFailureError
+from omnistage.pipeline.coordinator import RequestHandle
+from omnistage.pipeline.messages import StreamChunk
+from omnistage.pipeline.pipeline import Pipeline
+from omnistage.serve.audio import StreamingAudioEncoder, content_type, encode_audio, float_to_s16
+from omnistage.serve.media import MediaPolicy
+from omnistage.serve.metrics import ServerMetrics
+from omnistage.serve.protocol import (
+    ErrorEvent,
+    SpeechAudioDelta,
+    SpeechAudioDone,
+    SpeechRequest,
+    SpeechUsage,
+    body_too_large,
+    error_envelope,
+    model_list,
+    not_found_envelope,
+    parse_speech_request,
+    sse_event,
+    unauthorized_envelope,
+    validate_speech_request,
+    voices_response,
+)
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """Server policy.
+
+    Attributes:
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        media_policy: where reference audio may come from, and its caps.
+        max_body_bytes: request body cap (413 above it).
+        warmup: run the model's warm-up request before reporting ready.
+    """
+
+    api_key: str | None = None
+    media_policy: MediaPolicy = field(default_factory=MediaPolicy)
+    max_body_bytes: int = 32 * 1024 * 1024
+    warmup: bool = True
+
+
+class SpeechServer:
+    """The server's state: the model, its running pipeline, metrics, readiness."""
+
+    def __init__(self, model: SpeechModelConfig, settings: ServerSettings) -> None:
+        self.model, self.settings = model, settings
+        self.capabilities = model.capabilities()
+        self.pipeline = Pipeline(model)
+        self.metrics = ServerMetrics()
+        self.ready = False
+        self.created = int(time.time())
+
+    async def start(self) -> None:
+        await self.pipeline.start()
+        assert self.pipeline.host is not None
+        for name, stage in self.pipeline.host.stages.items():
+            stage.scheduler.batch_observer = functools.partial(self.metrics.observe_batch, name)
+        if self.settings.warmup:
+            warmup = self.model.warmup_request()
+            validate_speech_request(warmup, self.capabilities)
+            handle = self.pipeline.submit(self.model.build_request(warmup, self.settings.media_policy))
+            await handle.result()
+        self.ready = True
+        logger.info("ready: serving %s", self.capabilities.model_name)
+
+    async def stop(self) -> None:
+        self.ready = False
+        await self.pipeline.stop()
+
+    def update_stage_metrics(self) -> None:
+        assert self.pipeline.host is not None
+        for name, stage in self.pipeline.host.stages.items():
+            self.metrics.set_stage_queue_depth(name, stage.scheduler.queue_depth())
+
+
+def create_app(model: SpeechModelConfig, settings: ServerSettings | None = None) -> FastAPI:
+    """Build the FastAPI app for ``model``; the pipeline starts with the app's lifespan."""
+    server = SpeechServer(model, settings or ServerSettings())
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.stop()
+
+    app = FastAPI(title="omnistage", lifespan=lifespan)
+    app.state.server = server
+    _install_error_handlers(app)
+    _install_auth(app, server)
+    _install_routes(app, server)
+    return app
+
+
+def _error_response(exc: BaseException) -> JSONResponse:
+    status, body = error_envelope(exc)
+    return JSONResponse(body, status_code=status)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OmnistageError)
+    async def omnistage_error(request: Request, exc: OmnistageError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            status, body = not_found_envelope(f"no route {request.method} {request.url.path}")
+        else:
+            status, body = exc.status_code, {
+                "error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None, "code": None}
+            }
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(FastAPIValidationError)
+    async def validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
+        body = {"error": {"message": str(exc.errors()), "type": "invalid_request_error", "param": None, "code": None}}
+        return JSONResponse(body, status_code=400)
+
+
+def _install_auth(app: FastAPI, server: SpeechServer) -> None:
+    key = server.settings.api_key
+    if not key:
+        return
+
+    @app.middleware("http")
+    async def bearer_auth(request: Request, call_next: Any) -> Response:
+        if request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            scheme, _, token = given.partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
+                status, body = unauthorized_envelope()
+                return JSONResponse(body, status_code=status, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+
+def _install_routes(app: FastAPI, server: SpeechServer) -> None:
+    caps = server.capabilities
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not server.ready:
+            return JSONResponse({"status": "starting"}, status_code=503)
+        if not server.pipeline.healthy:
+            reason = server.pipeline.coordinator.unhealthy_reason if server.pipeline.coordinator else None
+            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        server.update_stage_metrics()
+        data, media_type = server.metrics.render()
+        return Response(data, media_type=media_type)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(model_list(caps, server.created).model_dump())
+
+    @app.get("/v1/audio/voices")
+    async def voices() -> JSONResponse:
+        return JSONResponse(voices_response(caps).model_dump(mode="json"))
+
+    @app.post("/v1/audio/speech")
+    async def speech(request: Request) -> Response:
+        received = time.perf_counter()
+        try:
+            body = await _read_body(request, server.settings.max_body_bytes)
+            speech_request = parse_speech_request(body, caps)
+            validate_speech_request(speech_request, caps)
+            model_request = await run_in_threadpool(
+                server.model.build_request, speech_request, server.settings.media_policy
+            )
+            handle = server.pipeline.submit(model_request)
+        except OmnistageError as exc:
+            server.metrics.request_rejected(exc.http_status)
+            raise
+        server.metrics.request_started()
+        call = _SpeechCall(server, request, speech_request, handle, received)
+        if not speech_request.streaming:
+            return await call.respond_whole()
+        return await call.respond_stream()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise body_too_large(limit, int(declared))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise body_too_large(limit, size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _audio_of(chunk: StreamChunk) -> np.ndarray:
+    data = chunk.data
+    if isinstance(data, torch.Tensor):
+        data = data.detach().to("cpu", torch.float32).numpy()
+    return np.asarray(data, dtype=np.float32).reshape(-1)
+
+
+class _SpeechCall:
+    """One speech request's response, with metrics and abort-on-disconnect."""
+
+    def __init__(
+        self, server: SpeechServer, request: Request, speech: SpeechRequest, handle: RequestHandle, received: float
+    ) -> None:
+        self.server, self.request, self.speech, self.handle = server, request, speech, handle
+        self.received = received
+        self.sample_rate = server.capabilities.sample_rate
+        self.samples_sent = 0
+        self.first_audio_at: float | None = None
+        self._reported = False
+
+    # -------------------------------------------------------------- whole file
+    async def respond_whole(self) -> Response:
+        try:
+            result = await self._watch(self.handle.result())
+        except OmnistageError as exc:
+            self._finished(exc)
+            raise
+        audio = [_audio_of(c) for c in result.chunks if c.modality == "audio"]
+        if not audio:
+            error = StageFailureError("server", "the model produced no audio")
+            self._finished(error)
+            raise error
+        samples = np.concatenate(audio)
+        fmt = self.speech.response_format
+        data = await run_in_threadpool(encode_audio, samples, self.sample_rate, fmt)
+        self.samples_sent = len(samples)
+        self._first_audio()
+        self._finished(None, result.finish_reason)
+        return Response(data, media_type=content_type(fmt), headers=self._headers(result.outputs, result.finish_reason))
+
+    # -------------------------------------------------------------- streaming
+    async def respond_stream(self) -> Response:
+        stream = self.handle.stream().__aiter__()
+        try:
+            first = await self._watch(self._first_chunk(stream))
+        except OmnistageError as exc:
+            self._finished(exc)
+            raise
+        if self.speech.stream_format == "sse":
+            body, media_type = self._sse(first, stream), "text/event-stream"
+        else:
+            body, media_type = self._raw(first, stream), content_type(self.speech.response_format)
+        headers = {"X-Request-Id": self.handle.request_id, "X-Sample-Rate": str(self.sample_rate)}
+        return StreamingResponse(body, media_type=media_type, headers=headers)
+
+    async def _first_chunk(self, stream: AsyncIterator[StreamChunk]) -> np.ndarray:
+        async for chunk in stream:
+            if chunk.modality == "audio":
+                return _audio_of(chunk)
+        await self.handle.result()  # raises the request's error, if any
+        raise StageFailureError("server", "the model produced no audio")
+
+    async def _audio_chunks(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[np.ndarray]:
+        yield first
+        async for chunk in stream:
+            if chunk.modality == "audio":
+                yield _audio_of(chunk)
+
+    async def _raw(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
+        encoder = StreamingAudioEncoder(self.speech.response_format, self.sample_rate)
+        error: BaseException | None = None
+        try:
+            async for samples in self._audio_chunks(first, stream):
+                self.samples_sent += len(samples)
+                data = encoder.push(samples)
+                if data:
+                    self._first_audio()
+                    yield data
+            result = await self.handle.result()
+            tail = encoder.finish()
+            if tail:
+                self._first_audio()
+                yield tail
+            self._finished(None, result.finish_reason)
+        except BaseException as exc:
+            error = exc
+            raise  # truncates the chunked body: the client sees no clean end
+        finally:
+            self._close(error)
+
+    async def _sse(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
+        error: BaseException | None = None
+        try:
+            async for samples in self._audio_chunks(first, stream):
+                self.samples_sent += len(samples)
+                self._first_audio()
+                yield sse_event(SpeechAudioDelta.from_bytes(float_to_s16(samples).tobytes()))
+            result = await self.handle.result()
+            usage = SpeechUsage(
+                input_characters=len(self.speech.input),
+                output_audio_seconds=self.samples_sent / self.sample_rate,
+            )
+            yield sse_event(SpeechAudioDone(usage=usage, finish_reason=result.finish_reason))
+            self._finished(None, result.finish_reason)
+        except OmnistageError as exc:
+            error = exc
+            yield sse_event(ErrorEvent.from_exception(exc))
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            self._close(error)
+
+    def _close(self, error: BaseException | None) -> None:
+        if not self.handle.finished:  # the client went away mid-stream
+            self.server.pipeline.abort(self.handle.request_id)
+            error = RequestAbortedError("client disconnected")
+        if error is not None:
+            self._finished(error)
+
+    # ------------------------------------------------------------------ helpers
+    async def _watch(self, awaitable: Awaitable[T]) -> T:
+        """Await ``awaitable``; if the client disconnects meanwhile, abort the request."""
+        task = asyncio.ensure_future(awaitable)
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await self.request.is_disconnected():
+                self.server.pipeline.abort(self.handle.request_id)
+                return await task
+
+    def _first_audio(self) -> None:
+        if self.first_audio_at is None:
+            self.first_audio_at = time.perf_counter()
+            self.server.metrics.first_audio(self.first_audio_at - self.received)
+
+    def _finished(self, error: BaseException | None, finish_reason: str = "stop") -> None:
+        if self._reported:
+            return
+        self._reported = True
+        latency = time.perf_counter() - self.received
+        audio_s = self.samples_sent / self.sample_rate
+        if error is None:
+            self.server.metrics.request_finished(200, finish_reason, latency, audio_s)
+            return
+        status = error.http_status if isinstance(error, OmnistageError) else 500
+        reason = "abort" if isinstance(error, RequestAbortedError) else "error"
+        self.server.metrics.request_finished(status, reason, latency, audio_s)
+
+    def _headers(self, outputs: dict[str, Any], finish_reason: str) -> dict[str, str]:
+        headers = {
+            "X-Request-Id": self.handle.request_id,
+            "X-Finish-Reason": finish_reason,
+            "X-Sample-Rate": str(self.sample_rate),
+            "X-Audio-Samples": str(self.samples_sent),
+        }
+        results = [r for r in outputs.values() if isinstance(r, AudioResult)]
+        if results:
+            headers["X-Audio-Frames"] = str(sum(r.num_frames for r in results))
+            headers["X-Generated-Tokens"] = str(sum(r.num_tokens for r in results))
+        return headers
+

@@ -1,0 +1,459 @@
+"""Load reference audio (voice cloning prompts) from a request, behind a media policy.
+
+A reference is given as one string, read as (first match wins):
+
+1. ``data:audio/<type>;base64,<data>``: inline audio;
+2. ``http://...`` / ``https://...``: fetched, only from allowed domains (off by default);
+3. ``file://<path>``: a local file, only under the allowed directory (off by default);
+4. standard base64 (alphabet ``A-Z a-z 0-9 + /``, padded, whitespace ignored): inline audio;
+5. anything else: a local path (absolute, or relative to the allowed directory).
+
+URL fetches are hardened against server-side request forgery: the host must be an allowed
+domain or a subdomain of one; every address it resolves to must be public (no loopback,
+private, link-local, multicast, reserved or unspecified address, also inside IPv4-mapped
+IPv6); the connection goes to the checked address (TLS still verifies the host name);
+redirects are followed by hand, at most 3, only to the same host (never https -> http), with
+the checks redone at each hop; the body is streamed with the size cap enforced while
+reading, and the whole fetch has a time limit. Proxy environment variables are ignored.
+
+Local paths: never with ``..``; the resolved path (symlinks followed) must lie inside the
+allowed directory; only regular files.
+
+Audio is decoded with PyAV (any format FFmpeg reads: wav, flac, mp3, ogg/opus, m4a/aac,
+webm, ...) and downmixed to mono by averaging the channels. Nothing falls back silently:
+every failure raises :class:`~omnistage.errors.RequestValidationError` (HTTP 400), or
+:class:`~omnistage.errors.PayloadTooLargeError` (413) for the size and duration caps, with
+``param`` naming the request field and a message saying what is allowed.
+
+:func:`load_reference_audio` blocks (network, decoding): call it from a worker thread in
+async code (``await asyncio.to_thread(load_reference_audio, ...)``).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import ipaddress
+import itertools
+import os
+import re
+import socket
+import stat
+import time
+import urllib.parse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import av
+import httpx
+import numpy as np
+import soxr
+
+from omnistage.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
+
+__all__ = ["MediaPolicy", "ReferenceAudio", "load_reference_audio", "resample"]
+
+MAX_REDIRECTS: Final = 3
+_REDIRECT_STATUS: Final = frozenset({301, 302, 303, 307, 308})
+_BASE64: Final = re.compile(r"[A-Za-z0-9+/]+={0,2}")
+_DATA_URI_TYPES: Final = ("audio/", "application/octet-stream")
+
+
+@dataclass(frozen=True)
+class MediaPolicy:
+    """What reference media a server accepts. The defaults accept inline audio only.
+
+    Attributes:
+        allowed_local_media_path: directory local files may be read from; None refuses
+            local paths.
+        allowed_media_domains: domains URLs may be fetched from (each also allows its
+            subdomains); empty turns URL fetch off.
+        max_bytes: cap on the encoded media size in bytes (default 10 MiB).
+        max_duration_s: cap on the decoded duration in seconds (default 60).
+        fetch_timeout_s: total time limit of a URL fetch in seconds, redirects included.
+    """
+
+    allowed_local_media_path: Path | None = None
+    allowed_media_domains: tuple[str, ...] = ()
+    max_bytes: int = 10 * 1024 * 1024
+    max_duration_s: float = 60.0
+    fetch_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class ReferenceAudio:
+    """Decoded reference audio: mono float32 ``samples`` [N] in [-1, 1] at ``sample_rate`` Hz."""
+
+    samples: np.ndarray
+    sample_rate: int
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+
+def load_reference_audio(
+    value: str,
+    policy: MediaPolicy,
+    param: str = "ref_audio",
+    *,
+    transport: httpx.BaseTransport | None = None,
+) -> ReferenceAudio:
+    """Read and decode one reference audio item (forms listed in the module docstring).
+
+    Args:
+        value: the request field's string.
+        policy: what the server allows.
+        param: the request field's name, reported in errors.
+        transport: httpx transport for URL fetches (tests, custom networking); default: the
+            network.
+
+    Returns:
+        Mono float32 samples at the file's own sample rate (see :func:`resample`).
+
+    Raises:
+        PayloadTooLargeError: the media exceeds ``policy.max_bytes`` or
+            ``policy.max_duration_s``.
+        RequestValidationError: anything else: malformed value, source not allowed, fetch or
+            read failure, undecodable audio.
+    """
+    if not isinstance(value, str) or not value.strip():
+        raise RequestValidationError(
+            f"{param} must be a non-empty string: a data URI, base64 audio, an http(s) URL "
+            "or a file path",
+            param=param,
+        )
+    data = _read_source(value.strip(), policy, param, transport)
+    return _decode(data, policy, param)
+
+
+def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
+    """Resample mono float32 [N] from ``from_rate`` to ``to_rate`` Hz with soxr (HQ).
+
+    Returns float32 [round(N * to_rate / from_rate)]; the input itself when the rates match.
+
+    Raises:
+        ValueError: a rate is not positive.
+    """
+    if from_rate <= 0 or to_rate <= 0:
+        raise ValueError(f"sample rates must be positive, got {from_rate} -> {to_rate}")
+    x = np.asarray(samples, dtype=np.float32)
+    if from_rate == to_rate:
+        return x
+    return soxr.resample(x, from_rate, to_rate, quality="HQ").astype(np.float32, copy=False)
+
+
+# ----------------------------------------------------------------------------- sources
+
+
+def _read_source(text: str, policy: MediaPolicy, param: str, transport) -> bytes:
+    lower = text[:8].lower()
+    if lower.startswith("data:"):
+        return _from_data_uri(text, policy, param)
+    if lower.startswith(("http://", "https://")):
+        return _fetch_url(text, policy, param, transport)
+    if lower.startswith("file://"):
+        return _read_local(_file_uri_path(text, param), policy, param)
+    compact = "".join(text.split())
+    if len(compact) % 4 == 0 and _BASE64.fullmatch(compact):
+        return _from_base64(compact, policy, param)
+    return _read_local(text, policy, param)
+
+
+def _from_data_uri(text: str, policy: MediaPolicy, param: str) -> bytes:
+    header, comma, payload = text.partition(",")
+    params = [p.strip().lower() for p in header[5:].split(";")]
+    if not comma or "base64" not in params[1:]:
+        raise RequestValidationError(
+            f"{param}: malformed data URI; expected data:audio/<type>;base64,<data>",
+            param=param,
+        )
+    if not params[0].startswith(_DATA_URI_TYPES):
+        raise RequestValidationError(
+            f"{param}: data URI media type {params[0]!r} is not audio; use audio/<type>",
+            param=param,
+        )
+    return _from_base64("".join(payload.split()), policy, param)
+
+
+def _from_base64(compact: str, policy: MediaPolicy, param: str) -> bytes:
+    if len(compact) // 4 * 3 - 2 > policy.max_bytes:  # refuse before decoding
+        _check_size(len(compact) // 4 * 3, policy, param)
+    try:
+        data = base64.b64decode(compact, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestValidationError(
+            f"{param} is not valid base64; send standard padded base64 or a data URI "
+            "(data:audio/<type>;base64,<data>)",
+            param=param,
+        ) from None
+    _check_size(len(data), policy, param)
+    return data
+
+
+def _check_size(size: int, policy: MediaPolicy, param: str) -> None:
+    if size > policy.max_bytes:
+        raise PayloadTooLargeError(
+            f"{param} is {size} bytes or more; the limit is {policy.max_bytes} bytes",
+            param=param,
+        )
+
+
+# ----------------------------------------------------------------------------- local files
+
+
+def _file_uri_path(text: str, param: str) -> str:
+    parsed = urllib.parse.urlparse(text)
+    if parsed.netloc not in ("", "localhost"):
+        raise RequestValidationError(
+            f"{param}: file:// URIs must name a local file (file:///path)", param=param
+        )
+    return urllib.parse.unquote(parsed.path)
+
+
+def _read_local(text: str, policy: MediaPolicy, param: str) -> bytes:
+    root = policy.allowed_local_media_path
+    if root is None:
+        raise RequestValidationError(
+            f"{param} is not a data URI, base64 audio or an http(s) URL, and local file "
+            "paths are disabled; start the server with --allowed-local-media-path DIR to "
+            "allow files under DIR",
+            param=param,
+        )
+    path = Path(text)
+    real_root = Path(root).resolve()
+    real = (path if path.is_absolute() else real_root / path).resolve()  # follows symlinks
+    if ".." in path.parts or not real.is_relative_to(real_root):
+        raise RequestValidationError(
+            f"{param}: local path {text!r} is outside the allowed media directory "
+            f"{str(root)!r} (no '..', no symlinks leading out)",
+            param=param,
+        )
+    return _read_regular_file(real, text, policy, param)
+
+
+def _read_regular_file(real: Path, text: str, policy: MediaPolicy, param: str) -> bytes:
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(real, flags)
+    except OSError as exc:
+        raise RequestValidationError(
+            f"{param}: cannot open local file {text!r}: {exc.strerror}", param=param
+        ) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise RequestValidationError(
+                f"{param}: local path {text!r} is not a regular file", param=param
+            )
+        _check_size(info.st_size, policy, param)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            data = file.read(policy.max_bytes + 1)
+    finally:
+        os.close(fd)
+    _check_size(len(data), policy, param)
+    return data
+
+
+# ----------------------------------------------------------------------------- URLs
+
+
+def _fetch_url(text: str, policy: MediaPolicy, param: str, transport) -> bytes:
+    if not policy.allowed_media_domains:
+        raise RequestValidationError(
+            f"{param}: URL fetch is disabled; send the audio as a data URI or base64, or "
+            "start the server with --allowed-media-domain DOMAIN",
+            param=param,
+        )
+    url = _parse_url(text, param)
+    deadline = time.monotonic() + policy.fetch_timeout_s
+    with httpx.Client(transport=transport, trust_env=False, follow_redirects=False) as client:
+        for _ in range(MAX_REDIRECTS + 1):
+            data, location = _fetch_once(client, url, policy, param, deadline)
+            if data is not None:
+                return data
+            url = _redirect_target(url, location, param)
+    raise RequestValidationError(
+        f"{param}: more than {MAX_REDIRECTS} redirects fetching {text}", param=param
+    )
+
+
+def _fetch_once(client: httpx.Client, url: httpx.URL, policy, param, deadline):
+    """GET ``url`` pinned to a checked address -> (body, None) or (None, redirect location)."""
+    host = _allowed_host(url, policy, param)
+    address = _public_address(host, url.port or (443 if url.scheme == "https" else 80), param)
+    request = client.build_request(
+        "GET",
+        url.copy_with(host=address),
+        headers={"Host": url.netloc.decode("ascii")},
+        extensions={"sni_hostname": host},  # TLS verifies the name, not the address
+        timeout=max(deadline - time.monotonic(), 0.001),
+    )
+    try:
+        response = client.send(request, stream=True)
+        try:
+            if response.status_code in _REDIRECT_STATUS:
+                return None, response.headers.get("location", "")
+            if response.status_code != 200:
+                raise RequestValidationError(
+                    f"{param}: fetching {url} failed with HTTP {response.status_code}",
+                    param=param,
+                )
+            return _read_capped(response, policy, param, deadline), None
+        finally:
+            response.close()
+    except httpx.TimeoutException:
+        raise _fetch_timeout(policy, param) from None
+    except httpx.HTTPError as exc:
+        raise RequestValidationError(
+            f"{param}: fetching {url} failed: {type(exc).__name__}: {exc}", param=param
+        ) from None
+
+
+def _parse_url(text: str, param: str) -> httpx.URL:
+    try:
+        url = httpx.URL(text)
+    except (httpx.InvalidURL, ValueError, TypeError):
+        url = None
+    if url is None or url.scheme not in ("http", "https") or not url.host:
+        raise RequestValidationError(f"{param}: malformed URL {text!r}", param=param)
+    return url
+
+
+def _allowed_host(url: httpx.URL, policy: MediaPolicy, param: str) -> str:
+    """The URL's (IDNA-encoded) host if it is an allowed domain or a subdomain of one."""
+    host = url.raw_host.decode("ascii").lower().rstrip(".")
+    names = {host, url.host.lower().rstrip(".")}
+    for domain in policy.allowed_media_domains:
+        allowed = domain.strip().lower().rstrip(".")
+        if allowed and any(n == allowed or n.endswith("." + allowed) for n in names):
+            return host
+    raise RequestValidationError(
+        f"{param}: host {url.host!r} is not an allowed media domain; allowed: "
+        f"{', '.join(policy.allowed_media_domains)} (and their subdomains)",
+        param=param,
+    )
+
+
+def _public_address(host: str, port: int, param: str) -> str:
+    """The first address ``host`` resolves to, once all of them are checked public."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        raise RequestValidationError(
+            f"{param}: cannot resolve host {host!r}: {exc}", param=param
+        ) from None
+    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    for address in addresses:
+        if not _is_public(address):
+            raise RequestValidationError(
+                f"{param}: host {host!r} resolves to {address}, a loopback, private, "
+                "link-local, multicast or reserved address; only public addresses are fetched",
+                param=param,
+            )
+    if not addresses:
+        raise RequestValidationError(f"{param}: host {host!r} has no address", param=param)
+    return str(addresses[0])
+
+
+def _is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return _is_public(ip.ipv4_mapped)
+        if ip.sixtofour is not None and not _is_public(ip.sixtofour):
+            return False
+    blocked = (
+        ip.is_loopback
+        or ip.is_private
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    )
+    return ip.is_global and not blocked
+
+
+def _redirect_target(url: httpx.URL, location: str, param: str) -> httpx.URL:
+    try:
+        target = url.join(location) if location else None
+    except (httpx.InvalidURL, ValueError):
+        target = None
+    if target is None:
+        raise RequestValidationError(
+            f"{param}: {url} answered a redirect without a valid Location", param=param
+        )
+    if (
+        target.host != url.host
+        or target.scheme not in ("http", "https")
+        or (url.scheme == "https" and target.scheme == "http")
+    ):
+        raise RequestValidationError(
+            f"{param}: {url} redirects to {target}; only redirects within the same host "
+            "(and not from https to http) are followed",
+            param=param,
+        )
+    return target
+
+
+def _read_capped(response: httpx.Response, policy: MediaPolicy, param, deadline) -> bytes:
+    declared = response.headers.get("content-length", "")
+    if declared.isdigit():
+        _check_size(int(declared), policy, param)
+    body = bytearray()
+    for chunk in response.iter_bytes():
+        body += chunk
+        _check_size(len(body), policy, param)
+        if time.monotonic() > deadline:
+            raise _fetch_timeout(policy, param)
+    return bytes(body)
+
+
+def _fetch_timeout(policy: MediaPolicy, param: str) -> RequestValidationError:
+    return RequestValidationError(
+        f"{param}: fetching the URL took longer than the limit of {policy.fetch_timeout_s} s",
+        param=param,
+    )
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+def _decode(data: bytes, policy: MediaPolicy, param: str) -> ReferenceAudio:
+    """Decode any FFmpeg-readable audio to mono float32, enforcing the duration cap."""
+    try:
+        with av.open(io.BytesIO(data), "r") as container:
+            if not container.streams.audio:
+                raise RequestValidationError(f"{param} contains no audio stream", param=param)
+            chunks, rate = _decode_mono(container, policy, param)
+    except OmnistageError:
+        raise
+    except Exception as exc:  # untrusted bytes: any decoder failure is a client error
+        raise RequestValidationError(
+            f"{param} could not be decoded as audio ({type(exc).__name__}: {exc}); send "
+            "wav, flac, mp3, ogg/opus, m4a or another common audio format",
+            param=param,
+        ) from None
+    samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    if len(samples) == 0 or not rate:
+        raise RequestValidationError(f"{param} contains no audio samples", param=param)
+    return ReferenceAudio(samples.astype(np.float32, copy=False), int(rate))
+
+
+def _decode_mono(container, policy: MediaPolicy, param: str) -> tuple[list[np.ndarray], int]:
+    to_float = av.AudioResampler(format="fltp")  # keeps layout and rate
+    chunks: list[np.ndarray] = []
+    total, rate = 0, 0
+    frames = container.decode(container.streams.audio[0])
+    for frame in itertools.chain(frames, [None]):  # None flushes the converter
+        for out in to_float.resample(frame):
+            rate = out.sample_rate
+            chunks.append(out.to_ndarray().mean(axis=0, dtype=np.float32))  # downmix
+            total += out.samples
+            if total > policy.max_duration_s * rate:
+                raise PayloadTooLargeError(
+                    f"{param} is longer than the limit of {policy.max_duration_s} s",
+                    param=param,
+                )
+    return chunks, rate

@@ -1,0 +1,688 @@
+"""OpenAI-compatible wire models of the HTTP API, and the pure checks on them.
+
+Request flow for ``POST /v1/audio/speech``::
+
+    req = parse_speech_request(raw_body, caps)   # shape: JSON, types, ranges, unknown fields
+    validate_speech_request(req, caps)           # semantics: what the served model accepts
+
+Both raise only :class:`~omnistage.errors.RequestValidationError` (HTTP 400) whose ``param``
+names the offending field; :func:`error_envelope` turns any omnistage error into the OpenAI
+error body ``{"error": {"message", "type", "param", "code"}}``.
+
+Model-specific generation parameters
+------------------------------------
+A model declares extra numeric generation knobs in
+``SpeechCapabilities.extra_generation_params`` as ``name -> (min, max)`` (inclusive, finite
+or infinite bounds), e.g. Piper's ``{"noise_scale": (0.0, inf), "noise_w": (0.0, inf)}``.
+Clients send them as ordinary top-level JSON fields (``{"input": "hi", "noise_scale": 0.4}``).
+:func:`parse_speech_request` moves exactly the declared names into the typed
+``SpeechRequest.extra_params: dict[str, float]`` (finite floats, strict types); any other
+field that is not a :class:`SpeechRequest` field is rejected as unknown. A raw
+``extra_params`` key on the wire is itself an unknown field: there is one spelling per knob.
+:func:`validate_speech_request` then checks each extra value against its declared range (and
+rejects names the model does not declare, for requests built in Python).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from omnistage.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
+
+ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
+StreamFormat = Literal["audio", "sse"]
+RESPONSE_FORMATS: frozenset[str] = frozenset(get_args(ResponseFormat))
+
+#: Request fields every model accepts; ``supported_fields`` declares the others.
+ALWAYS_ALLOWED_FIELDS: frozenset[str] = frozenset(
+    {"model", "input", "response_format", "stream", "stream_format"}
+)
+#: Sampling fields whose unset value means "use the model's default".
+GENERATION_FIELDS: frozenset[str] = frozenset(
+    {"max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed"}
+)
+#: Wire aliases: alias -> canonical field name.
+FIELD_ALIASES: Mapping[str, str] = {"text": "input", "speaker": "voice"}
+
+_INT32_MAX = 2**31 - 1
+_INT63_MAX = 2**63 - 1
+
+
+# --------------------------------------------------------------------------- request
+
+
+class SpeechReference(BaseModel):
+    """One reference clip for voice cloning: ``audio`` (base64, data URI, URL or path, kept
+    as the raw string; resolved by the media layer) and its optional transcript ``text``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    audio: str = Field(min_length=1)
+    text: str | None = None
+
+
+class SpeechRequest(BaseModel):
+    """Body of ``POST /v1/audio/speech``. Unknown fields are rejected.
+
+    Types are strict (JSON semantics: an int is accepted for a float, nothing else is
+    coerced) and floats must be finite. ``text`` is accepted as an alias of ``input`` and
+    ``speaker`` of ``voice``; giving both spellings with different values raises
+    :class:`RequestValidationError`. A sampling field left unset (``None``) takes the
+    model's default: see :attr:`explicit_generation_params`.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    model: str | None = None
+    input: str = Field(description="text to speak (alias: text)")
+    voice: str | None = Field(default=None, description="voice name (alias: speaker)")
+    response_format: ResponseFormat = "wav"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0, description="playback speed factor")
+    stream: bool = False
+    stream_format: StreamFormat = Field(
+        default="audio", description='"sse" streams JSON events and implies streaming'
+    )
+    language: str | None = None
+    instructions: str | None = None
+    task_type: str | None = None
+    ref_audio: str | None = Field(default=None, min_length=1)
+    ref_text: str | None = None
+    references: list[SpeechReference] | None = None
+    x_vector_only_mode: bool = False
+    initial_codec_chunk_frames: int | None = Field(default=None, ge=0, le=_INT32_MAX)
+
+    max_new_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    temperature: float | None = Field(default=None, ge=0.0, description="0 = greedy")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(
+        default=None, ge=-1, le=_INT32_MAX, description="0 or -1 = disabled (stored as 0)"
+    )
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    seed: int | None = Field(default=None, ge=0, le=_INT63_MAX)
+
+    extra_params: dict[str, float] = Field(
+        default_factory=dict,
+        description="model-declared extra generation parameters; filled by "
+        "parse_speech_request from top-level fields, never sent under this name",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_aliases(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for alias, name in FIELD_ALIASES.items():
+            if alias not in data:
+                continue
+            value = data.pop(alias)
+            if name in data and data[name] != value:
+                raise RequestValidationError(
+                    f"'{name}' and its alias '{alias}' are both set with different values; "
+                    "set only one",
+                    param=name,
+                )
+            data[name] = value
+        return data
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_disabled_is_zero(cls, value: int | None) -> int | None:
+        return 0 if value == -1 else value
+
+    @property
+    def streaming(self) -> bool:
+        """True when the response is streamed: ``stream`` or ``stream_format == "sse"``."""
+        return self.stream or self.stream_format == "sse"
+
+    @property
+    def explicit_generation_params(self) -> frozenset[str]:
+        """Names of the generation parameters the client set to a non-null value: the
+        sampling fields in :data:`GENERATION_FIELDS` plus the ``extra_params`` keys. The
+        model's defaults apply to every other generation parameter."""
+        sampling = {
+            name
+            for name in self.model_fields_set & GENERATION_FIELDS
+            if getattr(self, name) is not None
+        }
+        return frozenset(sampling | set(self.extra_params))
+
+
+#: Names a client may send in a speech request body (canonical fields and aliases).
+WIRE_FIELDS: frozenset[str] = (
+    frozenset(SpeechRequest.model_fields) - {"extra_params"}
+) | frozenset(FIELD_ALIASES)
+#: Fields a model may list in ``SpeechCapabilities.supported_fields``.
+OPTIONAL_FIELDS: frozenset[str] = (
+    frozenset(SpeechRequest.model_fields) - ALWAYS_ALLOWED_FIELDS - {"extra_params"}
+)
+
+
+# --------------------------------------------------------------------------- capabilities
+
+
+class SpeechCapabilities(BaseModel):
+    """What a served speech model accepts; immutable, checked at construction.
+
+    Attributes:
+        model_names: names the model is served under; the first is its id in ``/v1/models``.
+            A request's ``model`` must be one of them (when given).
+        model_type: model family, e.g. ``"qwen3_tts"`` or ``"piper"``.
+        supported_fields: request fields accepted beyond :data:`ALWAYS_ALLOWED_FIELDS`;
+            each must be in :data:`OPTIONAL_FIELDS`. ``voice`` is governed by ``voices``
+            and ``default_voice`` instead (listing it here is allowed and has no effect).
+        voices: accepted voice names. Empty: only ``default_voice`` (if any) is accepted.
+        default_voice: voice used when the request names none; must be in ``voices`` when
+            ``voices`` is non-empty. With voices but no default, a request must name one.
+        languages: accepted ``language`` values (include ``"auto"`` where the model detects
+            the language); required non-empty when ``language`` is supported.
+        task_types: accepted ``task_type`` values; required non-empty when supported.
+        sample_rate: output sample rate in Hz (> 0).
+        max_input_chars: cap on ``input`` (and ``instructions``, ``ref_text``) length in
+            characters (>= 1).
+        speed_range: inclusive ``(min, max)`` speed factor within 0.25..4.0, containing 1.0.
+        extra_generation_params: model-specific numeric knobs, ``name -> (min, max)``
+            inclusive (``-inf``/``inf`` for unbounded). Names must be identifiers that are
+            not request fields or aliases.
+        response_formats: accepted ``response_format`` values (subset of the six).
+        stream_response_formats: formats accepted when the request streams.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_names: tuple[str, ...] = Field(min_length=1)
+    model_type: str
+    supported_fields: frozenset[str] = frozenset()
+    voices: tuple[str, ...] = ()
+    default_voice: str | None = None
+    languages: tuple[str, ...] = ()
+    task_types: tuple[str, ...] = ()
+    sample_rate: int = Field(gt=0)
+    max_input_chars: int = Field(default=4096, ge=1)
+    speed_range: tuple[float, float] = (0.25, 4.0)
+    extra_generation_params: dict[str, tuple[float, float]] = Field(default_factory=dict)
+    response_formats: frozenset[ResponseFormat] = RESPONSE_FORMATS
+    stream_response_formats: frozenset[ResponseFormat] = frozenset({"pcm", "wav"})
+
+    @property
+    def model_name(self) -> str:
+        """The primary served name (first of ``model_names``)."""
+        return self.model_names[0]
+
+    @property
+    def accepted_fields(self) -> frozenset[str]:
+        """Every request field this model accepts, extra generation parameters included."""
+        voice = {"voice"} if self.voices or self.default_voice else set()
+        return (
+            ALWAYS_ALLOWED_FIELDS
+            | (self.supported_fields - {"voice"})
+            | voice
+            | frozenset(self.extra_generation_params)
+        )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeechCapabilities:
+        _check_caps_fields(self)
+        _check_caps_choices(self)
+        _check_caps_ranges(self)
+        return self
+
+
+def _check_caps_fields(caps: SpeechCapabilities) -> None:
+    unknown = caps.supported_fields - OPTIONAL_FIELDS
+    if unknown:
+        raise ValueError(
+            f"supported_fields has unknown fields {sorted(unknown)}; "
+            f"allowed: {', '.join(sorted(OPTIONAL_FIELDS))}"
+        )
+    for name in caps.extra_generation_params:
+        if not name.isidentifier() or name in WIRE_FIELDS or name == "extra_params":
+            raise ValueError(
+                f"extra generation parameter {name!r} must be an identifier that is not "
+                "a request field"
+            )
+
+
+def _check_caps_choices(caps: SpeechCapabilities) -> None:
+    if caps.voices and caps.default_voice is not None and caps.default_voice not in caps.voices:
+        raise ValueError(f"default_voice {caps.default_voice!r} is not in voices")
+    for field, choices in (("language", caps.languages), ("task_type", caps.task_types)):
+        if field in caps.supported_fields and not choices:
+            raise ValueError(f"{field} is supported but no {field} values are declared")
+    if not caps.stream_response_formats <= caps.response_formats:
+        raise ValueError("stream_response_formats must be a subset of response_formats")
+
+
+def _check_caps_ranges(caps: SpeechCapabilities) -> None:
+    low, high = caps.speed_range
+    if not 0.25 <= low <= 1.0 <= high <= 4.0:
+        raise ValueError(
+            f"speed_range {caps.speed_range} must satisfy 0.25 <= min <= 1 <= max <= 4"
+        )
+    for name, (low, high) in caps.extra_generation_params.items():
+        if math.isnan(low) or math.isnan(high) or low > high:
+            raise ValueError(f"extra generation parameter {name!r}: bad range {(low, high)}")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_speech_request(
+    body: bytes | str | Mapping[str, Any], caps: SpeechCapabilities | None = None
+) -> SpeechRequest:
+    """Parse a speech request body (raw JSON bytes/str, or an already decoded mapping).
+
+    Top-level fields named in ``caps.extra_generation_params`` go to ``extra_params``;
+    without ``caps`` no extra parameter is accepted.
+
+    Raises:
+        RequestValidationError: the body is not a JSON object, has an unknown field
+            (``param`` = that field), or a field has a bad type or value (``param`` = its
+            dotted location, e.g. ``references.0.audio``).
+    """
+    data = _decode_json_object(body)
+    declared = caps.extra_generation_params if caps is not None else {}
+    _reject_unknown_fields(data, declared)
+    fields = {k: v for k, v in data.items() if k not in declared}
+    extras = {k: v for k, v in data.items() if k in declared}
+    if extras:
+        fields["extra_params"] = extras
+    try:
+        return SpeechRequest.model_validate(fields)
+    except ValidationError as exc:
+        raise request_error_from_validation(exc) from None
+
+
+def _decode_json_object(body: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(body, bytes | bytearray | str):
+        try:
+            body = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+            raise RequestValidationError(f"request body is not valid JSON: {reason}") from None
+    if not isinstance(body, Mapping):
+        raise RequestValidationError("request body must be a JSON object")
+    return dict(body)
+
+
+def _reject_unknown_fields(data: Mapping[Any, Any], declared: Mapping[str, Any]) -> None:
+    for key in data:
+        if key in WIRE_FIELDS or key in declared:
+            continue
+        hint = (
+            f" (model-specific parameters of this model: {', '.join(sorted(declared))})"
+            if declared
+            else ""
+        )
+        raise RequestValidationError(f"unknown field {str(key)!r}{hint}", param=str(key))
+
+
+def request_error_from_validation(exc: ValidationError) -> RequestValidationError:
+    """Convert a pydantic ``ValidationError`` to a :class:`RequestValidationError` naming
+    the first bad field's dotted location (``param``), e.g. ``"speed: Input should be less
+    than or equal to 4"``. The ``extra_params`` prefix is dropped, so a bad extra parameter
+    is named as the client sent it. Input values are never echoed."""
+    errors = exc.errors(include_url=False, include_input=False)
+    if not errors:
+        return RequestValidationError("invalid request")
+    first = errors[0]
+    loc = [str(part) for part in first["loc"]]
+    if len(loc) > 1 and loc[0] == "extra_params":
+        loc = loc[1:]
+    param = ".".join(loc) or None
+    msg = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+    message = f"{param}: {msg}" if param else msg
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return RequestValidationError(message, param=param)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+    """Check ``req`` against what the served model accepts. Pure: no I/O, no mutation.
+
+    A field counts as *set* when its value is not ``None``, not its default and not an
+    empty list (so ``speed: 1.0`` or ``x_vector_only_mode: false`` are no-ops anywhere).
+
+    Raises:
+        RequestValidationError: with ``param`` naming the field, when: ``model`` is not one
+            of ``caps.model_names``; ``input`` is empty/whitespace or longer than
+            ``caps.max_input_chars``; a set field is not supported (the message lists the
+            supported fields); a value is not among the declared choices (voice, language,
+            task_type, response_format; the message lists them); ``speed`` or an extra
+            parameter is out of its declared range; reference fields are inconsistent.
+    """
+    _check_model(req, caps)
+    _check_text("input", req.input, caps.max_input_chars, required=True)
+    _check_supported(req, caps)
+    _check_formats(req, caps)
+    _check_voice(req, caps)
+    _check_choice("language", req.language, caps.languages)
+    _check_choice("task_type", req.task_type, caps.task_types)
+    _check_speed(req, caps)
+    _check_references(req, caps)
+    _check_extra_params(req, caps)
+
+
+def _check_model(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+    if req.model and req.model not in caps.model_names:
+        raise RequestValidationError(
+            f"model {req.model!r} is not served here; available models: "
+            f"{', '.join(caps.model_names)}",
+            param="model",
+        )
+
+
+def _check_text(name: str, text: str | None, max_chars: int, required: bool = False) -> None:
+    if text is None:
+        return
+    if required and not text.strip():
+        raise RequestValidationError(f"{name} must not be empty", param=name)
+    if len(text) > max_chars:
+        raise RequestValidationError(
+            f"{name} has {len(text)} characters; the maximum is {max_chars}", param=name
+        )
+
+
+def _set_fields(req: SpeechRequest) -> list[str]:
+    names = []
+    for name, info in SpeechRequest.model_fields.items():
+        value = getattr(req, name)
+        if value is None or value == [] or value == info.get_default(call_default_factory=True):
+            continue
+        names.append(name)
+    return names
+
+
+def _check_supported(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+    exempt = ALWAYS_ALLOWED_FIELDS | {"voice", "extra_params"}
+    for name in _set_fields(req):
+        if name not in exempt and name not in caps.supported_fields:
+            raise RequestValidationError(
+                f"field {name!r} is not supported by model {caps.model_name!r}; "
+                f"supported fields: {', '.join(sorted(caps.accepted_fields))}",
+                param=name,
+            )
+
+
+def _check_formats(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+    allowed = caps.stream_response_formats if req.streaming else caps.response_formats
+    if req.response_format not in allowed:
+        mode = "streaming response formats" if req.streaming else "response formats"
+        raise RequestValidationError(
+            f"response_format {req.response_format!r} is not available; "
+            f"available {mode}: {', '.join(sorted(allowed))}",
+            param="response_format",
+        )
+
+
+def _check_voice(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+    allowed = caps.voices or ((caps.default_voice,) if caps.default_voice else ())
+    if req.voice is None:
+        if caps.voices and caps.default_voice is None:
+            raise RequestValidationError(
+                f"voice is required; available voices: {', '.join(caps.voices)}", param="voice"
+            )
+        return
+    if not allowed:
+        raise RequestValidationError(
+            f"model {caps.model_name!r} does not accept a voice", param="voice"
+        )
+    _check_choice("voice", req.voice, allowed)
+
+
+_PLURALS = {"voice": "voices", "language": "languages", "task_type": "task types"}
+
+
+def _check_choice(name: str, value: str | None, allowed: tuple[str, ...]) -> None:
+    if value is not None and value not in allowed:
+        raise RequestValidationError(
+            f"{name} {value!r} is not available; available {_PLURALS[name]}: {', '.join(allowed)}",
+            param=name,
+        )
+
+
+def _check_speed(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+    low, high = caps.speed_range
+    if not low <= req.speed <= high:
+        raise RequestValidationError(
+            f"speed {req.speed} is outside this model's range {low}..{high}", param="speed"
+        )
+
+
+def _check_references(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+    if req.ref_audio is not None and req.references:
+        raise RequestValidationError("set ref_audio or references, not both", param="references")
+    if req.ref_text is not None and req.ref_audio is None:
+        raise RequestValidationError("ref_text needs ref_audio", param="ref_text")
+    if req.x_vector_only_mode and req.ref_audio is None and not req.references:
+        raise RequestValidationError(
+            "x_vector_only_mode needs ref_audio or references", param="x_vector_only_mode"
+        )
+    _check_text("instructions", req.instructions, caps.max_input_chars)
+    _check_text("ref_text", req.ref_text, caps.max_input_chars)
+    for i, ref in enumerate(req.references or ()):
+        _check_text(f"references.{i}.text", ref.text, caps.max_input_chars)
+
+
+def _check_extra_params(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+    declared = caps.extra_generation_params
+    for name, value in req.extra_params.items():
+        if name not in declared:
+            raise RequestValidationError(
+                f"unknown field {name!r}; model-specific parameters of model "
+                f"{caps.model_name!r}: {', '.join(sorted(declared)) or 'none'}",
+                param=name,
+            )
+        low, high = declared[name]
+        if not low <= value <= high:
+            raise RequestValidationError(
+                f"{name} {value} is outside the allowed range {low}..{high}", param=name
+            )
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class ParamRange(BaseModel):
+    """Inclusive numeric range; ``None`` means unbounded on that side."""
+
+    min: float | None
+    max: float | None
+
+
+class VoicesResponse(BaseModel):
+    """Body of ``GET /v1/audio/voices``: what the served model accepts."""
+
+    model: str
+    model_type: str
+    voices: list[str]
+    default_voice: str | None
+    languages: list[str]
+    task_types: list[str]
+    supported_fields: list[str]
+    extra_generation_params: dict[str, ParamRange]
+    response_formats: list[str]
+    sample_rate: int = Field(description="Hz")
+    max_input_chars: int
+
+
+def voices_response(caps: SpeechCapabilities) -> VoicesResponse:
+    """Build the ``/v1/audio/voices`` body from ``caps`` (sorted field and format lists)."""
+
+    def bound(x: float) -> float | None:
+        return None if math.isinf(x) else x
+
+    return VoicesResponse(
+        model=caps.model_name,
+        model_type=caps.model_type,
+        voices=list(caps.voices),
+        default_voice=caps.default_voice,
+        languages=list(caps.languages),
+        task_types=list(caps.task_types),
+        supported_fields=sorted(caps.accepted_fields),
+        extra_generation_params={
+            name: ParamRange(min=bound(lo), max=bound(hi))
+            for name, (lo, hi) in caps.extra_generation_params.items()
+        },
+        response_formats=sorted(caps.response_formats),
+        sample_rate=caps.sample_rate,
+        max_input_chars=caps.max_input_chars,
+    )
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``; ``created`` is a Unix time in seconds."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "omnistage"
+
+
+class ModelList(BaseModel):
+    """Body of ``GET /v1/models``: ``{"object": "list", "data": [ModelCard, ...]}``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def model_list(caps: SpeechCapabilities, created: int, owned_by: str = "omnistage") -> ModelList:
+    """One card per served name of ``caps`` (primary name first); ``created`` in Unix s."""
+    cards = [ModelCard(id=name, created=created, owned_by=owned_by) for name in caps.model_names]
+    return ModelList(data=cards)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ErrorBody(BaseModel):
+    """OpenAI error object. ``code`` is the HTTP status (the vLLM/SGLang convention)."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI error envelope ``{"error": {...}}``."""
+
+    error: ErrorBody
+
+
+def _envelope(status: int, message: str, error_type: str, param: str | None) -> tuple[int, dict]:
+    body = ErrorBody(message=message, type=error_type, param=param, code=status)
+    return status, ErrorResponse(error=body).model_dump()
+
+
+def error_envelope(exc: BaseException) -> tuple[int, dict]:
+    """Map an exception to ``(http_status, {"error": {message, type, param, code}})``.
+
+    An :class:`OmnistageError` maps by type through its ``http_status`` and ``error_type``
+    class attributes and its ``param`` (when it has one); a pydantic ``ValidationError`` is
+    first converted by :func:`request_error_from_validation` (400). Any other exception is
+    an internal error: 500 ``server_error`` with a generic message (details are not leaked).
+    """
+    if isinstance(exc, ValidationError):
+        exc = request_error_from_validation(exc)
+    if isinstance(exc, OmnistageError):
+        param = getattr(exc, "param", None)
+        return _envelope(exc.http_status, str(exc), exc.error_type, param)
+    return _envelope(500, "internal server error", "server_error", None)
+
+
+def unauthorized_envelope(message: str = "invalid or missing API key") -> tuple[int, dict]:
+    """401 ``authentication_error`` envelope (missing or wrong bearer token)."""
+    return _envelope(401, message, "authentication_error", None)
+
+
+def not_found_envelope(message: str = "not found") -> tuple[int, dict]:
+    """404 ``not_found_error`` envelope (unknown route or resource)."""
+    return _envelope(404, message, "not_found_error", None)
+
+
+def body_too_large(limit_bytes: int, size_bytes: int | None = None) -> PayloadTooLargeError:
+    """The 413 error for a request body above ``limit_bytes`` (``size_bytes`` if known);
+    map it with :func:`error_envelope`."""
+    size = f" ({size_bytes} bytes)" if size_bytes is not None else ""
+    return PayloadTooLargeError(f"request body{size} exceeds the limit of {limit_bytes} bytes")
+
+
+# --------------------------------------------------------------------------- SSE events
+
+
+class SpeechAudioDelta(BaseModel):
+    """SSE event carrying one audio chunk: ``audio`` is base64 of the chunk's raw bytes
+    (the omnistage server sends 16-bit little-endian mono PCM at the model's sample rate)."""
+
+    type: Literal["speech.audio.delta"] = "speech.audio.delta"
+    audio: str
+
+    @classmethod
+    def from_bytes(cls, chunk: bytes) -> SpeechAudioDelta:
+        """Wrap raw chunk bytes (base64-encodes them)."""
+        return cls(audio=base64.b64encode(chunk).decode("ascii"))
+
+
+class SpeechUsage(BaseModel):
+    """Usage of one speech request; unknown quantities are ``null``."""
+
+    input_characters: int | None = Field(default=None, ge=0)
+    output_audio_seconds: float = Field(ge=0.0)
+    input_tokens: int | None = Field(default=None, ge=0)
+    output_tokens: int | None = Field(default=None, ge=0)
+    total_tokens: int | None = Field(default=None, ge=0)
+
+
+class SpeechAudioDone(BaseModel):
+    """Final SSE event of a successful stream. ``finish_reason`` is e.g. ``"stop"`` (end of
+    speech) or ``"length"`` (``max_new_tokens`` reached)."""
+
+    type: Literal["speech.audio.done"] = "speech.audio.done"
+    usage: SpeechUsage
+    finish_reason: str
+
+
+class ErrorEvent(BaseModel):
+    """Final SSE event of a failed stream (the HTTP status was already sent as 200)."""
+
+    type: Literal["error"] = "error"
+    error: ErrorBody
+
+    @classmethod
+    def from_exception(cls, exc: BaseException) -> ErrorEvent:
+        """Build from any exception, mapped as by :func:`error_envelope`."""
+        _, body = error_envelope(exc)
+        return cls(error=ErrorBody(**body["error"]))
+
+
+def sse_event(obj: BaseModel | Mapping[str, Any]) -> bytes:
+    """Format one Server-Sent Event: ``b"data: <compact json>\\n\\n"`` (UTF-8).
+
+    No ``event:`` line is written: the event kind is the JSON ``type`` field (as in
+    OpenAI's speech stream), so ``EventSource.onmessage`` and line-based clients see every
+    event. JSON never contains a raw newline, so one ``data:`` line always suffices.
+
+    Raises:
+        ValueError: ``obj`` is a mapping holding a non-finite float (models serialize
+            non-finite floats as ``null``).
+    """
+    payload = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else dict(obj)
+    text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return b"data: " + text.encode("utf-8") + b"\n\n"

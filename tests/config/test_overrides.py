@@ -1,0 +1,360 @@
+"""Layered config resolution: model defaults < YAML file < CLI, with provenance."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from omnistage.config.overrides import (
+    ConfigOverrideError,
+    parse_cli_overrides,
+    resolve_config,
+)
+from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
+
+
+class EngineArgs(BaseModel):
+    """A typed sub-model of a stage (like an LLM engine's arguments)."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_running_requests: int = Field(default=16, ge=1, le=1024)
+    kv_cache_dtype: str = "auto"
+
+
+class EngineStage(StageConfig):
+    engine: EngineArgs = Field(default_factory=EngineArgs)
+
+
+class TtsPipeline(PipelineConfig):
+    voice_dir: str | None = None
+
+
+def make_defaults() -> TtsPipeline:
+    return TtsPipeline(
+        name="tts",
+        stages=[
+            EngineStage(
+                name="talker",
+                factory=FactoryConfig(path="pkg.talker:make", args={"max_batch_size": 8}),
+                next=["vocoder"],
+                engine=EngineArgs(max_running_requests=32),
+            ),
+            StageConfig(
+                name="vocoder",
+                factory=FactoryConfig(
+                    path="pkg.vocoder:make",
+                    args={"chunk_ms": 80.0, "warmup": True, "sampling": {"top_k": 50}},
+                ),
+                terminal=True,
+            ),
+        ],
+    )
+
+
+def cli(*tokens: str) -> list[tuple[str, str]]:
+    return parse_cli_overrides(list(tokens))
+
+
+def write_yaml(tmp_path: Path, data, name: str = "override.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return path
+
+
+# ----------------------------------------------------------------------------- setting values
+
+
+def test_dotted_overrides_set_nested_values():
+    resolved = resolve_config(
+        make_defaults(),
+        None,
+        cli(
+            "--talker.engine.max_running_requests", "4",
+            "--talker.factory.args.max_batch_size=2",
+            "--vocoder.factory.args.sampling.top_k", "5",
+            "--vocoder.device", "cuda:1",
+            "--max_concurrent_requests", "8",
+            "--voice_dir", "/voices",
+        ),
+    )  # fmt: skip
+    config = resolved.config
+    assert type(config) is TtsPipeline
+    talker, vocoder = config.stages
+    assert type(talker) is EngineStage
+    assert talker.engine == EngineArgs(max_running_requests=4)
+    assert talker.factory.args == {"max_batch_size": 2}
+    assert vocoder.factory.args == {"chunk_ms": 80.0, "warmup": True, "sampling": {"top_k": 5}}
+    assert vocoder.device == "cuda:1"
+    assert config.max_concurrent_requests == 8
+    assert config.voice_dir == "/voices"
+    # untouched values and topology survive
+    assert talker.next == ["vocoder"] and vocoder.terminal
+    assert talker.factory.path == "pkg.talker:make"
+
+
+@pytest.mark.parametrize(
+    ("path", "text", "expected"),
+    [
+        ("vocoder.factory.args.warmup", "false", False),
+        ("vocoder.factory.args.chunk_ms", "40", 40.0),  # int text widened to the float knob
+        ("vocoder.factory.args.chunk_ms", "0.5", 0.5),
+        ("request_timeout_s", "null", None),
+        ("talker.gpu_memory_fraction", "0.25", 0.25),
+        ("model_path", "16", "16"),  # a str field keeps the raw text
+        ("model_path", "null", None),
+        ("name", "true", "true"),
+    ],
+)
+def test_cli_values_are_parsed_as_yaml_then_validated(path, text, expected):
+    resolved = resolve_config(make_defaults(), None, [(path, text)])
+    assert path in resolved.provenance and resolved.provenance[path] == "cli"
+    got = _get_path(resolved.config, path)
+    assert got == expected and type(got) is type(expected)
+
+
+def _get_path(config: PipelineConfig, path: str):
+    head, _, rest = path.partition(".")
+    names = [s.name for s in config.stages]
+    obj = config.stage(head) if head in names else getattr(config, head)
+    for seg in rest.split(".") if head in names else []:
+        obj = obj[seg] if isinstance(obj, dict) else getattr(obj, seg)
+    return obj
+
+
+def test_knob_type_comes_from_its_default():
+    with pytest.raises(ConfigOverrideError, match=r"talker\.factory\.args\.max_batch_size"):
+        resolve_config(make_defaults(), None, cli("--talker.factory.args.max_batch_size", "2.5"))
+    with pytest.raises(ConfigOverrideError, match=r"vocoder\.factory\.args\.warmup"):
+        resolve_config(make_defaults(), None, cli("--vocoder.factory.args.warmup", "1"))
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+def test_yaml_then_cli_precedence(tmp_path):
+    override = write_yaml(
+        tmp_path,
+        {
+            "max_concurrent_requests": 8,
+            "stages": {
+                "talker": {"engine": {"max_running_requests": 4}, "device": "cuda:0"},
+                "vocoder": {"factory": {"args": {"chunk_ms": 40.0}}},
+            },
+        },
+    )
+    resolved = resolve_config(
+        make_defaults(),
+        override,
+        cli("--talker.engine.max_running_requests", "2", "--vocoder.device", "cuda:1"),
+    )
+    talker, vocoder = resolved.config.stages
+    assert resolved.config.max_concurrent_requests == 8
+    assert talker.engine.max_running_requests == 2  # CLI beats YAML
+    assert talker.device == "cuda:0"
+    assert vocoder.factory.args["chunk_ms"] == 40.0
+    assert vocoder.device == "cuda:1"
+    src = f"yaml:{override}"
+    prov = resolved.provenance
+    assert prov["max_concurrent_requests"] == src
+    assert prov["talker.engine.max_running_requests"] == "cli"
+    assert prov["talker.device"] == src
+    assert prov["vocoder.factory.args.chunk_ms"] == src
+    assert prov["vocoder.device"] == "cli"
+    assert prov["talker.factory.args.max_batch_size"] == "default"
+    assert prov["voice_dir"] == "default"
+    assert not any(p.endswith((".name", ".next", ".factory.path", ".terminal")) for p in prov)
+
+
+def test_same_precedence_conflict_names_both_values(tmp_path):
+    with pytest.raises(ConfigOverrideError) as err:
+        resolve_config(
+            make_defaults(),
+            None,
+            cli("--max_concurrent_requests", "8", "--max_concurrent_requests=9"),
+        )
+    message = str(err.value)
+    assert "max_concurrent_requests" in message and "8" in message and "9" in message
+    assert err.value.source == "cli"
+    # the same value twice is fine, also when spelled differently
+    same = resolve_config(
+        make_defaults(), None, cli("--vocoder.factory.args.chunk_ms", "40", "--vocoder.factory.args.chunk_ms=40.0")
+    )  # fmt: skip
+    assert same.config.stages[1].factory.args["chunk_ms"] == 40.0
+
+
+def test_yaml_duplicate_key_with_different_values_is_a_conflict(tmp_path):
+    override = write_yaml(tmp_path, "max_concurrent_requests: 8\nmax_concurrent_requests: 9\n")
+    with pytest.raises(ConfigOverrideError, match=r"max_concurrent_requests.*8.*9"):
+        resolve_config(make_defaults(), override, [])
+    dotted_and_nested = write_yaml(
+        tmp_path,
+        {"talker.device": "cuda:0", "stages": {"talker": {"device": "cuda:1"}}},
+        name="both.yaml",
+    )
+    with pytest.raises(ConfigOverrideError, match=r"talker\.device.*two different") as err:
+        resolve_config(make_defaults(), dotted_and_nested, [])
+    assert "cuda:0" in str(err.value) and "cuda:1" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def test_unknown_path_suggests_the_right_one(tmp_path):
+    with pytest.raises(ConfigOverrideError) as err:
+        resolve_config(make_defaults(), None, cli("--talker.engine.max_runing_requests", "4"))
+    assert "did you mean 'talker.engine.max_running_requests'" in str(err.value)
+    assert err.value.path == "talker.engine.max_runing_requests"
+    override = write_yaml(tmp_path, {"stages": {"vocodr": {"factory": {"args": {"chunk_ms": 1}}}}})
+    with pytest.raises(ConfigOverrideError) as err:
+        resolve_config(make_defaults(), override, [])
+    assert "did you mean 'vocoder.factory.args.chunk_ms'" in str(err.value)
+    assert err.value.source == f"yaml:{override}"
+
+
+def test_undeclared_dict_knob_is_unknown():
+    with pytest.raises(ConfigOverrideError, match="unknown config path"):
+        resolve_config(make_defaults(), None, cli("--talker.factory.args.new_knob", "1"))
+
+
+def test_group_path_lists_its_fields():
+    with pytest.raises(ConfigOverrideError, match=r"group.*talker\.engine\.kv_cache_dtype"):
+        resolve_config(make_defaults(), None, cli("--talker.engine", "4"))
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "talker.name",
+        "talker.factory.path",
+        "talker.next",
+        "vocoder.terminal",
+        "talker.route_fn",
+        "vocoder.wait_for",
+        "vocoder.merge_fn",
+        "talker.stream_to",
+        "talker.can_accept_stream_before_payload",
+        "stages",
+        "entry_stage",
+        "terminal_stages_fn",
+        "sample_requests_fn",
+    ],
+)
+def test_topology_is_refused(path):
+    with pytest.raises(ConfigOverrideError, match="topology") as err:
+        resolve_config(make_defaults(), None, [(path, "x")])
+    assert path in str(err.value)
+
+
+def test_topology_is_refused_from_yaml(tmp_path):
+    override = write_yaml(tmp_path, {"stages": {"talker": {"next": ["talker"]}}})
+    with pytest.raises(ConfigOverrideError, match=r"'talker\.next'.*yaml:.*topology"):
+        resolve_config(make_defaults(), override, [])
+
+
+@pytest.mark.parametrize(
+    ("tokens", "path"),
+    [
+        (["--max_concurrent_requests", "0"], "max_concurrent_requests"),
+        (["--talker.engine.max_running_requests", "5000"], "talker.engine.max_running_requests"),
+        (["--talker.gpu_memory_fraction", "1.5"], "talker.gpu_memory_fraction"),
+        (["--request_timeout_s", "fast"], "request_timeout_s"),
+    ],
+)
+def test_constraint_violation_names_the_path(tokens, path):
+    with pytest.raises(ConfigOverrideError) as err:
+        resolve_config(make_defaults(), None, cli(*tokens))
+    assert repr(path) in str(err.value) and "(from cli)" in str(err.value)
+    assert err.value.path == path
+
+
+def test_cross_field_validation_of_the_resolved_model_names_the_overrides():
+    tokens = ("--talker.gpu_memory_fraction", "0.5", "--talker.gpu_memory_bytes", "1000")
+    with pytest.raises(ConfigOverrideError) as err:
+        resolve_config(make_defaults(), None, cli(*tokens))
+    message = str(err.value)
+    assert "not both" in message
+    assert "talker.gpu_memory_fraction (from cli)" in message
+    assert "talker.gpu_memory_bytes (from cli)" in message
+
+
+def test_malformed_yaml_files_are_refused(tmp_path):
+    for name, text in [("list.yaml", "- 1\n- 2\n"), ("stages.yaml", "stages:\n- name: x\n")]:
+        with pytest.raises(ConfigOverrideError, match="must be a mapping"):
+            resolve_config(make_defaults(), write_yaml(tmp_path, text, name), [])
+    with pytest.raises(ConfigOverrideError, match="cannot load"):
+        resolve_config(make_defaults(), tmp_path / "missing.yaml", [])
+
+
+def test_parse_cli_overrides_forms_and_errors():
+    assert parse_cli_overrides(["--a.b", "1", "--c=x=y", "--d", "-3", "--e="]) == [
+        ("a.b", "1"),
+        ("c", "x=y"),
+        ("d", "-3"),
+        ("e", ""),
+    ]
+    for tokens in (["--a.b"], ["--a.b", "--c", "1"], ["a.b", "1"], ["--", "1"], ["--=1"]):
+        with pytest.raises(ConfigOverrideError):
+            parse_cli_overrides(tokens)
+
+
+# ----------------------------------------------------------------------------- result
+
+
+def test_defaults_are_not_modified():
+    defaults = make_defaults()
+    before = defaults.model_dump(serialize_as_any=True)
+    resolved = resolve_config(
+        defaults,
+        None,
+        cli("--talker.engine.max_running_requests", "4", "--vocoder.factory.args.sampling.top_k", "1"),
+    )  # fmt: skip
+    assert defaults.model_dump(serialize_as_any=True) == before
+    resolved.config.stages[1].factory.args["warmup"] = False  # the result owns its data
+    resolved.config.stages[0].factory.args["max_batch_size"] = 99
+    assert defaults.model_dump(serialize_as_any=True) == before
+
+
+def test_text_renderings(tmp_path):
+    override = write_yaml(
+        tmp_path, {"stages": {"vocoder": {"factory": {"args": {"chunk_ms": 40}}}}}
+    )
+    resolved = resolve_config(
+        make_defaults(),
+        override,
+        cli("--talker.engine.max_running_requests", "4", "--max_concurrent_requests", "64"),
+    )
+    src = f"yaml:{override}"
+
+    dumped = yaml.safe_load(resolved.to_yaml())
+    assert [s["name"] for s in dumped["stages"]] == ["talker", "vocoder"]
+    assert dumped["stages"][0]["engine"] == {"max_running_requests": 4, "kv_cache_dtype": "auto"}
+    assert dumped["stages"][1]["factory"] == resolved.config.stages[1].factory.model_dump()
+    assert dumped["max_concurrent_requests"] == 64
+
+    diff = resolved.diff_yaml()
+    assert "      max_running_requests: 4  # 32 -> 4 (cli)\n" in diff
+    assert f"        chunk_ms: 40.0  # 80.0 -> 40.0 ({src})\n" in diff
+    assert "max_concurrent_requests" not in diff  # set, but equal to the default
+    assert "kv_cache_dtype" not in diff
+    # the diff is itself an override file reproducing the resolved config
+    diff_file = write_yaml(tmp_path, diff, name="diff.yaml")
+    assert resolve_config(make_defaults(), diff_file, []).config == resolved.config
+
+    lines = resolved.provenance_text().splitlines()
+    assert "talker.engine.max_running_requests = 4  # cli" in lines
+    assert f"vocoder.factory.args.chunk_ms = 40.0  # {src}" in lines
+    assert "max_concurrent_requests = 64  # cli" in lines
+    assert "vocoder.factory.args.sampling.top_k = 50  # default" in lines
+    assert "model_path = null  # default" in lines
+    assert len(lines) == len(resolved.provenance)
+
+
+def test_no_overrides_reproduces_defaults():
+    defaults = make_defaults()
+    resolved = resolve_config(defaults, None, [])
+    assert resolved.config == defaults and resolved.config is not defaults
+    assert set(resolved.provenance.values()) == {"default"}
+    assert resolved.diff_yaml().startswith("{}")

@@ -1,0 +1,351 @@
+"""Reference audio loading behind the media policy: forms, caps, path and URL safety."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import time
+
+import httpx
+import numpy as np
+import pytest
+import soundfile as sf
+
+from omnistage.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.serve.media import MediaPolicy, load_reference_audio, resample
+
+RATE = 16000
+PUBLIC_IP = "93.184.216.34"
+
+
+def tone(seconds: float = 0.5, rate: int = RATE, freq: float = 440.0) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.5 * np.sin(2 * np.pi * freq * t)).astype(np.float32)
+
+
+def audio_bytes(samples: np.ndarray, rate: int = RATE, fmt: str = "WAV") -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format=fmt, subtype="PCM_16")
+    return buf.getvalue()
+
+
+WAV = audio_bytes(tone())
+B64 = base64.b64encode(WAV).decode()
+
+
+def assert_tone(ref, seconds: float = 0.5, rate: int = RATE) -> None:
+    assert ref.sample_rate == rate
+    assert ref.samples.dtype == np.float32 and ref.samples.ndim == 1
+    assert len(ref.samples) == int(seconds * rate)
+    np.testing.assert_allclose(ref.samples, tone(seconds, rate), atol=1e-4)
+
+
+def rejects(value, policy=MediaPolicy(), *, status=400, param="ref_audio", **kw) -> str:
+    """Assert ``value`` is refused with ``status`` naming ``param``; returns the message."""
+    error = PayloadTooLargeError if status == 413 else RequestValidationError
+    with pytest.raises(error) as err:
+        load_reference_audio(value, policy, param, **kw)
+    assert err.value.http_status == status and err.value.param == param
+    assert param in str(err.value)
+    return str(err.value)
+
+
+# ----------------------------------------------------------------------------- inline audio
+
+
+def test_base64_and_data_uri_decode():
+    assert_tone(load_reference_audio(B64, MediaPolicy()))
+    assert_tone(load_reference_audio(f"data:audio/wav;base64,{B64}", MediaPolicy()))
+    wrapped = "\n".join(B64[i : i + 76] for i in range(0, len(B64), 76))  # MIME line breaks
+    assert_tone(load_reference_audio(f"  data:audio/x-wav;base64,{wrapped}\n", MediaPolicy()))
+
+
+def test_other_formats_and_stereo_downmix():
+    flac = base64.b64encode(audio_bytes(tone(), fmt="FLAC")).decode()
+    assert_tone(load_reference_audio(f"data:audio/flac;base64,{flac}", MediaPolicy()))
+    stereo = np.stack([np.full(800, 0.5), np.full(800, 0.1)], axis=1).astype(np.float32)
+    ref = load_reference_audio(base64.b64encode(audio_bytes(stereo)).decode(), MediaPolicy())
+    assert ref.samples.shape == (800,)
+    np.testing.assert_allclose(ref.samples, 0.3, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "data:audio/wav;base64,@@not-base64@@",
+        "data:audio/wav;base64,QUJD",  # "ABC": valid base64, not audio
+        "bm90IGF1ZGlvIGF0IGFsbA==",  # "not audio at all"
+        "data:audio/wav," + B64,  # not marked base64
+        "data:text/plain;base64," + B64,
+        "data:audio/wav;base64",  # no comma
+        "",
+        "   ",
+    ],
+)
+def test_garbage_is_refused_naming_the_field(value):
+    rejects(value)
+    rejects(value, param="speaker_audio")
+
+
+def test_plain_text_is_read_as_a_path_and_refused_by_default():
+    message = rejects("%%% definitely not base64 %%%")
+    assert "--allowed-local-media-path" in message
+
+
+def test_over_size_is_413():
+    small = MediaPolicy(max_bytes=len(WAV) - 1)
+    assert "limit" in rejects(B64, small, status=413)
+    rejects(f"data:audio/wav;base64,{B64}", small, status=413)
+    assert_tone(load_reference_audio(B64, MediaPolicy(max_bytes=len(WAV))))
+
+
+def test_too_long_is_413():
+    assert "0.25 s" in rejects(B64, MediaPolicy(max_duration_s=0.25), status=413)
+    assert_tone(load_reference_audio(B64, MediaPolicy(max_duration_s=0.5)))
+
+
+def test_resample():
+    x = tone(1.0, 22050)
+    y = resample(x, 22050, 16000)
+    assert y.dtype == np.float32 and len(y) == 16000
+    spectrum = np.abs(np.fft.rfft(y))
+    assert abs(np.argmax(spectrum) * 16000 / len(y) - 440.0) <= 1.0
+    assert resample(x, 22050, 22050) is x
+    with pytest.raises(ValueError):
+        resample(x, 0, 16000)
+
+
+# ----------------------------------------------------------------------------- local files
+
+
+@pytest.fixture
+def media_dirs(tmp_path):
+    root = tmp_path / "media"
+    (root / "sub").mkdir(parents=True)
+    (root / "ref.wav").write_bytes(WAV)
+    outside = tmp_path / "secret.wav"
+    outside.write_bytes(WAV)
+    return root, outside, MediaPolicy(allowed_local_media_path=root)
+
+
+def test_local_path_refused_by_default(media_dirs):
+    root, _, _ = media_dirs
+    message = rejects(str(root / "ref.wav"))
+    assert "local file paths are disabled" in message
+    assert "--allowed-local-media-path" in message
+    rejects((root / "ref.wav").as_uri())
+
+
+def test_local_path_allowed_inside_dir(media_dirs):
+    root, _, policy = media_dirs
+    assert_tone(load_reference_audio(str(root / "ref.wav"), policy))
+    assert_tone(load_reference_audio("ref.wav", policy))  # relative to the directory
+    assert_tone(load_reference_audio((root / "ref.wav").as_uri(), policy))
+    (root / "sub" / "inner.wav").symlink_to(root / "ref.wav")  # a link staying inside
+    assert_tone(load_reference_audio("sub/inner.wav", policy))
+
+
+def test_dot_dot_escape_refused(media_dirs):
+    root, outside, policy = media_dirs
+    for value in (f"{root}/sub/../../{outside.name}", f"../{outside.name}", "sub/../ref.wav"):
+        assert "outside the allowed media directory" in rejects(value, policy)
+    rejects(str(outside), policy)
+
+
+def test_symlink_escape_refused(media_dirs):
+    root, outside, policy = media_dirs
+    (root / "link.wav").symlink_to(outside)
+    (root / "linkdir").symlink_to(outside.parent, target_is_directory=True)
+    assert "outside" in rejects(str(root / "link.wav"), policy)
+    rejects("linkdir/secret.wav", policy)
+
+
+def test_missing_file_directory_and_size(media_dirs):
+    root, _, policy = media_dirs
+    assert "cannot open" in rejects("missing.wav", policy)
+    assert "not a regular file" in rejects("sub", policy)
+    small = MediaPolicy(allowed_local_media_path=root, max_bytes=100)
+    rejects("ref.wav", small, status=413)
+
+
+# ----------------------------------------------------------------------------- URLs
+
+
+class FakeDNS:
+    """Replaces ``socket.getaddrinfo``: ``hosts`` maps a name to its addresses."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[str, list[str]] = {}
+        self.looked_up: list[str] = []
+
+    def __setitem__(self, host: str, addresses: list[str]) -> None:
+        self.hosts[host] = addresses
+
+    def getaddrinfo(self, host, port, *args, **kwargs):
+        self.looked_up.append(host)
+        if host not in self.hosts:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [
+            (socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
+            for a in self.hosts[host]
+        ]
+
+
+@pytest.fixture
+def dns(monkeypatch) -> FakeDNS:
+    fake = FakeDNS()
+    monkeypatch.setattr(socket, "getaddrinfo", fake.getaddrinfo)
+    return fake
+
+
+class Server:
+    """httpx.MockTransport handler: path -> response; records every request."""
+
+    def __init__(self, routes: dict[str, httpx.Response]):
+        self.routes = routes
+        self.requests: list[httpx.Request] = []
+        self.transport = httpx.MockTransport(self.handle)
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return self.routes.get(request.url.path, httpx.Response(404))
+
+
+URL_POLICY = MediaPolicy(allowed_media_domains=("media.example.com",))
+
+
+@pytest.mark.parametrize("address", [PUBLIC_IP, "2606:2800:220:1:248:1893:25c8:1946"])
+def test_url_fetch_pins_the_checked_address(dns, address):
+    dns["media.example.com"] = [address]
+    server = Server({"/ref.wav": httpx.Response(200, content=WAV)})
+    ref = load_reference_audio(
+        "https://media.example.com:8443/ref.wav", URL_POLICY, transport=server.transport
+    )
+    assert_tone(ref)
+    (request,) = server.requests
+    assert request.url.host == address and request.url.scheme == "https"
+    assert request.url.port == 8443
+    assert request.headers["host"] == "media.example.com:8443"
+    assert request.extensions["sni_hostname"] == "media.example.com"
+
+
+def test_url_refused_when_fetch_is_off(dns):
+    server = Server({})
+    message = rejects("https://media.example.com/ref.wav", transport=server.transport)
+    assert "URL fetch is disabled" in message and "--allowed-media-domain" in message
+    assert not server.requests and not dns.looked_up
+
+
+def test_url_refused_for_a_domain_not_in_the_list(dns):
+    dns["evil.com"] = dns["evilexample.com"] = dns["cdn.media.example.com"] = [PUBLIC_IP]
+    server = Server({"/ref.wav": httpx.Response(200, content=WAV)})
+    policy = MediaPolicy(allowed_media_domains=("example.com",))
+    for url in ("https://evil.com/ref.wav", "https://evilexample.com/ref.wav"):
+        assert "not an allowed media domain" in rejects(url, policy, transport=server.transport)
+    assert not server.requests and not dns.looked_up
+    # a subdomain of an allowed domain is allowed
+    ref = load_reference_audio("https://cdn.media.example.com/ref.wav", policy, transport=server.transport)  # fmt: skip
+    assert_tone(ref)
+
+
+@pytest.mark.parametrize(
+    "addresses",
+    [
+        ["127.0.0.1"],
+        ["10.1.2.3"],
+        ["169.254.169.254"],
+        ["192.168.0.10"],
+        ["::1"],
+        ["::ffff:127.0.0.1"],
+        ["fe80::1"],
+        ["224.0.0.1"],
+        ["0.0.0.0"],
+        [PUBLIC_IP, "10.0.0.1"],  # every resolved address is checked
+    ],
+)
+def test_url_refused_for_non_public_addresses(dns, addresses):
+    dns["media.example.com"] = addresses
+    server = Server({"/ref.wav": httpx.Response(200, content=WAV)})
+    message = rejects("http://media.example.com/ref.wav", URL_POLICY, transport=server.transport)
+    assert "only public addresses" in message
+    assert not server.requests
+
+
+def test_literal_private_ip_refused_even_when_allowed(dns):
+    dns["127.0.0.1"] = ["127.0.0.1"]
+    policy = MediaPolicy(allowed_media_domains=("127.0.0.1",))
+    rejects("http://127.0.0.1:8080/ref.wav", policy, transport=Server({}).transport)
+
+
+def test_redirect_to_another_host_refused(dns):
+    dns["media.example.com"] = dns["other.example.net"] = [PUBLIC_IP]
+    moved = httpx.Response(302, headers={"Location": "https://other.example.net/ref.wav"})
+    server = Server({"/ref.wav": moved})
+    policy = MediaPolicy(allowed_media_domains=("media.example.com", "other.example.net"))
+    message = rejects("https://media.example.com/ref.wav", policy, transport=server.transport)
+    assert "only redirects within the same host" in message
+    assert [r.url.path for r in server.requests] == ["/ref.wav"]
+
+
+def test_redirects_within_the_host_are_followed_and_bounded(dns):
+    dns["media.example.com"] = [PUBLIC_IP]
+    server = Server(
+        {
+            "/a": httpx.Response(301, headers={"Location": "/b"}),
+            "/b": httpx.Response(307, headers={"Location": "https://media.example.com/ref.wav"}),
+            "/ref.wav": httpx.Response(200, content=WAV),
+            "/loop": httpx.Response(302, headers={"Location": "/loop"}),
+            "/down": httpx.Response(302, headers={"Location": "http://media.example.com/ref.wav"}),
+        }
+    )
+    assert_tone(load_reference_audio("https://media.example.com/a", URL_POLICY, transport=server.transport))  # fmt: skip
+    assert dns.looked_up == ["media.example.com"] * 3  # re-checked at each hop
+    assert "more than 3 redirects" in rejects(
+        "https://media.example.com/loop", URL_POLICY, transport=server.transport
+    )
+    rejects("https://media.example.com/down", URL_POLICY, transport=server.transport)
+
+
+def test_url_body_is_capped_while_streaming(dns):
+    dns["media.example.com"] = [PUBLIC_IP]
+    sent: list[int] = []
+
+    def chunks():
+        for i in range(1000):
+            sent.append(i)
+            yield b"\0" * 1024
+
+    policy = MediaPolicy(allowed_media_domains=("media.example.com",), max_bytes=10 * 1024)
+    server = Server({"/big": httpx.Response(200, content=chunks())})
+    rejects("https://media.example.com/big", policy, status=413, transport=server.transport)
+    assert len(sent) <= 12  # stopped right after the cap, not after reading everything
+    declared = httpx.Response(200, headers={"Content-Length": str(10**9)}, content=b"")
+    server = Server({"/declared": declared})
+    rejects("https://media.example.com/declared", policy, status=413, transport=server.transport)
+
+
+def test_url_total_time_limit(dns):
+    dns["media.example.com"] = [PUBLIC_IP]
+
+    def slow():
+        for _ in range(50):
+            time.sleep(0.05)
+            yield b"\0" * 10
+
+    policy = MediaPolicy(allowed_media_domains=("media.example.com",), fetch_timeout_s=0.2)
+    server = Server({"/slow": httpx.Response(200, content=slow())})
+    started = time.monotonic()
+    message = rejects("https://media.example.com/slow", policy, transport=server.transport)
+    assert "longer than the limit of 0.2 s" in message
+    assert time.monotonic() - started < 1.0
+
+
+def test_url_http_error_and_bad_urls(dns):
+    dns["media.example.com"] = [PUBLIC_IP]
+    server = Server({})
+    assert "HTTP 404" in rejects("https://media.example.com/none", URL_POLICY, transport=server.transport)  # fmt: skip
+    assert "cannot resolve" in rejects(
+        "https://x.media.example.com/", URL_POLICY, transport=server.transport
+    )
+    rejects("https:///nohost", URL_POLICY, transport=server.transport)

@@ -1,0 +1,630 @@
+"""Wire models, parsing, capability validation, error envelopes and SSE formatting."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from omnistage.errors import (
+    OmnistageError,
+    PayloadTooLargeError,
+    PipelineUnhealthyError,
+    QueueFullError,
+    RequestAbortedError,
+    RequestTimeoutError,
+    RequestValidationError,
+    StageFailureError,
+)
+from omnistage.serve.protocol import (
+    WIRE_FIELDS,
+    ErrorEvent,
+    SpeechAudioDelta,
+    SpeechAudioDone,
+    SpeechCapabilities,
+    SpeechRequest,
+    SpeechUsage,
+    body_too_large,
+    error_envelope,
+    model_list,
+    not_found_envelope,
+    parse_speech_request,
+    request_error_from_validation,
+    sse_event,
+    unauthorized_envelope,
+    validate_speech_request,
+    voices_response,
+)
+
+QWEN = SpeechCapabilities(
+    model_names=("qwen3-tts", "Qwen/Qwen3-TTS"),
+    model_type="qwen3_tts",
+    supported_fields=frozenset(
+        {
+            "speed", "language", "instructions", "task_type", "ref_audio", "ref_text",
+            "references", "x_vector_only_mode", "initial_codec_chunk_frames",
+            "max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed",
+        }
+    ),
+    voices=("joe", "amy"),
+    default_voice="joe",
+    languages=("auto", "English", "Chinese"),
+    task_types=("Base", "CustomVoice"),
+    sample_rate=24000,
+    max_input_chars=50,
+    speed_range=(0.5, 2.0),
+)  # fmt: skip
+
+PIPER = SpeechCapabilities(
+    model_names=("piper",),
+    model_type="piper",
+    default_voice="lessac",
+    sample_rate=22050,
+    extra_generation_params={"noise_scale": (0.0, math.inf), "noise_w": (0.0, 1.0)},
+    response_formats=frozenset({"wav", "pcm"}),
+)
+
+
+def rejects(param: str | None, fn, *args) -> RequestValidationError:
+    with pytest.raises(RequestValidationError) as info:
+        fn(*args)
+    assert info.value.param == param, str(info.value)
+    assert info.value.http_status == 400
+    return info.value
+
+
+def valid(body: dict, caps: SpeechCapabilities = QWEN) -> SpeechRequest:
+    req = parse_speech_request(body, caps)
+    validate_speech_request(req, caps)
+    return req
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_minimal_request_defaults():
+    req = parse_speech_request(b'{"input": "hello"}')
+    assert req.input == "hello"
+    assert req.response_format == "wav"
+    assert req.speed == 1.0
+    assert req.stream is False and req.stream_format == "audio" and not req.streaming
+    assert req.voice is None and req.extra_params == {}
+    assert req.explicit_generation_params == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "value"),
+    [
+        ({"text": "hi"}, "input", "hi"),
+        ({"input": "hi", "speaker": "amy"}, "voice", "amy"),
+        ({"text": "hi", "input": "hi"}, "input", "hi"),
+        ({"input": "hi", "voice": "amy", "speaker": "amy"}, "voice", "amy"),
+    ],
+)
+def test_aliases(body, field, value):
+    req = parse_speech_request(body)
+    assert getattr(req, field) == value
+    assert field in req.model_fields_set
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "a", "text": "b"}, "input"),
+        ({"input": "a", "voice": "joe", "speaker": "amy"}, "voice"),
+    ],
+)
+def test_conflicting_aliases_rejected(body, param):
+    err = rejects(param, parse_speech_request, body)
+    assert "alias" in str(err)
+
+
+def test_unknown_field_rejected_with_its_name():
+    err = rejects("foo", parse_speech_request, {"input": "hi", "foo": 1})
+    assert "unknown field 'foo'" in str(err)
+
+
+def test_undeclared_extra_param_rejected_even_if_another_model_declares_it():
+    rejects("noise_scale", parse_speech_request, {"input": "hi", "noise_scale": 0.5}, QWEN)
+    rejects("noise_scale", parse_speech_request, {"input": "hi", "noise_scale": 0.5})
+
+
+def test_unknown_field_hint_lists_model_specific_params():
+    err = rejects("noise", parse_speech_request, {"input": "hi", "noise": 0.5}, PIPER)
+    assert "noise_scale, noise_w" in str(err)
+
+
+def test_extra_params_key_itself_is_not_a_wire_field():
+    body = {"input": "hi", "extra_params": {"noise_scale": 0.5}}
+    rejects("extra_params", parse_speech_request, body, PIPER)
+
+
+def test_declared_extra_params_are_typed_and_explicit():
+    req = valid({"input": "hi", "noise_scale": 1, "noise_w": 0.25}, PIPER)
+    assert req.extra_params == {"noise_scale": 1.0, "noise_w": 0.25}
+    assert isinstance(req.extra_params["noise_scale"], float)
+    assert req.explicit_generation_params == {"noise_scale", "noise_w"}
+    assert "noise_w" not in req.model_fields_set  # the wire field is not a model field
+
+
+@pytest.mark.parametrize("value", ["0.5", True, None, [0.5]])
+def test_extra_param_bad_type_named_as_sent(value):
+    err = rejects("noise_w", parse_speech_request, {"input": "hi", "noise_w": value}, PIPER)
+    assert str(err).startswith("noise_w: ")
+
+
+def test_explicit_generation_params_only_set_non_null():
+    req = parse_speech_request({"input": "hi", "seed": 0, "top_p": 0.9, "temperature": None})
+    assert req.explicit_generation_params == {"seed", "top_p"}
+    assert req.temperature is None
+
+
+@pytest.mark.parametrize("top_k", [-1, 0])
+def test_top_k_disabled_is_stored_as_zero(top_k):
+    req = parse_speech_request({"input": "hi", "top_k": top_k})
+    assert req.top_k == 0
+    assert "top_k" in req.explicit_generation_params
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "fragment"),
+    [
+        ("speed", 4.5, "less than or equal to 4"),
+        ("speed", 0.1, "greater than or equal to 0.25"),
+        ("speed", "fast", "valid number"),
+        ("temperature", -0.1, "greater than or equal to 0"),
+        ("top_p", 0, "greater than 0"),
+        ("top_p", 1.5, "less than or equal to 1"),
+        ("top_k", -2, "greater than or equal to -1"),
+        ("repetition_penalty", 0, "greater than 0"),
+        ("max_new_tokens", 0, "greater than or equal to 1"),
+        ("max_new_tokens", 1.5, "valid integer"),
+        ("seed", -1, "greater than or equal to 0"),
+        ("seed", 2**64, "less than or equal to"),
+        ("initial_codec_chunk_frames", -1, "greater than or equal to 0"),
+        ("stream", "yes", "valid boolean"),
+        ("stream_format", "ws", "'audio' or 'sse'"),
+        ("response_format", "ogg", "'wav', 'pcm', 'flac', 'mp3', 'opus' or 'aac'"),
+        ("input", 5, "valid string"),
+        ("ref_audio", "", "at least 1 character"),
+        ("speed", math.inf, "finite number"),
+    ],
+)
+def test_field_errors_name_the_field(field, value, fragment):
+    body = {"input": "hi", field: value}
+    err = rejects(field, parse_speech_request, body)
+    assert str(err).startswith(f"{field}: ")
+    assert fragment in str(err)
+
+
+def test_nested_error_location_is_dotted():
+    body = {"input": "hi", "references": [{"audio": "a"}, {"audio": "b", "txt": "x"}]}
+    err = rejects("references.1.txt", parse_speech_request, body)
+    assert str(err) == "references.1.txt: unknown field"
+
+
+def test_missing_input():
+    err = rejects("input", parse_speech_request, {"voice": "joe"})
+    assert "Field required" in str(err)
+
+
+@pytest.mark.parametrize(
+    "raw", [b"", b"{", b"[1, 2]", b'"hi"', b"null", b"\xff\xfe\x00", b"[" * 100_000, "{'a': 1}"]
+)
+def test_malformed_bodies_are_400_without_param(raw):
+    err = rejects(None, parse_speech_request, raw)
+    assert "JSON" in str(err)
+
+
+def test_multiple_errors_are_counted():
+    err = rejects("speed", parse_speech_request, {"input": "hi", "speed": 9, "top_p": 9})
+    assert str(err).endswith("(and 1 more error)")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def test_full_request_accepted():
+    req = valid(
+        {
+            "model": "Qwen/Qwen3-TTS", "input": "hello", "voice": "amy", "language": "English",
+            "task_type": "Base", "speed": 1.5, "instructions": "calm", "ref_audio": "a.wav",
+            "ref_text": "hi", "x_vector_only_mode": True, "initial_codec_chunk_frames": 0,
+            "max_new_tokens": 100, "temperature": 0.0, "top_p": 1, "top_k": 50,
+            "repetition_penalty": 1.1, "seed": 3, "stream": True, "response_format": "pcm",
+        }
+    )  # fmt: skip
+    assert req.streaming and req.voice == "amy"
+
+
+def test_unknown_model():
+    err = rejects("model", validate_speech_request, SpeechRequest(input="hi", model="x"), QWEN)
+    assert "available models: qwen3-tts, Qwen/Qwen3-TTS" in str(err)
+
+
+@pytest.mark.parametrize("text", ["", "   ", "\n\t"])
+def test_empty_input(text):
+    rejects("input", valid, {"input": text})
+
+
+def test_input_length_cap():
+    valid({"input": "x" * 50})
+    err = rejects("input", valid, {"input": "x" * 51})
+    assert "51 characters; the maximum is 50" in str(err)
+
+
+def test_unsupported_field_lists_supported_fields():
+    err = rejects("language", valid, {"input": "hi", "language": "English"}, PIPER)
+    assert "field 'language' is not supported by model 'piper'" in str(err)
+    assert "supported fields: input, model, noise_scale, noise_w, response_format" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("speed", 1.5), ("seed", 0), ("instructions", ""), ("references", [{"audio": "a"}])],
+)
+def test_each_unsupported_field_is_named(field, value):
+    rejects(field, valid, {"input": "hi", field: value}, PIPER)
+
+
+def test_default_valued_fields_are_no_ops_on_any_model():
+    valid({"input": "hi", "speed": 1.0, "x_vector_only_mode": False, "references": []}, PIPER)
+    valid({"input": "hi", "language": None, "seed": None}, PIPER)
+
+
+def test_voice_not_available_lists_voices():
+    err = rejects("voice", valid, {"input": "hi", "voice": "bob"})
+    assert str(err) == "voice 'bob' is not available; available voices: joe, amy"
+
+
+def test_default_only_voice():
+    assert valid({"input": "hi", "voice": "lessac"}, PIPER).voice == "lessac"
+    err = rejects("voice", valid, {"input": "hi", "voice": "bob"}, PIPER)
+    assert "available voices: lessac" in str(err)
+
+
+def test_voiceless_model_rejects_any_voice():
+    caps = SpeechCapabilities(model_names=("m",), model_type="t", sample_rate=16000)
+    valid({"input": "hi"}, caps)
+    err = rejects("voice", valid, {"input": "hi", "voice": "joe"}, caps)
+    assert "does not accept a voice" in str(err)
+
+
+def test_voice_required_without_default():
+    caps = SpeechCapabilities(model_names=("m",), model_type="t", voices=("a",), sample_rate=1)
+    err = rejects("voice", valid, {"input": "hi"}, caps)
+    assert "voice is required; available voices: a" in str(err)
+
+
+def test_language_and_task_type_choices():
+    err = rejects("language", valid, {"input": "hi", "language": "French"})
+    assert "available languages: auto, English, Chinese" in str(err)
+    err = rejects("task_type", valid, {"input": "hi", "task_type": "VoiceDesign"})
+    assert "available task types: Base, CustomVoice" in str(err)
+
+
+def test_speed_range_of_model():
+    valid({"input": "hi", "speed": 2.0})
+    err = rejects("speed", valid, {"input": "hi", "speed": 2.5})
+    assert "range 0.5..2.0" in str(err)
+
+
+def test_response_formats_of_model():
+    err = rejects("response_format", valid, {"input": "hi", "response_format": "mp3"}, PIPER)
+    assert "available response formats: pcm, wav" in str(err)
+
+
+@pytest.mark.parametrize("body", [{"stream": True}, {"stream_format": "sse"}])
+def test_streaming_formats(body):
+    assert valid({"input": "hi", "response_format": "pcm", **body}).streaming
+    err = rejects("response_format", valid, {"input": "hi", "response_format": "mp3", **body})
+    assert "streaming response formats: pcm, wav" in str(err)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"ref_audio": "a", "references": [{"audio": "b"}]}, "references"),
+        ({"ref_text": "words"}, "ref_text"),
+        ({"x_vector_only_mode": True}, "x_vector_only_mode"),
+        ({"instructions": "x" * 51}, "instructions"),
+        ({"ref_audio": "a", "ref_text": "x" * 51}, "ref_text"),
+        ({"references": [{"audio": "a", "text": "x" * 51}]}, "references.0.text"),
+    ],
+)
+def test_reference_consistency(body, param):
+    rejects(param, valid, {"input": "hi", **body})
+
+
+def test_x_vector_mode_with_references():
+    valid({"input": "hi", "references": [{"audio": "a"}], "x_vector_only_mode": True})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"), [("noise_w", 1.01), ("noise_w", -0.1), ("noise_scale", -1)]
+)
+def test_extra_param_range(name, value):
+    err = rejects(name, valid, {"input": "hi", name: value}, PIPER)
+    assert "outside the allowed range" in str(err)
+
+
+def test_extra_param_unbounded_side():
+    assert valid({"input": "hi", "noise_scale": 1e9}, PIPER).extra_params["noise_scale"] == 1e9
+
+
+def test_python_built_request_with_undeclared_extra_is_rejected():
+    req = SpeechRequest(input="hi", extra_params={"noise_scale": 0.5})
+    validate_speech_request(req, PIPER)
+    err = rejects("noise_scale", validate_speech_request, req, QWEN)
+    assert "none" in str(err)
+
+
+# --------------------------------------------------------------------------- capabilities
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"supported_fields": frozenset({"speeed"})},
+        {"supported_fields": frozenset({"input"})},
+        {"voices": ("a",), "default_voice": "b"},
+        {"supported_fields": frozenset({"language"})},
+        {"supported_fields": frozenset({"task_type"})},
+        {"speed_range": (1.5, 2.0)},
+        {"speed_range": (0.1, 2.0)},
+        {"extra_generation_params": {"temperature": (0, 1)}},
+        {"extra_generation_params": {"text": (0, 1)}},
+        {"extra_generation_params": {"bad-name": (0, 1)}},
+        {"extra_generation_params": {"x": (1, 0)}},
+        {"extra_generation_params": {"x": (math.nan, 1)}},
+        {"response_formats": frozenset({"mp3"})},
+        {"model_names": ()},
+        {"sample_rate": 0},
+    ],
+)
+def test_inconsistent_capabilities_rejected_at_build(kwargs):
+    base = {"model_names": ("m",), "model_type": "t", "sample_rate": 16000}
+    with pytest.raises(ValidationError):
+        SpeechCapabilities(**{**base, **kwargs})
+
+
+def test_capabilities_are_frozen():
+    with pytest.raises(ValidationError):
+        QWEN.sample_rate = 1
+
+
+# --------------------------------------------------------------------------- responses
+
+
+def test_voices_response():
+    body = voices_response(PIPER).model_dump(mode="json")
+    assert body == {
+        "model": "piper",
+        "model_type": "piper",
+        "voices": [],
+        "default_voice": "lessac",
+        "languages": [],
+        "task_types": [],
+        "supported_fields": [
+            "input", "model", "noise_scale", "noise_w", "response_format", "stream",
+            "stream_format", "voice",
+        ],
+        "extra_generation_params": {
+            "noise_scale": {"min": 0.0, "max": None},
+            "noise_w": {"min": 0.0, "max": 1.0},
+        },
+        "response_formats": ["pcm", "wav"],
+        "sample_rate": 22050,
+        "max_input_chars": 4096,
+    }  # fmt: skip
+    assert voices_response(QWEN).voices == ["joe", "amy"]
+
+
+def test_model_list_openai_shape():
+    body = model_list(QWEN, created=1700000000).model_dump(mode="json")
+    assert body == {
+        "object": "list",
+        "data": [
+            {"id": "qwen3-tts", "object": "model", "created": 1700000000, "owned_by": "omnistage"},
+            {
+                "id": "Qwen/Qwen3-TTS",
+                "object": "model",
+                "created": 1700000000,
+                "owned_by": "omnistage",
+            },
+        ],
+    }
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "etype", "param"),
+    [
+        (RequestValidationError("bad voice", param="voice"), 400, "invalid_request_error", "voice"),
+        (PayloadTooLargeError("too big"), 413, "invalid_request_error", None),
+        (QueueFullError(8), 503, "queue_full", None),
+        (PipelineUnhealthyError("stage died"), 503, "service_unavailable", None),
+        (RequestTimeoutError("late"), 504, "timeout", None),
+        (StageFailureError("talker", "RuntimeError: x"), 500, "stage_failure", None),
+        (RequestAbortedError("gone"), 499, "aborted", None),
+        (OmnistageError("base"), 500, "server_error", None),
+    ],
+)
+def test_error_envelope_by_type(exc, status, etype, param):
+    got_status, body = error_envelope(exc)
+    assert got_status == status
+    assert body == {"error": {"message": str(exc), "type": etype, "param": param, "code": status}}
+
+
+def test_error_envelope_hides_unexpected_exceptions():
+    status, body = error_envelope(KeyError("secret internals"))
+    assert status == 500
+    assert "secret" not in json.dumps(body)
+    assert body["error"]["type"] == "server_error"
+
+
+def test_error_envelope_converts_pydantic_errors():
+    with pytest.raises(ValidationError) as info:
+        SpeechRequest.model_validate({"input": "hi", "speed": 5})
+    status, body = error_envelope(info.value)
+    assert status == 400
+    assert body["error"]["param"] == "speed"
+    assert body["error"]["message"] == "speed: Input should be less than or equal to 4"
+    assert request_error_from_validation(info.value).param == "speed"
+
+
+def test_auth_not_found_and_too_large_helpers():
+    assert unauthorized_envelope() == (
+        401,
+        {"error": {"message": "invalid or missing API key", "type": "authentication_error",
+                   "param": None, "code": 401}},
+    )  # fmt: skip
+    status, body = not_found_envelope("no route /v1/x")
+    assert (status, body["error"]["type"], body["error"]["message"]) == (
+        404, "not_found_error", "no route /v1/x",
+    )  # fmt: skip
+    status, body = error_envelope(body_too_large(1024, size_bytes=2048))
+    assert status == 413
+    assert body["error"]["message"] == "request body (2048 bytes) exceeds the limit of 1024 bytes"
+
+
+# --------------------------------------------------------------------------- SSE
+
+
+def parse_sse(frame: bytes) -> dict:
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    assert frame.count(b"\n") == 2
+    return json.loads(frame[len(b"data: ") : -2])
+
+
+def test_sse_delta_round_trips_audio():
+    chunk = bytes(range(256)) + b"\n\n"
+    event = parse_sse(sse_event(SpeechAudioDelta.from_bytes(chunk)))
+    assert event["type"] == "speech.audio.delta"
+    assert base64.b64decode(event["audio"]) == chunk
+
+
+def test_sse_done():
+    done = SpeechAudioDone(
+        usage=SpeechUsage(input_characters=5, output_audio_seconds=1.25), finish_reason="stop"
+    )
+    event = parse_sse(sse_event(done))
+    assert event["type"] == "speech.audio.done"
+    assert event["finish_reason"] == "stop"
+    assert event["usage"]["input_characters"] == 5
+    assert event["usage"]["output_audio_seconds"] == 1.25
+
+
+def test_sse_error_event():
+    event = parse_sse(sse_event(ErrorEvent.from_exception(RequestTimeoutError("late"))))
+    assert event == {
+        "type": "error",
+        "error": {"message": "late", "type": "timeout", "param": None, "code": 504},
+    }
+
+
+def test_sse_event_of_mapping_keeps_text_on_one_line():
+    event = parse_sse(sse_event({"type": "x", "text": "line1\nline2 ü"}))
+    assert event["text"] == "line1\nline2 ü"
+
+
+# --------------------------------------------------------------------------- fuzzing
+
+json_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=60)
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+known_keys = st.sampled_from(sorted(WIRE_FIELDS | {"noise_scale", "noise_w", "extra_params"}))
+keys = st.one_of([known_keys] * 4 + [st.text(max_size=12)])  # mostly known field names
+names = st.sampled_from(["joe", "amy", "lessac", "bob", "auto", "English", "Base", ""])
+reference = st.fixed_dictionaries({"audio": st.text(max_size=3)}, optional={"text": st.text()})
+# Well-typed values per field, so the fuzzer also reaches the model-level checks.
+plausible = {
+    "input": st.text(max_size=80),
+    "model": st.sampled_from(["piper", "qwen3-tts", "gpt-4o-mini-tts"]),
+    "voice": names,
+    "language": names,
+    "task_type": names,
+    "speed": st.floats(0, 5),
+    "stream": st.booleans(),
+    "stream_format": st.sampled_from(["audio", "sse"]),
+    "response_format": st.sampled_from(["wav", "pcm", "mp3"]),
+    "ref_audio": st.text(max_size=3),
+    "ref_text": st.text(max_size=3),
+    "references": st.lists(reference, max_size=2),
+    "x_vector_only_mode": st.booleans(),
+    "temperature": st.floats(-1, 3),
+    "top_k": st.integers(-3, 100),
+    "seed": st.integers(-5, 2**64),
+    "noise_scale": st.floats(-1, 3),
+    "noise_w": st.floats(-1, 3),
+}
+
+
+@st.composite
+def bodies(draw) -> dict:
+    body = {"input": "hello"} if draw(st.booleans()) else {}
+    for key in draw(st.lists(keys, max_size=6)):
+        typed = plausible.get(key)
+        body[key] = draw(typed if typed is not None and draw(st.booleans()) else json_values)
+    return body
+
+
+caps_choice = st.sampled_from([QWEN, PIPER])
+
+
+def parse_and_validate(body, caps) -> None:
+    try:
+        validate_speech_request(parse_speech_request(body, caps), caps)
+    except RequestValidationError as exc:
+        assert exc.http_status == 400
+        assert exc.param is None or isinstance(exc.param, str)
+        assert str(exc)
+
+
+@settings(max_examples=400, deadline=None)
+@given(body=bodies(), caps=caps_choice)
+def test_fuzz_dicts_only_raise_request_validation_error(body, caps):
+    parse_and_validate(body, caps)
+
+
+@settings(max_examples=200, deadline=None)
+@given(body=bodies(), caps=caps_choice)
+def test_fuzz_json_bytes_only_raise_request_validation_error(body, caps):
+    try:
+        raw = json.dumps(body).encode()
+    except ValueError:
+        return
+    parse_and_validate(raw, caps)
+    parse_and_validate(raw[: len(raw) // 2], caps)
+
+
+@settings(max_examples=200, deadline=None)
+@given(raw=st.binary(max_size=200) | json_values.map(lambda v: json.dumps(v).encode()))
+def test_fuzz_arbitrary_bodies(raw):
+    parse_and_validate(raw, PIPER)
+
+
+@settings(max_examples=200, deadline=None)
+@given(input_=st.text(min_size=1, max_size=50).filter(str.strip), seed=st.integers(0, 2**63 - 1))
+def test_fuzz_valid_requests_accepted(input_, seed):
+    req = valid({"text": input_, "seed": seed, "voice": "amy"})
+    assert (req.input, req.seed) == (input_, seed)
+    assert req.explicit_generation_params == {"seed"}
