@@ -1,0 +1,250 @@
+"""The HTTP server end to end, with the deterministic tone model behind a real uvicorn."""
+
+import base64
+import io
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import av
+import httpx
+import numpy as np
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from omnistage.serve.app import ServerSettings, create_app
+from omnistage.serve.audio import float_to_s16
+from omnistage.testing.tone import SAMPLE_RATE, ToneConfig, ToneRequest, tone_samples
+from tests.serve.conftest import serve
+
+
+def expected_pcm(text: str, voice: str = "sine", speed: float = 1.0) -> bytes:
+    chunks = tone_samples(ToneRequest(text, voice, speed, 10_000, 0.0))
+    return float_to_s16(np.concatenate(chunks)).tobytes()
+
+
+def speech(server, body: dict, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/audio/speech", json=body, timeout=30, **kwargs)
+
+
+def decoded_samples(data: bytes) -> int:
+    with av.open(io.BytesIO(data)) as container:
+        return sum(frame.samples for frame in container.decode(audio=0))
+
+
+def wait_idle(server, timeout=5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.speech.pipeline.coordinator.in_flight and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.speech.pipeline.coordinator.in_flight == 0
+
+
+# ----------------------------------------------------------------- OpenAI SDK
+def test_openai_sdk_non_streaming_returns_exact_audio(tone_server):
+    client = openai.OpenAI(base_url=f"{tone_server.base_url}/v1", api_key="unused")
+    audio = client.audio.speech.create(model="tone-test", voice="square", input="hello", response_format="pcm")
+    assert audio.content == expected_pcm("hello", "square")
+
+
+def test_openai_sdk_streaming_equals_non_streaming(tone_server):
+    client = openai.OpenAI(base_url=f"{tone_server.base_url}/v1", api_key="unused")
+    whole = client.audio.speech.create(model="tone-test", voice="sine", input="stream me", response_format="pcm")
+    with client.audio.speech.with_streaming_response.create(
+        model="tone-test", voice="sine", input="stream me", response_format="pcm", extra_body={"stream": True}
+    ) as response:
+        assert response.headers["x-sample-rate"] == str(SAMPLE_RATE)
+        streamed = b"".join(response.iter_bytes(chunk_size=333))
+    assert streamed == whole.content == expected_pcm("stream me")
+
+
+def test_sse_stream_sends_deltas_then_done(tone_server):
+    response = speech(tone_server, {"input": "sse", "stream_format": "sse"})
+    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["speech.audio.delta"] * 3 + ["speech.audio.done"]
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert pcm == expected_pcm("sse")
+    assert events[-1]["finish_reason"] == "stop"
+    assert events[-1]["usage"]["output_audio_seconds"] == pytest.approx(0.15)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus", "aac"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_format_decodes_to_the_expected_sample_count(tone_server, fmt, stream):
+    response = speech(tone_server, {"input": "formats!", "response_format": fmt, "stream": stream})
+    assert response.status_code == 200, response.text
+    expected = len(expected_pcm("formats!")) // 2
+    if fmt == "pcm":
+        assert len(response.content) // 2 == expected
+        return
+    count = decoded_samples(response.content)
+    if fmt in ("wav", "flac"):
+        assert count == expected
+    elif fmt == "opus":  # encoded at 48 kHz
+        assert count == expected * 48000 // SAMPLE_RATE
+    else:  # encoder priming + padding of one frame at most (mp3: 1105+576, aac: 1024+1024)
+        assert expected <= count <= expected + 2048
+
+
+def test_non_streaming_headers_report_finish_reason_and_counts(tone_server):
+    response = speech(tone_server, {"input": "abcdef", "max_new_tokens": 3, "response_format": "pcm"})
+    assert response.status_code == 200
+    assert response.headers["x-finish-reason"] == "length"
+    assert response.headers["x-audio-frames"] == "3"
+    assert response.headers["x-sample-rate"] == str(SAMPLE_RATE)
+    assert int(response.headers["x-audio-samples"]) == len(response.content) // 2
+    assert response.headers["x-request-id"]
+
+
+# ---------------------------------------------------------------- status codes
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"input": "hi", "voice": "bob"}, "voice"),
+        ({"input": "   "}, "input"),
+        ({"input": "hi", "speed": 9}, "speed"),
+        ({"input": "hi", "temperature": 0.5}, "temperature"),
+        ({"input": "hi", "bogus": 1}, "bogus"),
+        ({"input": "hi", "response_format": "ogg"}, "response_format"),
+        ({"input": "x" * 501}, "input"),
+        ({"text": "hi", "input": "ho"}, "input"),
+    ],
+)
+def test_bad_fields_are_400_naming_the_field(tone_server, body, param):
+    response = speech(tone_server, body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_400(tone_server):
+    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=b"{not json", timeout=10)
+    assert response.status_code == 400 and "error" in response.json()
+
+
+def test_unknown_route_is_404_in_the_envelope(tone_server):
+    response = httpx.get(f"{tone_server.base_url}/v1/nothing")
+    assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
+
+
+def test_oversized_body_is_413(tone_server):
+    response = speech(tone_server, {"input": "hi", "ref_audio": "A" * 100_000})
+    assert response.status_code == 413
+
+
+def test_stage_failure_is_500_and_serving_goes_on(tone_server):
+    response = speech(tone_server, {"input": "FAIL"})
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "stage_failure"
+    assert speech(tone_server, {"input": "ok", "response_format": "pcm"}).content == expected_pcm("ok")
+
+
+def test_streaming_failure_before_first_audio_is_a_json_error(tone_server):
+    response = speech(tone_server, {"input": "FAIL", "stream": True})
+    assert response.status_code == 500 and response.json()["error"]["type"] == "stage_failure"
+
+
+def test_streaming_failure_after_first_audio_truncates_the_stream(tone_server):
+    with pytest.raises(httpx.RemoteProtocolError):
+        speech(tone_server, {"input": "LATEFAIL", "stream": True, "response_format": "pcm"})
+
+
+def test_sse_failure_after_first_audio_sends_error_and_no_done(tone_server):
+    response = speech(tone_server, {"input": "LATEFAIL", "stream_format": "sse"})
+    types = [json.loads(line[6:])["type"] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert types == ["speech.audio.delta", "error"]
+
+
+def test_queue_full_is_503(tone_server):
+    body = {"input": "slow", "delay_s": 0.1, "response_format": "pcm"}
+    with ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(speech, tone_server, body) for _ in range(4)]
+        deadline = time.monotonic() + 5
+        while tone_server.speech.pipeline.coordinator.in_flight < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rejected = speech(tone_server, {"input": "one more"})
+        assert rejected.status_code == 503 and rejected.json()["error"]["type"] == "queue_full"
+        assert all(f.result().status_code == 200 for f in busy)
+    wait_idle(tone_server)
+
+
+def test_client_disconnect_aborts_the_request(tone_server):
+    body = {"input": "x" * 40, "delay_s": 0.05, "stream": True, "response_format": "pcm"}
+    with httpx.stream("POST", f"{tone_server.base_url}/v1/audio/speech", json=body, timeout=30) as response:
+        next(response.iter_bytes())
+    wait_idle(tone_server)
+    metrics = httpx.get(f"{tone_server.base_url}/metrics").text
+    assert 'omnistage_requests_total{finish_reason="abort",status="499"}' in metrics
+
+
+def test_auth_is_required_on_v1_only(auth_server):
+    assert speech(auth_server, {"input": "hi"}).status_code == 401
+    assert speech(auth_server, {"input": "hi"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    ok = speech(auth_server, {"input": "hi"}, headers={"Authorization": "Bearer sekret"})
+    assert ok.status_code == 200
+    assert httpx.get(f"{auth_server.base_url}/health").status_code == 200
+    client = openai.OpenAI(base_url=f"{auth_server.base_url}/v1", api_key="sekret")
+    assert client.models.list().data[0].id == "tone-test"
+
+
+# --------------------------------------------------------------- other routes
+def test_models_voices_and_metrics(tone_server):
+    models = httpx.get(f"{tone_server.base_url}/v1/models").json()
+    assert models["data"][0]["id"] == "tone-test"
+    voices = httpx.get(f"{tone_server.base_url}/v1/audio/voices").json()
+    assert voices["voices"] == ["sine", "square"] and voices["sample_rate"] == SAMPLE_RATE
+    speech(tone_server, {"input": "metrics"})
+    metrics = httpx.get(f"{tone_server.base_url}/metrics").text
+    for name in ["omnistage_time_to_first_audio_seconds", "omnistage_request_latency_seconds",
+                 "omnistage_requests_in_flight", 'omnistage_stage_batch_size_bucket{le="1.0",stage="tone"}',
+                 'omnistage_stage_queue_depth{stage="tone"}']:
+        assert name in metrics
+
+
+@pytest.mark.anyio
+async def test_health_is_503_until_started():
+    app = create_app(ToneConfig.for_model_path("tone-test"))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
+        response = await client.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "starting"
+
+
+def test_dead_stage_process_makes_health_503():
+    config = ToneConfig.for_model_path("tone-test")
+    config.stages[0].process = "synth"
+    gen = serve(ServerSettings(warmup=False), stages=config.stages, process_death_timeout_s=0.4)
+    server = next(gen)
+    try:
+        assert speech(server, {"input": "hi", "response_format": "pcm"}).content == expected_pcm("hi")
+        server.speech.pipeline.processes["synth"].kill()
+        time.sleep(1.0)
+        health = httpx.get(f"{server.base_url}/health")
+        assert health.status_code == 503 and "synth" in health.json()["reason"]
+        assert speech(server, {"input": "hi"}).status_code == 503
+    finally:
+        gen.close()
+
+
+# ---------------------------------------------------------------------- fuzz
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=10), children, max_size=3),
+    max_leaves=8,
+)
+speech_fields = st.sampled_from(
+    ["input", "text", "voice", "speaker", "response_format", "speed", "stream", "stream_format", "model",
+     "max_new_tokens", "seed", "references", "ref_audio", "delay_s", "language", "top_k", "junk"]
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(speech_fields, json_values, max_size=6) | json_values)
+def test_fuzzed_bodies_never_cause_a_500(tone_server, body):
+    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=json.dumps(body), timeout=30)
+    assert response.status_code != 500, response.text
+    assert response.status_code in (200, 400, 413, 503)
+
+
+def test_server_still_serves_after_fuzzing(tone_server):
+    assert speech(tone_server, {"input": "alive", "response_format": "pcm"}).content == expected_pcm("alive")
