@@ -1,0 +1,66 @@
+"""Model discovery and resolution."""
+
+import json
+
+import pytest
+
+from omnistage.config.registry import ModelRegistry, RegistryError
+from omnistage.models.piper.config import PiperVoiceConfig
+from omnistage.models.piper.modeling import default_voice_path
+from omnistage.testing.tone import ToneConfig
+
+
+class LongTone(ToneConfig):
+    """A variant: same model, longer admission queue."""
+
+    @classmethod
+    def for_model_path(cls, model_path):
+        return super().for_model_path(model_path).model_copy(update={"max_concurrent_requests": 512})
+
+
+def registry() -> ModelRegistry:
+    reg = ModelRegistry.discover()
+    reg.register(ToneConfig, {"long": LongTone})
+    return reg
+
+
+def test_discovery_finds_the_piper_voice_as_default():
+    config = ModelRegistry.discover().resolve(None)
+    assert isinstance(config, PiperVoiceConfig)
+    assert config.model_path == str(default_voice_path())
+
+
+def test_resolves_embedded_names_aliases_and_onnx_files():
+    reg = registry()
+    assert isinstance(reg.resolve("tone-test"), ToneConfig)
+    assert isinstance(reg.resolve("tone"), ToneConfig)
+    assert isinstance(reg.resolve(str(default_voice_path())), PiperVoiceConfig)
+
+
+def test_resolves_a_checkpoint_dir_by_config_architectures(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["ToneGenerator"]}))
+    assert isinstance(registry().resolve(str(tmp_path)), ToneConfig)
+
+
+def test_unknown_architecture_lists_the_known_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Nope"]}))
+    with pytest.raises(RegistryError, match="ToneGenerator"):
+        registry().resolve(str(tmp_path))
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        registry().resolve(str(tmp_path / "missing"))
+
+
+def test_duplicate_architecture_is_an_error():
+    reg = registry()
+    with pytest.raises(RegistryError, match="ToneGenerator"):
+        reg.register(ToneConfig)
+
+
+def test_named_variants():
+    reg = registry()
+    assert reg.resolve("tone-test", variant="long").max_concurrent_requests == 512
+    with pytest.raises(RegistryError, match="variants: \\['long'\\]"):
+        reg.resolve("tone-test", variant="short")
