@@ -281,3 +281,37 @@ def omni_wait_all(payload: StagePayload) -> list[str]:
 def route_nowhere(payload: StagePayload) -> str:
     """A misbehaving ``route_fn``: names a stage outside ``next``."""
     return "nowhere"
+
+
+# ------------------------------------------------------------ tensor placement
+def make_tensor(ctx: StageBuildContext, numel: int = 1 << 16) -> SimpleScheduler:
+    """Result: ``(tensor, data_ptr)``, a float32 ``arange`` on the stage's device."""
+
+    def compute(batch: list[StagePayload]) -> list[object]:
+        out: list[object] = []
+        for _ in batch:
+            tensor = torch.arange(numel, dtype=torch.float32, device=ctx.stage.device)
+            out.append((tensor, tensor.data_ptr()))
+        return out
+
+    return SimpleScheduler(compute)
+
+
+def inspect_tensor(ctx: StageBuildContext) -> SimpleScheduler:
+    """Result: ``(device, same_memory, sum)`` of the tensor the previous stage made."""
+
+    def compute(batch: list[StagePayload]) -> list[object]:
+        return [(str(p.data[0].device), p.data[0].data_ptr() == p.data[1], float(p.data[0].sum())) for p in batch]
+
+    return SimpleScheduler(compute)
+
+
+def tensor_config(device: str, processes: tuple[str | None, str | None]) -> PipelineConfig:
+    """make_tensor -> inspect_tensor, each in the given process group."""
+    return PipelineConfig(
+        name="toy-tensor",
+        stages=[
+            _stage("make", "make_tensor", next="inspect", device=device, process=processes[0]),
+            _stage("inspect", "inspect_tensor", terminal=True, device=device, process=processes[1]),
+        ],
+    )

@@ -1,0 +1,44 @@
+"""Tensors stay where they were made: same process -> the object itself; other process ->
+shared memory (CPU) or CUDA IPC (GPU), chosen from the tensor's device."""
+
+import pytest
+import torch
+
+from omnistage.pipeline.pipeline import Pipeline
+from omnistage.testing import toy
+from omnistage.testing.leaks import assert_no_request_state
+
+pytestmark = pytest.mark.anyio
+NUMEL = 1 << 16
+EXPECTED_SUM = float(torch.arange(NUMEL, dtype=torch.float32).sum())
+
+
+async def outputs(device: str, processes):
+    async with Pipeline(toy.tensor_config(device, processes)) as pipeline:
+        result = await pipeline.submit(toy.ToyRequest("t")).result()
+        await assert_no_request_state(pipeline)
+    return result.outputs["inspect"]
+
+
+async def test_same_process_passes_the_tensor_itself():
+    device, same_memory, total = await outputs("cpu", (None, None))
+    assert device == "cpu" and same_memory and total == EXPECTED_SUM
+
+
+async def test_cpu_tensor_crosses_processes_through_shared_memory():
+    device, same_memory, total = await outputs("cpu", ("a", "b"))
+    assert device == "cpu" and not same_memory and total == EXPECTED_SUM
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_tensor_crosses_processes_by_cuda_ipc_and_stays_on_the_gpu():
+    device, _, total = await outputs("cuda:0", ("a", "b"))
+    assert device == "cuda:0" and total == EXPECTED_SUM
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_cuda_tensor_in_process_is_not_copied():
+    device, same_memory, total = await outputs("cuda:0", (None, None))
+    assert device == "cuda:0" and same_memory and total == EXPECTED_SUM
