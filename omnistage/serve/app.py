@@ -109,9 +109,13 @@ class SpeechServer:
         await self.pipeline.stop()
 
     def update_stage_metrics(self) -> None:
+        """Sample queue depths of the stages in this process (for a /metrics scrape);
+        ``queued`` is the total of messages waiting in those stages' inboxes."""
         assert self.pipeline.host is not None
-        for name, stage in self.pipeline.host.stages.items():
-            self.metrics.set_stage_queue_depth(name, stage.scheduler.queue_depth())
+        depths = {name: stage.scheduler.queue_depth() for name, stage in self.pipeline.host.stages.items()}
+        for name, depth in depths.items():
+            self.metrics.set_stage_queue_depth(name, depth)
+        self.metrics.set_queued(sum(depths.values()))
 
 
 def create_app(model: SpeechModelConfig, settings: ServerSettings | None = None) -> FastAPI:
