@@ -1,0 +1,1 @@
+"""The ``omnistage`` command line: ``serve``, ``config resolve``, ``models``, ``bench``."""

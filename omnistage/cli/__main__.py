@@ -1,0 +1,5 @@
+"""``python -m omnistage.cli``: the ``omnistage`` command."""
+
+from omnistage.cli.main import main
+
+main()

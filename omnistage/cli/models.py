@@ -1,0 +1,152 @@
+"""Model selection shared by ``serve`` and ``config resolve``, and the ``models`` listing.
+
+Extra model packages: ``OMNISTAGE_EXTRA_MODELS`` holds comma-separated dotted paths of
+:class:`~omnistage.config.model.SpeechModelConfig` subclasses (``package.module:Class`` or
+``package.module.Class``), registered after the discovered ones.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from omnistage.cli.options import fail
+from omnistage.config.model import SpeechModelConfig
+from omnistage.config.overrides import (
+    ConfigOverrideError,
+    ResolvedConfig,
+    parse_cli_overrides,
+    resolve_config,
+)
+from omnistage.config.registry import ModelRegistry, RegistryError
+
+__all__ = ["EXTRA_MODELS_ENV", "ModelArgs", "list_models", "load_registry", "resolve_model"]
+
+EXTRA_MODELS_ENV = "OMNISTAGE_EXTRA_MODELS"
+
+
+def _import_model_class(dotted: str) -> type[SpeechModelConfig]:
+    module_name, sep, attr = dotted.partition(":")
+    if not sep:
+        module_name, _, attr = dotted.rpartition(".")
+    where = f"{EXTRA_MODELS_ENV} entry {dotted!r}"
+    if not module_name or not attr:
+        raise RegistryError(f"{where} is not a dotted path like 'package.module:Class'")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        raise RegistryError(f"{where}: cannot import {module_name!r}: {exc}") from None
+    except AttributeError:
+        raise RegistryError(f"{where}: module {module_name!r} has no {attr!r}") from None
+    if not (isinstance(cls, type) and issubclass(cls, SpeechModelConfig)):
+        raise RegistryError(f"{where} is not a SpeechModelConfig subclass")
+    return cls
+
+
+def load_registry() -> ModelRegistry:
+    """The discovered models plus those named in ``OMNISTAGE_EXTRA_MODELS``.
+
+    Raises:
+        RegistryError: an extra model cannot be imported or clashes with a registered one.
+    """
+    registry = ModelRegistry.discover()
+    for dotted in os.environ.get(EXTRA_MODELS_ENV, "").split(","):
+        if dotted.strip():
+            registry.register(_import_model_class(dotted.strip()))
+    return registry
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """The options choosing and configuring the model (``serve`` and ``config resolve``)."""
+
+    model_path: Annotated[
+        str | None,
+        typer.Option(
+            help="Checkpoint directory, Piper .onnx voice, or registered model name "
+            r"\[default: the registry's default model].",
+            show_default=False,
+        ),
+    ] = None
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="YAML override file (precedence: model defaults < this file < CLI flags).",
+            exists=True,
+            dir_okay=False,
+            show_default=False,
+        ),
+    ] = None
+    variant: Annotated[
+        str | None, typer.Option(help="Named variant of the model.", show_default=False)
+    ] = None
+    max_concurrent_requests: Annotated[
+        int | None,
+        typer.Option(
+            help="Requests admitted at once (sets the pipeline's max_concurrent_requests).",
+            show_default=False,
+        ),
+    ] = None
+
+
+def _registry_or_exit() -> ModelRegistry:
+    try:
+        return load_registry()
+    except RegistryError as exc:
+        fail(str(exc))
+
+
+def resolve_model(args: ModelArgs, extra_args: list[str]) -> ResolvedConfig:
+    """The resolved config for ``args`` plus ``--<path> VALUE`` overrides in ``extra_args``;
+    exits with status 2 and a message on any user error."""
+    registry = _registry_or_exit()
+    try:
+        defaults = registry.resolve(args.model_path, args.variant)
+    except (FileNotFoundError, ValueError) as exc:
+        bad_variant = args.variant is not None and "no variant" in str(exc)
+        option = "--variant" if bad_variant else "--model-path"
+        fail(f"{option}: {exc}")
+    try:
+        cli = parse_cli_overrides(extra_args)
+        if args.max_concurrent_requests is not None:
+            cli.append(("max_concurrent_requests", str(args.max_concurrent_requests)))
+        return resolve_config(defaults, args.config, cli)
+    except ConfigOverrideError as exc:
+        fail(str(exc))
+
+
+def _models_table(registry: ModelRegistry) -> Table:
+    default = next((e for e in registry.entries.values() if e.entry.is_default), None)
+    table = Table(title="registered models")
+    for name in ("architecture", "aliases", "embedded models", "variants", "default"):
+        table.add_column(name, overflow="fold")
+    for architecture in sorted(registry.entries):
+        entry = registry.entries[architecture]
+        cls = entry.entry
+        table.add_row(
+            architecture,
+            ", ".join(cls.aliases) or "-",
+            ", ".join(cls.embedded_models) or "-",
+            ", ".join(sorted(entry.variants)) or "-",
+            "yes" if entry is default else "",
+        )
+    return table
+
+
+def list_models() -> None:
+    """Print the registered models as a table, then what ``serve`` uses by default."""
+    registry = _registry_or_exit()
+    console = Console()
+    console.print(_models_table(registry))
+    default = next((e.entry for e in registry.entries.values() if e.entry.is_default), None)
+    if default is None:
+        console.print("no default model: pass --model-path to serve")
+    elif default.embedded_models:
+        console.print(f"default: {default.embedded_models[0]} ({default.architecture})")

@@ -1,0 +1,232 @@
+"""``omnistage serve``: resolve the model's pipeline config and serve it with uvicorn."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import uvicorn
+from fastapi import FastAPI
+from rich.console import Console
+from rich.logging import RichHandler
+
+from omnistage.cli.models import EXTRA_MODELS_ENV, ModelArgs, resolve_model
+from omnistage.cli.options import API_KEY_ENV, fail, option_group
+from omnistage.errors import OmnistageError
+from omnistage.serve.app import ServerSettings, create_app
+from omnistage.serve.media import MediaPolicy
+
+__all__ = ["SERVE_EPILOG", "serve"]
+
+READY_POLL_S = 0.2
+SERVE_EPILOG = (
+    "Pipeline overrides: every settable config value is also a flag --<path> VALUE (or "
+    "--<path>=VALUE), e.g. --max_concurrent_requests 8, --<stage>.device cuda:0, "
+    "--<stage>.factory.args.<knob> 4; values are parsed as YAML scalars. List them all with "
+    "'omnistage config resolve --show provenance'.\n\n"
+    f"Extra model packages: {EXTRA_MODELS_ENV}=package.module:Class[,...] registers more "
+    "SpeechModelConfig classes after the discovered ones, e.g. "
+    f"{EXTRA_MODELS_ENV}=omnistage.testing.tone:ToneConfig with --model-path tone-test."
+)
+
+
+class LogLevel(StrEnum):
+    critical = "critical"
+    error = "error"
+    warning = "warning"
+    info = "info"
+    debug = "debug"
+    trace = "trace"
+
+
+def _configure_logging(console: Console, level: LogLevel) -> None:
+    handler: logging.Handler
+    if console.is_terminal:
+        handler = RichHandler(console=console, show_path=False)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(uvicorn.config.LOG_LEVELS[level.value])
+
+
+def _check_address(host: str, port: int) -> None:
+    """Exit with a message now, before loading the model, if ``host:port`` cannot be bound."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as exc:
+        fail(f"--host {host!r}: cannot resolve it ({exc.strerror})")
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(address)
+        except OSError as exc:
+            fail(f"--port {port}: cannot listen on {host}:{port} ({exc.strerror})")
+
+
+def _media_domains(values: list[str] | None) -> tuple[str, ...]:
+    """The ``--allowed-media-domain`` values; exits on one that is not a bare domain name."""
+    for value in values or ():
+        if not value.strip(". ") or any(c in value for c in "/:@ "):
+            fail(f"--allowed-media-domain {value!r}: give a domain name such as example.com")
+    return tuple(values or ())
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _probe_host(host: str) -> str:
+    """Where to reach a server bound to ``host`` from this machine."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def _health_ok(host: str, port: int) -> bool:
+    """Whether ``GET /health`` answers 200 (stdlib client: no proxies, no request logging)."""
+    connection = http.client.HTTPConnection(host, port, timeout=1.0)
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        connection.close()
+
+
+def _wait_ready(host: str, port: int, on_ready: Callable[[], None], stop: threading.Event) -> None:
+    """Poll ``/health`` until it answers 200, then call ``on_ready``; give up on ``stop``."""
+    while not stop.wait(READY_POLL_S):
+        if _health_ok(host, port):
+            on_ready()
+            return
+
+
+class _Stopped(Exception):
+    """SIGINT or SIGTERM arrived while uvicorn was not handling signals itself."""
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
+@contextmanager
+def _graceful_signals() -> Iterator[None]:
+    """Turn SIGINT/SIGTERM outside uvicorn into :class:`_Stopped`. uvicorn handles them while
+    it runs and re-raises them after its graceful shutdown: a clean exit here."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in handled}
+    try:
+        yield
+    except _Stopped:
+        pass
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(app: FastAPI, server: ServeArgs, console: Console, what: str) -> None:
+    """Run uvicorn, showing a status spinner until ``/health`` answers 200."""
+    host, port = server.host, server.port
+    url, stop = _url(host, port), threading.Event()
+    status = console.status(f"starting {what}: loading weights and warming up")
+
+    def ready() -> None:
+        status.stop()
+        console.print(f"ready: {url}", highlight=False, markup=False)
+
+    probe = (_probe_host(host), port, ready, stop)
+    watcher = threading.Thread(target=_wait_ready, args=probe, daemon=True)
+    status.start()
+    watcher.start()
+    try:
+        with _graceful_signals():
+            uvicorn.run(app, host=host, port=port, log_level=server.log_level, log_config=None)
+    except SystemExit as exc:  # uvicorn exits on a failed startup, after logging why
+        if exc.code not in (0, None):
+            fail("the server did not start (see the log above)", code=_exit_code(exc))
+    finally:
+        stop.set()
+        watcher.join()
+        status.stop()
+    console.print("stopped", highlight=False)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    return exc.code if isinstance(exc.code, int) else 1
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    """The server's own options (the model's are :class:`ModelArgs`)."""
+
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1"
+    port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8000
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            help="Require 'Authorization: Bearer KEY' on /v1/*.",
+            envvar=API_KEY_ENV,
+            show_default=False,
+        ),
+    ] = None
+    allowed_local_media_path: Annotated[
+        Path | None,
+        typer.Option(
+            help="Directory reference audio may be read from (off by default).",
+            exists=True,
+            file_okay=False,
+            resolve_path=True,
+            show_default=False,
+        ),
+    ] = None
+    allowed_media_domain: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Domain reference audio URLs may be fetched from (with its subdomains); "
+            "repeatable.",
+            show_default=False,
+        ),
+    ] = None
+    log_level: Annotated[LogLevel, typer.Option(help="Server log level.")] = LogLevel.info
+    no_warmup: Annotated[
+        bool, typer.Option("--no-warmup", help="Skip the warm-up request before reporting ready.")
+    ] = False
+
+    def settings(self) -> ServerSettings:
+        media = MediaPolicy(
+            self.allowed_local_media_path, _media_domains(self.allowed_media_domain)
+        )
+        return ServerSettings(
+            api_key=self.api_key or None, media_policy=media, warmup=not self.no_warmup
+        )
+
+
+@option_group(ModelArgs, "model")
+@option_group(ServeArgs, "server")
+def serve(ctx: typer.Context, *, model: ModelArgs, server: ServeArgs) -> None:
+    """Serve a speech model behind an OpenAI-compatible API (POST /v1/audio/speech)."""
+    resolved = resolve_model(model, ctx.args)
+    _check_address(server.host, server.port)
+    settings = server.settings()
+    console = Console(stderr=True)
+    _configure_logging(console, server.log_level)
+    try:
+        app = create_app(resolved.config, settings)
+    except OmnistageError as exc:
+        fail(f"invalid pipeline: {exc}")
+    _run(app, server, console, resolved.config.name)
