@@ -376,13 +376,15 @@ async def run_speed(
     started = datetime.now(UTC).isoformat(timespec="seconds")
     async with make_client(options.target, max(options.concurrencies), transport) as client:
         for index in range(options.warmup):
-            await request_speech(
+            warm = await request_speech(
                 client,
                 options.target,
                 samples[index % len(samples)],
                 stream=options.stream,
                 response_format=options.response_format,
             )
+            if not warm.ok:
+                raise RuntimeError(f"warm-up request failed: {warm.error}")
         with Progress(disable=not options.show_progress) as progress:
             levels = [
                 await _run_level(client, options, samples, c, progress)

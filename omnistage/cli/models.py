@@ -25,7 +25,7 @@ from omnistage.config.overrides import (
     parse_cli_overrides,
     resolve_config,
 )
-from omnistage.config.registry import ModelRegistry, RegistryError
+from omnistage.config.registry import ModelRegistry, RegistryError, UnknownVariantError
 
 __all__ = ["EXTRA_MODELS_ENV", "ModelArgs", "list_models", "load_registry", "resolve_model"]
 
@@ -110,8 +110,7 @@ def resolve_model(args: ModelArgs, extra_args: list[str]) -> ResolvedConfig:
     try:
         defaults = registry.resolve(args.model_path, args.variant)
     except (FileNotFoundError, ValueError) as exc:
-        bad_variant = args.variant is not None and "no variant" in str(exc)
-        option = "--variant" if bad_variant else "--model-path"
+        option = "--variant" if isinstance(exc, UnknownVariantError) else "--model-path"
         fail(f"{option}: {exc}")
     try:
         cli = parse_cli_overrides(extra_args)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import http.client
+import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -93,23 +95,32 @@ def _probe_host(host: str) -> str:
     return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
-def _health_ok(host: str, port: int) -> bool:
-    """Whether ``GET /health`` answers 200 (stdlib client: no proxies, no request logging)."""
+def _health(host: str, port: int) -> tuple[int, dict]:
+    """``GET /health``: (status, JSON body); (0, {}) while the port is closed (stdlib
+    client: no proxies, no request logging)."""
     connection = http.client.HTTPConnection(host, port, timeout=1.0)
     try:
         connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
+        response = connection.getresponse()
+        return response.status, json.loads(response.read() or b"{}")
+    except (OSError, ValueError):
+        return 0, {}
     finally:
         connection.close()
 
 
-def _wait_ready(host: str, port: int, on_ready: Callable[[], None], stop: threading.Event) -> None:
-    """Poll ``/health`` until it answers 200, then call ``on_ready``; give up on ``stop``."""
+def _wait_ready(
+    host: str, port: int, on_ready: Callable[[], None], on_failed: Callable[[str], None], stop: threading.Event
+) -> None:
+    """Poll ``/health`` until it answers 200 (``on_ready``) or reports a failed start
+    (``on_failed`` with the reason); give up on ``stop``."""
     while not stop.wait(READY_POLL_S):
-        if _health_ok(host, port):
+        status, body = _health(host, port)
+        if status == 200:
             on_ready()
+            return
+        if body.get("status") == "failed":
+            on_failed(str(body.get("reason")))
             return
 
 
@@ -149,7 +160,13 @@ def _run(app: FastAPI, server: ServeArgs, console: Console, what: str) -> None:
         status.stop()
         console.print(f"ready: {url}", highlight=False, markup=False)
 
-    probe = (_probe_host(host), port, ready, stop)
+    failure: list[str] = []
+
+    def failed(reason: str) -> None:
+        failure.append(reason)
+        os.kill(os.getpid(), signal.SIGTERM)  # uvicorn shuts down gracefully
+
+    probe = (_probe_host(host), port, ready, failed, stop)
     watcher = threading.Thread(target=_wait_ready, args=probe, daemon=True)
     status.start()
     watcher.start()
@@ -163,6 +180,8 @@ def _run(app: FastAPI, server: ServeArgs, console: Console, what: str) -> None:
         stop.set()
         watcher.join()
         status.stop()
+    if failure:
+        fail(f"the model failed to start: {failure[0]}", code=1)
     console.print("stopped", highlight=False)
 
 

@@ -68,7 +68,11 @@ STAGE_TOPOLOGY = frozenset(
         "can_accept_stream_before_payload",
     }
 )
-PIPELINE_TOPOLOGY = frozenset({"stages", "entry_stage", "terminal_stages_fn", "sample_requests_fn"})
+# `name` and `model_path` identify what the model class built; changing them would leave
+# the config out of step with its model (pass --model-path instead).
+PIPELINE_TOPOLOGY = frozenset(
+    {"stages", "entry_stage", "terminal_stages_fn", "sample_requests_fn", "name", "model_path"}
+)
 DEFAULT_SOURCE = "default"
 CLI_SOURCE = "cli"
 

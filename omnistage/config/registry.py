@@ -20,6 +20,10 @@ class RegistryError(ValueError):
     """A model cannot be registered or resolved; the message says what is known."""
 
 
+class UnknownVariantError(RegistryError):
+    """The model exists but has no variant of that name."""
+
+
 @dataclass
 class ModelEntry:
     entry: type[SpeechModelConfig]
@@ -42,19 +46,29 @@ class ModelRegistry:
             for info in pkgutil.iter_modules(package.__path__):
                 if not info.ispkg:
                     continue
+                module_name = f"{package_name}.{info.name}.config"
                 try:
-                    module = importlib.import_module(f"{package_name}.{info.name}.config")
-                except ModuleNotFoundError as exc:
-                    if exc.name == f"{package_name}.{info.name}.config":
+                    module = importlib.import_module(module_name)
+                except ImportError as exc:
+                    if isinstance(exc, ModuleNotFoundError) and exc.name == module_name:
                         continue
-                    raise
+                    raise RegistryError(f"model package {module_name} cannot be imported: {exc}") from exc
                 entry = getattr(module, "EntryClass", None)
                 if entry is not None:
                     registry.register(entry, getattr(module, "Variants", {}))
         return registry
 
     def register(self, entry: type[SpeechModelConfig], variants: dict[str, type[SpeechModelConfig]] | None = None) -> None:
-        """Raises: RegistryError on a duplicate architecture, alias or embedded name."""
+        """Raises: RegistryError on a duplicate architecture, alias or embedded name, or a
+        second default model."""
+        if entry.is_default:
+            if not entry.embedded_models:
+                raise RegistryError(f"{entry.architecture} is marked default but embeds no model")
+            for other in self.entries.values():
+                if other.entry.is_default:
+                    raise RegistryError(
+                        f"both {other.entry.architecture} and {entry.architecture} are marked default"
+                    )
         for name in (entry.architecture, *entry.aliases, *entry.embedded_models):
             if name in self._names:
                 raise RegistryError(
@@ -77,11 +91,15 @@ class ModelRegistry:
         cls = entry.entry
         if variant is not None:
             if variant not in entry.variants:
-                raise RegistryError(
+                raise UnknownVariantError(
                     f"{cls.architecture} has no variant {variant!r}; variants: {sorted(entry.variants) or 'none'}"
                 )
             cls = entry.variants[variant]
-        return cls.for_model_path(model_path or cls.embedded_models[0])
+        if model_path is None or model_path in (cls.architecture, *cls.aliases):
+            if not cls.embedded_models:
+                raise RegistryError(f"{cls.architecture} embeds no model: pass a checkpoint path")
+            model_path = cls.embedded_models[0]
+        return cls.for_model_path(model_path)
 
     def _entry_for(self, model_path: str | None) -> ModelEntry:
         if model_path is None:

@@ -33,7 +33,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.config.model import AudioResult, SpeechModelConfig
-from omnistage.errors import OmnistageError, RequestAbortedError, StageFailureError
+from omnistage.errors import (
+    OmnistageError,
+    PipelineUnhealthyError,
+    RequestAbortedError,
+    StageFailureError,
+)
 from omnistage.pipeline.coordinator import RequestHandle
 from omnistage.pipeline.messages import StreamChunk
 from omnistage.pipeline.pipeline import Pipeline
@@ -89,6 +94,7 @@ class SpeechServer:
         self.pipeline = Pipeline(model)
         self.metrics = ServerMetrics()
         self.ready = False
+        self.start_error: str | None = None
         self.created = int(time.time())
 
     async def start(self) -> None:
@@ -124,10 +130,14 @@ def create_app(model: SpeechModelConfig, settings: ServerSettings | None = None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await server.start()
+        # Start in the background so the port opens at once and /health says "starting"
+        # (503) while weights load and the warm-up runs, instead of refusing connections.
+        starting = asyncio.create_task(_start(server))
         try:
             yield
         finally:
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
             await server.stop()
 
     app = FastAPI(title="omnistage", lifespan=lifespan)
@@ -136,6 +146,14 @@ def create_app(model: SpeechModelConfig, settings: ServerSettings | None = None)
     _install_auth(app, server)
     _install_routes(app, server)
     return app
+
+
+async def _start(server: SpeechServer) -> None:
+    try:
+        await server.start()
+    except Exception as exc:  # the server boundary: reported by /health, never swallowed
+        logger.exception("the model failed to start")
+        server.start_error = f"{type(exc).__name__}: {exc}"
 
 
 def _error_response(exc: BaseException) -> JSONResponse:
@@ -185,6 +203,8 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if server.start_error is not None:
+            return JSONResponse({"status": "failed", "reason": server.start_error}, status_code=503)
         if not server.ready:
             return JSONResponse({"status": "starting"}, status_code=503)
         if not server.pipeline.healthy:
@@ -210,6 +230,8 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
     async def speech(request: Request) -> Response:
         received = time.perf_counter()
         try:
+            if not server.ready:
+                raise PipelineUnhealthyError(server.start_error or "the server is starting; see GET /health")
             body = await _read_body(request, server.settings.max_body_bytes)
             speech_request = parse_speech_request(body, caps)
             validate_speech_request(speech_request, caps)

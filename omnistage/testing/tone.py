@@ -89,7 +89,6 @@ class ToneConfig(SpeechModelConfig):
             voices=("sine", "square"),
             default_voice="sine",
             sample_rate=SAMPLE_RATE,
-            max_input_chars=500,
             extra_generation_params={"delay_s": (0.0, 1.0)},
             stream_response_formats=frozenset({"pcm", "wav", "mp3", "flac", "opus", "aac"}),
         )

@@ -103,9 +103,9 @@ def test_dotted_overrides_set_nested_values():
         ("vocoder.factory.args.chunk_ms", "0.5", 0.5),
         ("request_timeout_s", "null", None),
         ("talker.gpu_memory_fraction", "0.25", 0.25),
-        ("model_path", "16", "16"),  # a str field keeps the raw text
-        ("model_path", "null", None),
-        ("name", "true", "true"),
+        ("vocoder.device", "16", "16"),  # a str field keeps the raw text
+        ("vocoder.device", "true", "true"),
+        ("talker.gpu_memory_bytes", "null", None),
     ],
 )
 def test_cli_values_are_parsed_as_yaml_then_validated(path, text, expected):
@@ -348,7 +348,7 @@ def test_text_renderings(tmp_path):
     assert f"vocoder.factory.args.chunk_ms = 40.0  # {src}" in lines
     assert "max_concurrent_requests = 64  # cli" in lines
     assert "vocoder.factory.args.sampling.top_k = 50  # default" in lines
-    assert "model_path = null  # default" in lines
+    assert "vocoder.gpu_memory_bytes = null  # default" in lines
     assert len(lines) == len(resolved.provenance)
 
 
@@ -358,3 +358,9 @@ def test_no_overrides_reproduces_defaults():
     assert resolved.config == defaults and resolved.config is not defaults
     assert set(resolved.provenance.values()) == {"default"}
     assert resolved.diff_yaml().startswith("{}")
+
+
+@pytest.mark.parametrize("path", ["name", "model_path"])
+def test_model_identity_is_not_overridable(path):
+    with pytest.raises(ConfigOverrideError, match="cannot be overridden"):
+        resolve_config(make_defaults(), None, [(path, "other")])

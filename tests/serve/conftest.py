@@ -31,27 +31,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(settings: ServerSettings, **config_overrides) -> Iterator[RunningServer]:
-    config = ToneConfig.for_model_path("tone-test").model_copy(update=config_overrides)
-    app = create_app(config, settings)
+def run_uvicorn(app) -> Iterator[RunningServer]:
+    """Serve ``app`` on a free port in a thread until the generator is closed."""
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base_url}/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield RunningServer(f"http://127.0.0.1:{port}", app, server)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def wait_health(base_url: str, timeout_s: float = 60.0) -> httpx.Response:
+    """Poll /health until it is no longer "starting"; returns the last answer."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        response = httpx.get(f"{base_url}/health")
+        if response.json().get("status") != "starting" or time.monotonic() > deadline:
+            return response
         time.sleep(0.05)
-    else:
-        raise RuntimeError("server did not become healthy")
-    yield RunningServer(base_url, app, server)
-    server.should_exit = True
-    thread.join(10)
+
+
+def serve(settings: ServerSettings, **config_overrides) -> Iterator[RunningServer]:
+    config = ToneConfig.for_model_path("tone-test").model_copy(update=config_overrides)
+    for running in run_uvicorn(create_app(config, settings)):
+        assert wait_health(running.base_url).status_code == 200
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.audio import float_to_s16
 from omnistage.testing.tone import SAMPLE_RATE, ToneConfig, ToneRequest, tone_samples
-from tests.serve.conftest import serve
+from tests.serve.conftest import run_uvicorn, serve, wait_health
 
 
 def expected_pcm(text: str, voice: str = "sine", speed: float = 1.0) -> bytes:
@@ -107,7 +107,7 @@ def test_non_streaming_headers_report_finish_reason_and_counts(tone_server):
         ({"input": "hi", "temperature": 0.5}, "temperature"),
         ({"input": "hi", "bogus": 1}, "bogus"),
         ({"input": "hi", "response_format": "ogg"}, "response_format"),
-        ({"input": "x" * 501}, "input"),
+        ({"input": "x" * 4097}, "input"),
         ({"text": "hi", "input": "ho"}, "input"),
     ],
 )
@@ -208,6 +208,18 @@ async def test_health_is_503_until_started():
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://test") as client:
         response = await client.get("/health")
     assert response.status_code == 503 and response.json()["status"] == "starting"
+
+
+def test_health_is_503_while_starting_and_when_start_fails():
+    config = ToneConfig.for_model_path("tone-test")
+    config.stages[0].factory.path = "omnistage.testing.tone:no_such_factory"
+    for running in run_uvicorn(create_app(config)):
+        assert httpx.get(f"{running.base_url}/health").status_code == 503
+        health = wait_health(running.base_url)
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        assert "no_such_factory" in health.json()["reason"]
+        response = speech(running, {"input": "hi"})
+        assert response.status_code == 503 and "no_such_factory" in response.json()["error"]["message"]
 
 
 def test_dead_stage_process_makes_health_503():
