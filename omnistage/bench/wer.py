@@ -59,7 +59,7 @@ __all__ = [
 _MONEY = re.compile(r"\$(\d[\d,]*)(?:\.(\d\d))?\b")
 _TIME = re.compile(r"\b(\d{1,2}):(\d\d)\b")
 _ORDINAL = re.compile(r"(\d[\d,]*)(st|nd|rd|th)\b")
-_NUMBER = re.compile(r"(?<![\d.])(-)?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?")
+_NUMBER = re.compile(r"(?<!\d)(-)?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?")
 _NOT_WORD = re.compile(r"[^\w\s']|_")
 _LOOSE_APOSTROPHE = re.compile(r"(?<!\w)'|'(?!\w)")
 
@@ -98,6 +98,9 @@ def _time(match: re.Match[str]) -> str:
     return f" {hours} {'oh ' + minutes[1] if minutes[0] == '0' else minutes} "
 
 
+_MERIDIEM = re.compile(r"\b([ap])\.?\s?m\b\.?")
+
+
 def normalize_for_wer(text: str) -> str:
     """Canonical form of a transcript, applied to references and hypotheses alike.
 
@@ -105,9 +108,11 @@ def normalize_for_wer(text: str) -> str:
     ordinals and numbers to words with num2words (American style: no "and"; integers
     1100-1999 without separators read as years, "1998" -> "nineteen ninety eight"; decimals
     digit by digit), then every character except letters, digits, whitespace and in-word
-    apostrophes becomes a space, and whitespace is collapsed.
+    apostrophes becomes a space, and whitespace is collapsed; "a.m."/"p.m." -> "am"/"pm" (an
+    ASR writes them as one word).
     """
     text = unicodedata.normalize("NFKC", text).lower()
+    text = _MERIDIEM.sub(lambda m: f" {m[1]}m ", text)
     text = _MONEY.sub(_money, text)
     text = _TIME.sub(_time, text).replace("%", " percent ")
     text = _ORDINAL.sub(

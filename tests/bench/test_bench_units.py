@@ -319,10 +319,10 @@ def test_run_speed_over_mock_server(tmp_path):
     ]
     target = SpeechTarget("http://h", model="piper", api_key="secret")
     options = SpeedOptions(
-        target, concurrencies=(1, 3), num_requests=6, warmup=2, show_progress=False
+        target, concurrencies=(1, 3), num_requests=6, warmup=1, show_progress=False
     )
     report = asyncio.run(run_speed(options, samples, transport=_server(requests)))
-    assert len(requests) == 2 + 6 + 6
+    assert len(requests) == 1 + 6 + 6
     assert {r["auth"] for r in requests} == {"Bearer secret"}
     assert [level.concurrency for level in report.levels] == [1, 3]
     for level in report.levels:
@@ -335,6 +335,13 @@ def test_run_speed_over_mock_server(tmp_path):
     console = Console(file=io.StringIO(), width=200)
     print_speed_report(report, console)
     assert "4/2" in console.file.getvalue() and "HTTP 500" in console.file.getvalue()
+
+
+def test_failing_warm_up_stops_the_benchmark():
+    samples = [BenchSample("b", "fail")]
+    options = SpeedOptions(SpeechTarget("http://h"), concurrencies=(1,), warmup=1, show_progress=False)
+    with pytest.raises(RuntimeError, match="warm-up request failed"):
+        asyncio.run(run_speed(options, samples, transport=_server([])))
 
 
 def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
@@ -428,3 +435,11 @@ def test_pocketsphinx_transcribes_piper_speech(pocketsphinx):
 def test_pocketsphinx_on_silence(pocketsphinx):
     assert pocketsphinx.transcribe(np.zeros(0, np.float32), RATE) == ""
     assert len(pocketsphinx.transcribe(np.zeros(RATE, np.float32), RATE).split()) <= 1
+
+
+def test_normalizer_joins_meridiem_letters_as_an_asr_writes_them():
+    from omnistage.bench.wer import normalize_for_wer
+
+    assert normalize_for_wer("Gate B12 at 6:45 p.m.") == normalize_for_wer("gate b twelve at six forty five pm")
+    assert normalize_for_wer("nine thirty a m") == "nine thirty am"
+    assert normalize_for_wer("a map") == "a map"
