@@ -357,6 +357,14 @@ def test_plot_without_matplotlib_says_so(monkeypatch, tmp_path):
         plot_speed_report(report, tmp_path / "plot.png")
 
 
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    options = SpeedOptions(SpeechTarget("http://h"), concurrencies=(1, 2), warmup=0, show_progress=False)
+    report = asyncio.run(run_speed(options, [BenchSample("a", "hi")], transport=_server([])))
+    plot_speed_report(report, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 class _LossyASR:
     """Test double: "hears" the text the fake server was asked for, minus its last word."""
 
