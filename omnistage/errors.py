@@ -21,11 +21,25 @@ class                          HTTP    meaning
 from __future__ import annotations
 
 
+def _rebuild(cls: type[OmnistageError], args: tuple, state: dict) -> OmnistageError:
+    error = cls.__new__(cls)
+    Exception.__init__(error, *args)
+    error.__dict__.update(state)
+    return error
+
+
 class OmnistageError(Exception):
-    """Base of all omnistage errors. ``http_status`` is the status the server answers with."""
+    """Base of all omnistage errors. ``http_status`` is the status the server answers with.
+
+    Errors cross process boundaries by pickle; :meth:`__reduce__` rebuilds any subclass
+    from its message and attributes, whatever its ``__init__`` signature.
+    """
 
     http_status: int = 500
     error_type: str = "server_error"
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
 
 class PipelineConfigError(OmnistageError):
@@ -98,9 +112,6 @@ class StageFailureError(OmnistageError):
         self.stage = stage
         self.cause = cause
         super().__init__(f"stage {stage!r} failed: {cause}")
-
-    def __reduce__(self):  # crosses process boundaries by pickle
-        return (type(self), (self.stage, self.cause))
 
 
 class RequestAbortedError(OmnistageError):

@@ -9,9 +9,10 @@ import traceback
 from typing import Any
 
 from omnistage.config.pipeline import PipelineConfig
-from omnistage.errors import PipelineConfigError
 from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.host import StageHost
+from omnistage.pipeline.messages import CoordinatorEvent, StageFailed, StreamChunk
+from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.stage import StageRuntime, build_scheduler
 from omnistage.pipeline.topology import Topology
 from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
@@ -26,8 +27,17 @@ def run_child(
     told to stop or the parent process is gone."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{group}] %(levelname)s %(name)s: %(message)s")
     stopped = threading.Event()
-    host = StageHost(group, routes, coordinator_sink=lambda event: transport.send(MAIN_GROUP, "event", event))
-    transport = ZmqTransport(group, addresses, prefix, host.on_message)
+
+    def send_event(event: CoordinatorEvent) -> None:
+        try:
+            transport.send(MAIN_GROUP, "event", event, request_id=event.request_id)
+        except RelayError as exc:  # e.g. a result that cannot be pickled: the request fails
+            stage = event.source if isinstance(event, StreamChunk) else event.stage
+            failed = StageFailed(event.request_id, stage, exc)
+            transport.send(MAIN_GROUP, "event", failed, request_id=event.request_id)
+
+    host = StageHost(group, routes, coordinator_sink=send_event)
+    transport = ZmqTransport(group, addresses, prefix, host.on_message, host.on_undeliverable)
     host.transport = transport
 
     def on_control(envelope: Envelope, body: Any) -> None:
@@ -44,7 +54,7 @@ def run_child(
         for stage in config.stages:
             if routes[stage.name] == group:
                 host.stages[stage.name] = StageRuntime(topology, stage.name, build_scheduler(config, stage), host)
-    except (PipelineConfigError, ImportError, TypeError, ValueError, RuntimeError, OSError) as exc:
+    except BaseException as exc:  # noqa: BLE001 -- the process boundary: any start-up failure is reported
         transport.send(MAIN_GROUP, "startup_failed", (group, "".join(traceback.format_exception(exc))))
         stopped.wait(5.0)
         transport.stop()

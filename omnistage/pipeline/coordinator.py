@@ -34,11 +34,14 @@ from omnistage.errors import (
 from omnistage.pipeline.messages import (
     CoordinatorEvent,
     FinishReason,
+    StageDead,
     StageFailed,
     StagePayload,
     StageResult,
     StreamChunk,
 )
+from omnistage.pipeline.relay import RelayError
+from omnistage.pipeline.tombstones import Tombstones
 from omnistage.pipeline.topology import Topology
 
 _FINISH_PRIORITY = {"stop": 0, "length": 1, "abort": 2, "error": 3}
@@ -67,12 +70,19 @@ def chunk_nbytes(data: Any) -> int:
 
 @dataclass(eq=False)
 class RequestHandle:
-    """The client's view of one request: its stream chunks, then its result or error."""
+    """The client's view of one request: its stream chunks, then its result or error.
+
+    Queued chunks count against the coordinator's global stream byte cap until the client
+    takes them (:meth:`stream`, :meth:`result`) or drops them (:meth:`close`); a handle
+    made with ``collect=True`` (a client that wants the whole output at the end) is not
+    subject to the cap.
+    """
 
     request_id: str
     terminals: frozenset[str]
     _release_bytes: Callable[[int], None]
-    _queue: asyncio.Queue[StreamChunk | None] = field(default_factory=asyncio.Queue)
+    collect: bool = False
+    _queue: asyncio.Queue[tuple[StreamChunk, int] | None] = field(default_factory=asyncio.Queue)
     _done: asyncio.Event = field(default_factory=asyncio.Event)
     _outputs: dict[str, Any] = field(default_factory=dict)
     _finish_reason: FinishReason = "stop"
@@ -84,16 +94,17 @@ class RequestHandle:
         return self._done.is_set()
 
     async def stream(self) -> AsyncIterator[StreamChunk]:
-        """Terminal stages' stream chunks in arrival order.
+        """Terminal stages' stream chunks in arrival order, until the request ends.
 
         Raises:
             OmnistageError: the request failed (typed, see :mod:`omnistage.errors`).
         """
-        while True:
-            chunk = await self._queue.get()
-            if chunk is None:
+        while not (self._done.is_set() and self._queue.empty()):
+            item = await self._queue.get()
+            if item is None:
                 break
-            self._release_bytes(chunk_nbytes(chunk.data))
+            chunk, size = item
+            self._release_bytes(size)
             yield chunk
         if self._error is not None:
             raise self._error
@@ -105,15 +116,23 @@ class RequestHandle:
             OmnistageError: the request failed, timed out or was aborted.
         """
         await self._done.wait()
-        chunks = []
-        while not self._queue.empty():
-            chunk = self._queue.get_nowait()
-            if chunk is not None:
-                self._release_bytes(chunk_nbytes(chunk.data))
-                chunks.append(chunk)
+        chunks = self._drain()
         if self._error is not None:
             raise self._error
         return PipelineResult(self.request_id, dict(self._outputs), self._finish_reason, chunks)
+
+    def close(self) -> None:
+        """Drop the chunks still queued (a client that stops reading); idempotent."""
+        self._drain()
+
+    def _drain(self) -> list[StreamChunk]:
+        chunks = []
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is not None:
+                self._release_bytes(item[1])
+                chunks.append(item[0])
+        return chunks
 
 
 class Coordinator:
@@ -149,34 +168,44 @@ class Coordinator:
         self.queued_bytes = 0
         self.unhealthy_reason: str | None = None
         self._ids = itertools.count()
+        self._ended = Tombstones()
 
     @property
     def in_flight(self) -> int:
         return len(self.requests)
 
-    def submit(self, request: Any, request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:
-        """Admit ``request`` and start it at the entry stage.
+    def submit(
+        self, request: Any, request_id: str | None = None, timeout_s: float | None = None, *, collect: bool = False
+    ) -> RequestHandle:
+        """Admit ``request`` and start it at the entry stage. ``collect``: the client takes
+        the output at the end (:meth:`RequestHandle.result`), not as a stream.
 
         Raises:
             PipelineUnhealthyError: a stage process died.
             QueueFullError: ``max_concurrent_requests`` are in flight.
-            RequestValidationError: ``request_id`` is already in flight.
-            StageFailureError: ``terminal_stages_fn`` failed or broke its contract.
+            RequestValidationError: ``request_id`` is in flight or ended recently (stages
+                still hold its tombstone).
+            StageFailureError: ``terminal_stages_fn`` failed or broke its contract, or the
+                request cannot be sent to the entry stage's process.
         """
         if self.unhealthy_reason is not None:
             raise PipelineUnhealthyError(self.unhealthy_reason)
         if len(self.requests) >= self.max_concurrent_requests:
             raise QueueFullError(self.max_concurrent_requests)
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
-        if request_id in self.requests:
-            raise RequestValidationError(f"request id {request_id!r} is already in flight", "request_id")
+        if request_id in self.requests or request_id in self._ended:
+            raise RequestValidationError(f"request id {request_id!r} is in use", "request_id")
         terminals = self.topology.terminal_set(request)
-        handle = RequestHandle(request_id, terminals, self._release_bytes)
+        handle = RequestHandle(request_id, terminals, self._release_bytes, collect)
         self.requests[request_id] = handle
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         if timeout_s is not None:
             handle._timer = self.loop.call_later(timeout_s, self._expire, request_id, timeout_s)
-        self._dispatch(StagePayload(request_id, request, None))
+        try:
+            self._dispatch(StagePayload(request_id, request, None))
+        except RelayError as exc:
+            self._finish(request_id, error=exc, finish_reason="error")
+            raise
         return handle
 
     def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
@@ -189,6 +218,9 @@ class Coordinator:
         self.loop.call_soon_threadsafe(self.on_event, event)
 
     def on_event(self, event: CoordinatorEvent) -> None:
+        if isinstance(event, StageDead):
+            self.fail_all(f"stage {event.stage!r} stopped computing: {event.reason}")
+            return
         handle = self.requests.get(event.request_id)
         if handle is None:
             return  # the request already ended: a late event
@@ -210,8 +242,8 @@ class Coordinator:
             self._finish(request_id, error=PipelineUnhealthyError(reason), finish_reason="error")
 
     def _enqueue(self, handle: RequestHandle, chunk: StreamChunk) -> None:
-        size = chunk_nbytes(chunk.data)
-        if self.queued_bytes + size > self.stream_queue_max_bytes:
+        size = 0 if handle.collect else chunk_nbytes(chunk.data)
+        if size and self.queued_bytes + size > self.stream_queue_max_bytes:
             error = StreamBufferFullError(
                 f"stream buffers are full ({self.queued_bytes} of {self.stream_queue_max_bytes} bytes); "
                 "the client is not reading its stream"
@@ -219,7 +251,7 @@ class Coordinator:
             self._finish(handle.request_id, error=error, finish_reason="error")
             return
         self.queued_bytes += size
-        handle._queue.put_nowait(chunk)
+        handle._queue.put_nowait((chunk, size))
 
     def _release_bytes(self, size: int) -> None:
         self.queued_bytes -= size
@@ -233,19 +265,16 @@ class Coordinator:
         self, request_id: str, *, error: OmnistageError | None = None, finish_reason: FinishReason | None = None
     ) -> None:
         handle = self.requests.pop(request_id)
+        self._ended.add(request_id)
         if handle._timer is not None:
             handle._timer.cancel()
         if finish_reason is not None:
             handle._finish_reason = finish_reason
         handle._error = error
         if error is not None:
-            self._drop_queued(handle)
-            self._broadcast_abort(request_id)
+            handle.close()
+        # Also on success: a stage that still holds the request (its hooks disagreed with
+        # the terminal set on a request the sample requests did not cover) lets it go.
+        self._broadcast_abort(request_id)
         handle._queue.put_nowait(None)
         handle._done.set()
-
-    def _drop_queued(self, handle: RequestHandle) -> None:
-        while not handle._queue.empty():
-            chunk = handle._queue.get_nowait()
-            if chunk is not None:
-                self.queued_bytes -= chunk_nbytes(chunk.data)

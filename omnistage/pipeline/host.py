@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omnistage.pipeline.messages import Abort, CoordinatorEvent, StageInput
+from omnistage.errors import StageFailureError
+from omnistage.pipeline.messages import Abort, CoordinatorEvent, StageFailed, StageInput
 from omnistage.pipeline.stage import StageRuntime
 from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
 
@@ -41,7 +42,8 @@ class StageHost:
             local.deliver(message, source)
         else:
             assert self.transport is not None, f"stage {target!r} is remote but there is no transport"
-            self.transport.send(self.routes[target], "stage", message, target=target, source=source)
+            group = self.routes[target]
+            self.transport.send(group, "stage", message, target=target, source=source, request_id=message.request_id)
 
     def to_coordinator(self, event: CoordinatorEvent) -> None:
         self.coordinator_sink(event)
@@ -61,6 +63,14 @@ class StageHost:
             self.coordinator_sink(body)
         elif self.on_control is not None:
             self.on_control(envelope, body)
+
+    def on_undeliverable(self, envelope: Envelope, error: Exception) -> None:
+        """Transport callback: a received message could not be decoded or delivered; its
+        request fails (control messages are only logged by the transport)."""
+        if envelope.request_id:
+            where = envelope.target or "transport"
+            cause = f"a {envelope.kind} message from {envelope.source or 'another process'} could not be delivered: {error!r}"
+            self.coordinator_sink(StageFailed(envelope.request_id, where, StageFailureError(where, cause)))
 
     def live_state(self) -> dict[str, dict[str, list[str]]]:
         """Per-request state of the local stages (only stages that hold some)."""

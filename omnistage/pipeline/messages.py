@@ -93,5 +93,14 @@ class StageFailed:
     error: Exception
 
 
+@dataclass(frozen=True, slots=True)
+class StageDead:
+    """A stage's compute loop died (``reason``); the pipeline is unhealthy."""
+
+    stage: str
+    reason: str
+    request_id: str = ""  # no request: the whole pipeline is affected
+
+
 StageInput = StagePayload | StreamChunk | StreamDone | Abort
-CoordinatorEvent = StageResult | StreamChunk | StageFailed
+CoordinatorEvent = StageResult | StreamChunk | StageFailed | StageDead

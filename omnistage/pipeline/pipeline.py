@@ -98,14 +98,18 @@ class Pipeline:
         )
         self.host = StageHost(MAIN_GROUP, self.routes, self.coordinator.post)
         self.host.on_control = self._on_control
-        if self.groups:
-            self._start_transport()
-        for stage in config.stages:
-            if self.routes[stage.name] == MAIN_GROUP:
-                runtime = StageRuntime(self.topology, stage.name, build_scheduler(config, stage), self.host)
-                self.host.stages[stage.name] = runtime
-        if self.groups:
-            await self._spawn_groups()
+        try:
+            if self.groups:
+                self._start_transport()
+            for stage in config.stages:
+                if self.routes[stage.name] == MAIN_GROUP:
+                    runtime = StageRuntime(self.topology, stage.name, build_scheduler(config, stage), self.host)
+                    self.host.stages[stage.name] = runtime
+            if self.groups:
+                await self._spawn_groups()
+        except BaseException:
+            await self.stop()
+            raise
         for runtime in self.host.stages.values():
             runtime.start()
 
@@ -113,7 +117,9 @@ class Pipeline:
         assert self.host is not None
         self._socket_dir = tempfile.TemporaryDirectory(prefix="omnistage-")
         addresses = {g: f"ipc://{self._socket_dir.name}/{g}.sock" for g in [MAIN_GROUP, *self.groups]}
-        self.host.transport = ZmqTransport(MAIN_GROUP, addresses, self._segment_prefix, self.host.on_message)
+        self.host.transport = ZmqTransport(
+            MAIN_GROUP, addresses, self._segment_prefix, self.host.on_message, self.host.on_undeliverable
+        )
         self.host.transport.start()
         self._addresses = addresses
 
@@ -130,14 +136,18 @@ class Pipeline:
             )
             process.start()
             self.processes[group] = process
-        try:
-            await asyncio.wait_for(asyncio.gather(*ready), self.startup_timeout_s)
-        except TimeoutError as exc:
-            await self.stop()
-            raise PipelineConfigError(f"stage processes not ready within {self.startup_timeout_s:g} s") from exc
-        except PipelineConfigError:
-            await self.stop()
-            raise
+        waiting = asyncio.ensure_future(asyncio.gather(*ready))
+        deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
+        while not waiting.done():
+            await asyncio.wait({waiting}, timeout=0.2)
+            dead = [f"{g} (exit code {p.exitcode})" for g, p in self.processes.items() if not p.is_alive()]
+            if dead and not waiting.done():
+                waiting.cancel()
+                raise PipelineConfigError(f"stage processes died while starting: {', '.join(dead)}")
+            if asyncio.get_running_loop().time() > deadline and not waiting.done():
+                waiting.cancel()
+                raise PipelineConfigError(f"stage processes not ready within {self.startup_timeout_s:g} s")
+        await waiting  # raises the first start-up failure a process reported
         self._watchdog = asyncio.get_running_loop().create_task(self._watch_processes())
 
     async def stop(self) -> None:
@@ -149,7 +159,7 @@ class Pipeline:
             self._watchdog = None
         if self.host is not None:
             for runtime in self.host.stages.values():
-                runtime.stop()
+                await asyncio.to_thread(runtime.stop)
             if self.host.transport is not None:
                 for group in self.groups:
                     self.host.transport.send(group, "stop")
@@ -179,11 +189,13 @@ class Pipeline:
                     return
 
     # ------------------------------------------------------------------ requests
-    def submit(self, request: Any, request_id: str | None = None, timeout_s: float | None = None) -> RequestHandle:
-        """Admit a request (see :meth:`Coordinator.submit` for the errors raised)."""
+    def submit(
+        self, request: Any, request_id: str | None = None, timeout_s: float | None = None, *, collect: bool = False
+    ) -> RequestHandle:
+        """Admit a request (see :meth:`Coordinator.submit` for ``collect`` and the errors)."""
         if self.coordinator is None:
             raise PipelineUnhealthyError("the pipeline is not started")
-        return self.coordinator.submit(request, request_id, timeout_s)
+        return self.coordinator.submit(request, request_id, timeout_s, collect=collect)
 
     def abort(self, request_id: str) -> None:
         """Abort a request everywhere; idempotent."""

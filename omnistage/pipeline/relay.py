@@ -26,24 +26,40 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from omnistage.errors import StageFailureError
+
 SHM_MIN_BYTES = 64 * 1024
 _counter = itertools.count()
+
+
+class RelayError(StageFailureError):
+    """A message could not be serialized for another process (e.g. an unpicklable object
+    in a payload); it fails the request it belongs to."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__("relay", cause)
 
 
 class _Pickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO, prefix: str) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.prefix = prefix
+        self.segments: list[str] = []
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
             if obj.is_cuda:
                 return ("cuda", reduce_tensor(obj))
             if obj.nbytes >= SHM_MIN_BYTES:
-                return ("shm_torch", *_to_segment(self.prefix, obj.detach()))
+                return ("shm_torch", *self._segment(obj.detach()))
         elif isinstance(obj, np.ndarray) and obj.dtype != object and obj.nbytes >= SHM_MIN_BYTES:
-            return ("shm_numpy", *_to_segment(self.prefix, torch.from_numpy(np.ascontiguousarray(obj))))
+            return ("shm_numpy", *self._segment(torch.from_numpy(np.ascontiguousarray(obj))))
         return None
+
+    def _segment(self, tensor: torch.Tensor) -> tuple[str, torch.dtype, tuple[int, ...]]:
+        descriptor = _to_segment(self.prefix, tensor)
+        self.segments.append(descriptor[0])
+        return descriptor
 
 
 class _Unpickler(pickle.Unpickler):
@@ -81,10 +97,26 @@ def _from_segment(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torc
 
 
 def dumps(obj: Any, prefix: str) -> bytes:
-    """Serialize ``obj``; large CPU tensors go to segments named ``prefix<n>``."""
+    """Serialize ``obj``; large CPU tensors go to segments named ``prefix<n>``.
+
+    Raises:
+        RelayError: ``obj`` cannot be serialized; no segment is left behind.
+    """
     buffer = io.BytesIO()
-    _Pickler(buffer, prefix).dump(obj)
+    pickler = _Pickler(buffer, prefix)
+    try:
+        pickler.dump(obj)
+    except Exception as exc:
+        for name in pickler.segments:
+            _unlink(name)
+        raise RelayError(f"cannot send {type(obj).__name__} to another process: {type(exc).__name__}: {exc}") from exc
     return buffer.getvalue()
+
+
+def _unlink(name: str) -> None:
+    segment = shared_memory.SharedMemory(name=name)
+    segment.close()
+    segment.unlink()
 
 
 def loads(data: bytes) -> Any:

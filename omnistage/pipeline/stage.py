@@ -22,6 +22,7 @@ from omnistage.pipeline.messages import (
     Abort,
     CoordinatorEvent,
     FinishReason,
+    StageDead,
     StageFailed,
     StageInput,
     StagePayload,
@@ -29,6 +30,7 @@ from omnistage.pipeline.messages import (
     StreamChunk,
     StreamDone,
 )
+from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.tombstones import Tombstones
 from omnistage.pipeline.topology import Topology
 from omnistage.scheduling.base import Scheduler
@@ -88,7 +90,8 @@ class StageRuntime:
     """One stage in one process: a scheduler plus its inbound and outbound plumbing.
 
     Messages are prepared under the stage's lock and sent after it is released, so two
-    stages never hold each other's locks.
+    stages never hold each other's locks and serialization for other processes happens
+    outside it.
     """
 
     def __init__(self, topology: Topology, name: str, scheduler: Scheduler, links: StageLinks) -> None:
@@ -104,15 +107,18 @@ class StageRuntime:
 
     # ------------------------------------------------------------------- inbound
     def deliver(self, message: StageInput, source: str) -> None:
-        """Thread-safe entry for every message addressed to this stage."""
+        """Thread-safe entry for every message addressed to this stage.
+
+        The scheduler gets the message under the stage's lock, so an abort can never
+        overtake the payload it aborts on the way into the scheduler's inbox.
+        """
         request_id = message.request_id
-        if isinstance(message, Abort):
-            with self._lock:
-                self._forget(request_id)
-            self.scheduler.put(message)
-            return
-        forward: StageInput | None = None
+        events: list[CoordinatorEvent] = []
         with self._lock:
+            if isinstance(message, Abort):
+                self._forget(request_id)
+                self.scheduler.put(message)
+                return
             if request_id in self._ended:
                 return
             try:
@@ -121,16 +127,21 @@ class StageRuntime:
                 else:
                     forward = self._on_stream(message, source)
             except StageFailureError as exc:  # a dynamic hook failed or broke its contract
-                self._fail_locked(request_id, exc)
-        if forward is not None:
-            self.scheduler.put(forward)
+                forward = None
+                events.append(self._fail_locked(request_id, exc))
+            if forward is not None:
+                self.scheduler.put(forward)
+        self._emit(request_id, [], events)
 
     def _on_payload(self, payload: StagePayload, source: str) -> StagePayload | None:
         request_id = payload.request_id
         if self.config.wait_for:
+            waits = self.topology.waits(self.name, payload)
+            if source not in waits:
+                raise StageFailureError(self.name, f"got a payload from {source!r}, but waits for {sorted(waits)}")
             arrived = self._fan_in.setdefault(request_id, {})
             arrived[source] = payload
-            if set(arrived) != self.topology.waits(self.name, payload):
+            if set(arrived) != waits:
                 return None
             del self._fan_in[request_id]
             payload = StagePayload(request_id, payload.request, self.topology.merge(self.name, arrived))
@@ -175,25 +186,25 @@ class StageRuntime:
     # ----------------------------------------------------- outbound (StageOutbox)
     def result(self, request_id: str, data: Any, finish_reason: FinishReason = "stop") -> None:
         outgoing: Outgoing = []
+        events: list[CoordinatorEvent] = []
         with self._lock:
             if request_id in self._ended:
                 return
             active = self._forget(request_id)
             if active is None or active.payload is None:
                 error = StageFailureError(self.name, "produced a result for a request without payload")
-                self.links.to_coordinator(StageFailed(request_id, self.name, error))
-                return
-            outgoing = [(t, StreamDone(request_id, self.name)) for t in active.stream_targets]
-            payload = StagePayload(request_id, active.request, data)
-            if self.config.terminal:
-                self.links.to_coordinator(StageResult(request_id, self.name, data, finish_reason))
+                events.append(StageFailed(request_id, self.name, error))
             else:
-                try:
-                    outgoing += [(t, payload) for t in self.topology.routes(self.name, payload)]
-                except StageFailureError as exc:
-                    self.links.to_coordinator(StageFailed(request_id, self.name, exc))
-                    return
-        self._send(outgoing)
+                outgoing = [(t, StreamDone(request_id, self.name)) for t in active.stream_targets]
+                payload = StagePayload(request_id, active.request, data)
+                if self.config.terminal:
+                    events.append(StageResult(request_id, self.name, data, finish_reason))
+                else:
+                    try:
+                        outgoing += [(t, payload) for t in self.topology.routes(self.name, payload)]
+                    except StageFailureError as exc:
+                        outgoing, events = [], [StageFailed(request_id, self.name, exc)]
+        self._emit(request_id, outgoing, events)
 
     def stream(
         self,
@@ -203,32 +214,49 @@ class StageRuntime:
         metadata: dict[str, int | float | str | bool] | None = None,
     ) -> None:
         outgoing: Outgoing = []
+        events: list[CoordinatorEvent] = []
         with self._lock:
             active = self._active.get(request_id)
             if active is None:
                 return  # ended (or failed) meanwhile
             if self.config.terminal:
-                self.links.to_coordinator(StreamChunk(request_id, self.name, data, modality, dict(metadata or {})))
-                return
+                events.append(StreamChunk(request_id, self.name, data, modality, dict(metadata or {})))
             for target in active.stream_targets:
                 first = target not in active.announced
                 active.announced.add(target)
                 request = active.request if first else None
                 outgoing.append((target, StreamChunk(request_id, self.name, data, modality, dict(metadata or {}), request)))
-        self._send(outgoing)
+        self._emit(request_id, outgoing, events)
 
     def fail(self, request_id: str, error: BaseException) -> None:
         with self._lock:
-            if request_id not in self._ended:
-                self._fail_locked(request_id, describe_failure(self.name, error))
+            if request_id in self._ended:
+                return
+            event = self._fail_locked(request_id, describe_failure(self.name, error))
+        self._emit(request_id, [], [event])
 
-    def _fail_locked(self, request_id: str, error: OmnistageError) -> None:
+    def dead(self, error: BaseException) -> None:
+        self.links.to_coordinator(StageDead(self.name, f"{type(error).__name__}: {error}"))
+
+    def _fail_locked(self, request_id: str, error: OmnistageError) -> StageFailed:
         self._forget(request_id)
-        self.links.to_coordinator(StageFailed(request_id, self.name, error))
+        return StageFailed(request_id, self.name, error)
 
-    def _send(self, outgoing: Outgoing) -> None:
-        for target, message in outgoing:
-            self.links.send(target, message, self.name)
+    def _emit(self, request_id: str, outgoing: Outgoing, events: list[CoordinatorEvent]) -> None:
+        """Send, outside the lock; a message that cannot be serialized for another process
+        fails its request (the request is already forgotten here, so nothing else would)."""
+        try:
+            for target, message in outgoing:
+                self.links.send(target, message, self.name)
+            for event in events:
+                self.links.to_coordinator(event)
+        except RelayError as exc:
+            self._forget_now(request_id)
+            self.links.to_coordinator(StageFailed(request_id, self.name, exc))
+
+    def _forget_now(self, request_id: str) -> None:
+        with self._lock:
+            self._forget(request_id)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

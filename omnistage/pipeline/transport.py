@@ -27,11 +27,13 @@ MAIN_GROUP = "main"  # the coordinator's process
 
 class Envelope(msgspec.Struct, array_like=True):
     """Frame 1 of a message. ``kind``: stage | abort | event | state_query | state_reply |
-    ready | startup_failed | stop. ``target``/``source``: stage names (stage messages)."""
+    ready | startup_failed | stop. ``target``/``source``: stage names (stage messages);
+    ``request_id``: the request a stage message or event belongs to ("" for control)."""
 
     kind: str
     target: str = ""
     source: str = ""
+    request_id: str = ""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -46,6 +48,9 @@ class ZmqTransport:
         addresses: every group's PULL address.
         segment_prefix: shared-memory segment name prefix of this pipeline.
         on_message: ``on_message(envelope, body)``, called on the receiver thread.
+        on_undeliverable: ``on_undeliverable(envelope, error)``, called on the receiver
+            thread when a message cannot be decoded or delivered (its request fails;
+            the receiver goes on).
     """
 
     def __init__(
@@ -54,10 +59,11 @@ class ZmqTransport:
         addresses: dict[str, str],
         segment_prefix: str,
         on_message: Callable[[Envelope, Any], None],
+        on_undeliverable: Callable[[Envelope, Exception], None],
     ) -> None:
         self.group, self.addresses = group, addresses
         self.segment_prefix = f"{segment_prefix}{group}_"
-        self.on_message = on_message
+        self.on_message, self.on_undeliverable = on_message, on_undeliverable
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
         self._pull.bind(addresses[group])
@@ -72,9 +78,15 @@ class ZmqTransport:
         for thread in self._threads:
             thread.start()
 
-    def send(self, group: str, kind: str, body: Any = None, target: str = "", source: str = "") -> None:
-        """Thread-safe: queue a message for ``group``'s process."""
-        header = _encode(Envelope(kind, target, source))
+    def send(
+        self, group: str, kind: str, body: Any = None, target: str = "", source: str = "", request_id: str = ""
+    ) -> None:
+        """Thread-safe: serialize ``body`` on the calling thread and queue it for ``group``.
+
+        Raises:
+            RelayError: ``body`` cannot be serialized (nothing is queued or left behind).
+        """
+        header = _encode(Envelope(kind, target, source, request_id))
         self._outgoing.put((group, header, relay.dumps(body, self.segment_prefix)))
 
     def stop(self) -> None:
@@ -103,5 +115,10 @@ class ZmqTransport:
             if not poller.poll(100):
                 continue
             header, body = self._pull.recv_multipart()
-            self.on_message(_decode(header), relay.loads(body))
+            envelope = _decode(header)
+            try:
+                self.on_message(envelope, relay.loads(body))
+            except Exception as exc:  # noqa: BLE001 -- the process boundary: the message's request fails, the receiver lives
+                logger.exception("cannot deliver a %s message for %r", envelope.kind, envelope.request_id)
+                self.on_undeliverable(envelope, exc)
         self._pull.close(linger=0)

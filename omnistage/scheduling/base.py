@@ -45,6 +45,9 @@ class StageOutbox(Protocol):
     def fail(self, request_id: str, error: BaseException) -> None:
         """The request failed here; the coordinator fails it and aborts it everywhere."""
 
+    def dead(self, error: BaseException) -> None:
+        """The compute loop died: the pipeline is unhealthy."""
+
 
 @dataclass(frozen=True, slots=True)
 class ItemFailure:
@@ -91,8 +94,20 @@ class Scheduler(ABC):
         self.stage_name, self._outbox, self.expects_stream = stage_name, outbox, expects_stream
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"stage-{self.stage_name}", daemon=True)
+        self._thread = threading.Thread(target=self._thread_main, name=f"stage-{self.stage_name}", daemon=True)
         self._thread.start()
+
+    def _thread_main(self) -> None:
+        """The thread boundary: a failure outside a batch (a scheduler bug) kills the
+        compute loop; every request it holds fails and the stage reports itself dead, so
+        nothing waits on a stage that no longer computes."""
+        try:
+            self._run()
+        except Exception as exc:  # noqa: BLE001 -- the thread boundary (docstring)
+            logger.exception("stage %s: compute loop died", self.stage_name)
+            for request_id in self.live_requests():
+                self.outbox.fail(request_id, exc)
+            self.outbox.dead(exc)
 
     def put(self, message: StageInput) -> None:
         """Thread-safe: hand a message to the compute thread."""

@@ -17,9 +17,10 @@ class ThreadedScheduler(Scheduler):
     Several requests in flight at once is what lets a batcher further down (e.g. a
     reference-audio encoder shared by the workers) see batches larger than one.
 
-    An abort releases the request at once (``abort_callback``) and leaves a tombstone;
-    a compute that finishes after its request was aborted is dropped and releases again
-    (the third race path), which is why ``abort_callback`` must be idempotent.
+    An abort releases the request at once (``abort_callback``): work not started yet is
+    cancelled; a compute already running is marked, and when it finishes its result is
+    dropped and the request released again (the third race path), which is why
+    ``abort_callback`` must be idempotent.
 
     Args:
         compute: per-request compute, called on a worker thread.
@@ -47,11 +48,9 @@ class ThreadedScheduler(Scheduler):
             return set(self._running) | self._aborted
 
     def _run(self) -> None:
-        with ThreadPoolExecutor(self.num_workers, thread_name_prefix=f"{self.stage_name}-w") as pool:
-            while True:
-                message = self._inbox.get()
-                if message is None:
-                    return
+        pool = ThreadPoolExecutor(self.num_workers, thread_name_prefix=f"{self.stage_name}-w")
+        try:
+            while (message := self._inbox.get()) is not None:
                 if isinstance(message, StagePayload):
                     with self._lock:
                         self._running[message.request_id] = pool.submit(self._work, message)
@@ -59,10 +58,15 @@ class ThreadedScheduler(Scheduler):
                     self._abort(message.request_id)
                 else:
                     self.outbox.fail(message.request_id, TypeError(f"stage {self.stage_name!r} takes no streams"))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
-            if request_id in self._running:
+            future = self._running.get(request_id)
+            if future is not None and future.cancel():  # not started: it never will
+                del self._running[request_id]
+            elif future is not None:
                 self._aborted.add(request_id)
         self.release(request_id)
 

@@ -238,7 +238,7 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
             model_request = await run_in_threadpool(
                 server.model.build_request, speech_request, server.settings.media_policy
             )
-            handle = server.pipeline.submit(model_request)
+            handle = server.pipeline.submit(model_request, collect=not speech_request.streaming)
         except OmnistageError as exc:
             server.metrics.request_rejected(exc.http_status)
             raise
@@ -296,7 +296,11 @@ class _SpeechCall:
             raise error
         samples = np.concatenate(audio)
         fmt = self.speech.response_format
-        data = await run_in_threadpool(encode_audio, samples, self.sample_rate, fmt)
+        try:
+            data = await run_in_threadpool(encode_audio, samples, self.sample_rate, fmt)
+        except Exception as exc:
+            self._finished(exc)
+            raise
         self.samples_sent = len(samples)
         self._first_audio()
         self._finished(None, result.finish_reason)
@@ -379,6 +383,7 @@ class _SpeechCall:
         if not self.handle.finished:  # the client went away mid-stream
             self.server.pipeline.abort(self.handle.request_id)
             error = RequestAbortedError("client disconnected")
+        self.handle.close()
         if error is not None:
             self._finished(error)
 

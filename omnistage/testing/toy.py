@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
-from omnistage.pipeline.messages import StagePayload
+from omnistage.errors import OmnistageError
+from omnistage.pipeline.messages import StageInput, StagePayload
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import (
     ItemFailure,
@@ -313,5 +314,70 @@ def tensor_config(device: str, processes: tuple[str | None, str | None]) -> Pipe
         stages=[
             _stage("make", "make_tensor", next="inspect", device=device, process=processes[0]),
             _stage("inspect", "inspect_tensor", terminal=True, device=device, process=processes[1]),
+        ],
+    )
+
+
+# ------------------------------------------------------------ failure injection
+class ToyQuotaError(OmnistageError):
+    """A model-defined typed error whose ``__init__`` takes two arguments."""
+
+    http_status = 429
+
+    def __init__(self, who: str, limit: int) -> None:
+        self.who, self.limit = who, limit
+        super().__init__(f"{who} is over its quota of {limit}")
+
+
+def misbehave(ctx: StageBuildContext) -> SimpleScheduler:
+    """Result: the request text, except: ``"LOCK"`` returns an object that cannot cross
+    processes, ``"QUOTA"`` raises :class:`ToyQuotaError`."""
+
+    def compute(batch: list[StagePayload]) -> list[object]:
+        out: list[object] = []
+        for p in batch:
+            if "QUOTA" in p.request.text:
+                raise ToyQuotaError("toy", 3)
+            out.append(threading.Lock() if "LOCK" in p.request.text else p.request.text)
+        return out
+
+    return SimpleScheduler(compute)
+
+
+class _CrashingScheduler(SimpleScheduler):
+    """A scheduler with a bug outside its batch boundary for ``"CRASH"`` requests."""
+
+    def _accept(self, message: StageInput) -> None:
+        if isinstance(message, StagePayload) and "CRASH" in message.request.text:
+            raise RuntimeError("scheduler bug")
+        super()._accept(message)
+
+
+def crashing(ctx: StageBuildContext) -> SimpleScheduler:
+    return _CrashingScheduler(lambda batch: [p.request.text for p in batch])
+
+
+def broken_factory(ctx: StageBuildContext) -> SimpleScheduler:
+    raise KeyError("a factory that fails to build")
+
+
+def omni_route_thinker_mismatch(payload: StagePayload) -> list[str]:
+    """Agrees with the other hooks on the sample requests, not on a text containing
+    ``"MISMATCH"`` (it then also routes to the talker, which the terminal set omits)."""
+    audio = wants_audio(payload.request) or "MISMATCH" in payload.request.text
+    return ["decode", "talker"] if audio else ["decode"]
+
+
+def omni_streams_mismatch(payload: StagePayload) -> list[str]:
+    return ["talker"] if "talker" in omni_route_thinker_mismatch(payload) else []
+
+
+def two_stage_config(first: str, second: str, processes: tuple[str | None, str | None] = (None, None)) -> PipelineConfig:
+    """``a`` (factory ``first``) -> ``b`` (factory ``second``, terminal)."""
+    return PipelineConfig(
+        name="toy-two",
+        stages=[
+            _stage("a", first, next="b", process=processes[0]),
+            _stage("b", second, terminal=True, process=processes[1]),
         ],
     )

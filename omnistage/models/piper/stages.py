@@ -64,14 +64,15 @@ def create_synthesis_stage(
 
 @dataclass
 class _Utterance:
-    request: PiperRequest
-    sentences: tuple[tuple[int, ...], ...]
+    items: list[SynthesisItem]
     next: int = 0
     samples: int = 0
 
-    def next_item(self) -> SynthesisItem:
-        r = self.request
-        return SynthesisItem(list(self.sentences[self.next]), r.noise_scale, r.length_scale, r.noise_w, r.speaker_id)
+
+def _items(request: PiperRequest, text: PhonemizedText) -> list[SynthesisItem]:
+    """One synthesis item per sentence (raises ValueError on invalid scales)."""
+    r = request
+    return [SynthesisItem(list(ids), r.noise_scale, r.length_scale, r.noise_w, r.speaker_id) for ids in text.sentences]
 
 
 class SentenceScheduler(Scheduler):
@@ -117,8 +118,9 @@ class SentenceScheduler(Scheduler):
 
     def _accept(self, message: StageInput) -> None:
         if isinstance(message, StagePayload):
-            text: PhonemizedText = message.data
-            self.active[message.request_id] = _Utterance(message.request, text.sentences)
+            items: list[SynthesisItem] = []
+            if self.run_batch([message.request_id], lambda: items.extend(_items(message.request, message.data))):
+                self.active[message.request_id] = _Utterance(items)
         elif isinstance(message, Abort):
             if self.active.pop(message.request_id, None) is not None:
                 self.release(message.request_id)
@@ -126,7 +128,7 @@ class SentenceScheduler(Scheduler):
     def _pick(self) -> list[tuple[str, SynthesisItem]]:
         picked: list[tuple[str, SynthesisItem]] = []
         for request_id, utterance in self.active.items():
-            item = utterance.next_item()
+            item = utterance.items[utterance.next]
             if picked:
                 first = picked[0][1]
                 lengths = [len(first.phoneme_ids), len(item.phoneme_ids)]
@@ -150,9 +152,9 @@ class SentenceScheduler(Scheduler):
             utterance.next += 1
             utterance.samples += len(wave)
             self.outbox.stream(request_id, wave, "audio", {"sample_rate": self.sample_rate})
-            if utterance.next == len(utterance.sentences):
+            if utterance.next == len(utterance.items):
                 del self.active[request_id]
-                result = AudioResult(utterance.samples, self.sample_rate, num_frames=len(utterance.sentences))
+                result = AudioResult(utterance.samples, self.sample_rate, num_frames=len(utterance.items))
                 self.outbox.result(request_id, result)
             else:
                 self.active.move_to_end(request_id)  # round robin: other requests go first

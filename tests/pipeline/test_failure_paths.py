@@ -1,0 +1,124 @@
+"""Failure paths outside the happy flow: every request still ends, typed, and nothing is
+left behind (regressions found in review)."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from omnistage.errors import (
+    PipelineConfigError,
+    PipelineUnhealthyError,
+    RequestValidationError,
+    StageFailureError,
+    StreamBufferFullError,
+)
+from omnistage.pipeline.pipeline import Pipeline
+from omnistage.testing import toy
+from omnistage.testing.leaks import assert_no_request_state
+
+pytestmark = pytest.mark.anyio
+APART = ("a", "b")
+
+
+async def test_unserializable_result_fails_its_request_and_serving_goes_on():
+    async with Pipeline(toy.two_stage_config("misbehave", "tag", APART)) as pipeline:
+        with pytest.raises(StageFailureError, match="cannot send"):
+            await asyncio.wait_for(pipeline.submit(toy.ToyRequest("LOCK")).result(), 10)
+        assert (await pipeline.submit(toy.ToyRequest("fine")).result()).outputs == {"b": ("b", "fine")}
+        await assert_no_request_state(pipeline)
+
+
+async def test_unserializable_terminal_result_in_a_child_fails_its_request():
+    async with Pipeline(toy.two_stage_config("tag", "misbehave", APART)) as pipeline:
+        with pytest.raises(StageFailureError, match="cannot send"):
+            await asyncio.wait_for(pipeline.submit(toy.ToyRequest("LOCK")).result(), 10)
+        assert (await pipeline.submit(toy.ToyRequest("fine")).result()).outputs == {"b": "fine"}
+        await assert_no_request_state(pipeline)
+
+
+@pytest.mark.parametrize("processes", [(None, None), APART])
+async def test_model_defined_typed_errors_arrive_typed(processes):
+    async with Pipeline(toy.two_stage_config("tag", "misbehave", processes)) as pipeline:
+        with pytest.raises(toy.ToyQuotaError) as info:
+            await asyncio.wait_for(pipeline.submit(toy.ToyRequest("QUOTA")).result(), 10)
+        assert (info.value.who, info.value.limit, info.value.http_status) == ("toy", 3, 429)
+        await assert_no_request_state(pipeline)
+
+
+async def test_a_dead_compute_loop_fails_its_requests_and_marks_the_pipeline_unhealthy():
+    async with Pipeline(toy.two_stage_config("tag", "crashing")) as pipeline:
+        with pytest.raises(PipelineUnhealthyError, match="stopped computing"):
+            await asyncio.wait_for(pipeline.submit(toy.ToyRequest("CRASH")).result(), 10)
+        assert not pipeline.healthy
+        with pytest.raises(PipelineUnhealthyError):
+            pipeline.submit(toy.ToyRequest("next"))
+
+
+async def test_a_stage_process_that_fails_to_build_fails_start_up_at_once():
+    config = toy.two_stage_config("tag", "broken_factory", APART)
+    start = time.monotonic()
+    with pytest.raises(PipelineConfigError, match="a factory that fails to build"):
+        async with Pipeline(config):
+            pass
+    assert time.monotonic() - start < 30
+
+
+async def test_a_main_process_stage_that_fails_to_build_leaves_no_threads():
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(KeyError):
+        async with Pipeline(toy.two_stage_config("broken_factory", "tag", (None, "b"))):
+            pass
+    leftover = {t.name for t in threading.enumerate()} - before
+    assert not [name for name in leftover if name.startswith("zmq-")]
+
+
+async def test_a_request_the_hooks_disagree_on_is_cleaned_up_after_success():
+    config = toy.omni_config()
+    thinker = config.stage("thinker")
+    thinker.route_fn = "omnistage.testing.toy:omni_route_thinker_mismatch"
+    thinker.stream_done_to_fn = "omnistage.testing.toy:omni_streams_mismatch"
+    async with Pipeline(config) as pipeline:
+        result = await pipeline.submit(toy.ToyRequest("MISMATCH", audio_out=False)).result()
+        assert set(result.outputs) == {"decode"}
+        await assert_no_request_state(pipeline)
+
+
+async def test_request_ids_cannot_be_reused_while_stages_remember_them():
+    async with Pipeline(toy.linear_config()) as pipeline:
+        await pipeline.submit(toy.ToyRequest("once"), request_id="client-42").result()
+        with pytest.raises(RequestValidationError, match="client-42"):
+            pipeline.submit(toy.ToyRequest("twice"), request_id="client-42")
+
+
+async def test_a_request_that_cannot_reach_the_entry_process_is_not_admitted():
+    async with Pipeline(toy.two_stage_config("tag", "tag", APART)) as pipeline:
+        with pytest.raises(StageFailureError, match="cannot send"):
+            pipeline.submit(toy.ToyRequest(threading.Lock()))  # type: ignore[arg-type]
+        assert pipeline.coordinator.in_flight == 0
+        await assert_no_request_state(pipeline)
+
+
+async def test_abandoned_streams_release_their_bytes_and_collecting_clients_are_not_capped():
+    async with Pipeline(toy.linear_config(stream_queue_max_bytes=400)) as pipeline:
+        for _ in range(5):
+            handle = pipeline.submit(toy.ToyRequest("abcdefghijkl"))
+            async for _chunk in handle.stream():
+                break  # the client stops reading
+            await asyncio.wait_for(handle._done.wait(), 5)
+            handle.close()
+        assert pipeline.coordinator.queued_bytes == 0
+        text = "x" * 200  # 1,600 bytes of chunks, 4x the cap
+        with pytest.raises(StreamBufferFullError):
+            await pipeline.submit(toy.ToyRequest(text)).result()
+        whole = await pipeline.submit(toy.ToyRequest(text), collect=True).result()
+        assert [c.data.tolist() for c in whole.chunks] == toy.expected_linear(text)[0]
+        await assert_no_request_state(pipeline)
+
+
+async def test_stream_after_result_ends_instead_of_hanging():
+    async with Pipeline(toy.linear_config()) as pipeline:
+        handle = pipeline.submit(toy.ToyRequest("abc"))
+        await handle.result()
+        assert [c async for c in handle.stream()] == []
