@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Speed and WER of the bundled Piper voice on this machine's CPU, against a real server.
 # Usage (from the repository root, in the project's venv): benchmarks/cpu_voice.sh [PORT]
-# Writes benchmarks/results/cpu_voice_speed.json and cpu_voice_wer.json.
+# Writes benchmarks/results/cpu_voice_speed.json (streaming), cpu_voice_speed_nonstream.json
+# and cpu_voice_wer.json. Needs the bench extra: pip install -e '.[bench]'.
 set -euo pipefail
 port=${1:-8140}
 out=benchmarks/results

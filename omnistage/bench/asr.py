@@ -68,7 +68,10 @@ class PocketSphinxASR:
     def __init__(
         self, hmm: Path | None = None, lm: Path | None = None, dictionary: Path | None = None
     ) -> None:
-        from pocketsphinx import Decoder
+        try:
+            from pocketsphinx import Decoder
+        except ImportError as exc:
+            raise ImportError("the pocketsphinx ASR needs: pip install 'omnistage[bench]'") from exc
 
         paths = {"hmm": hmm, "lm": lm, "dict": dictionary}
         self._decoder = Decoder(

@@ -37,7 +37,7 @@ class _Strict(BaseModel):
 class FactoryConfig(_Strict):
     """Where a stage's scheduler comes from.
 
-    ``path`` is a dotted path to a callable ``factory(stage: StageContext, **args) ->
+    ``path`` is a dotted path to a callable ``factory(ctx: StageBuildContext, **args) ->
     Scheduler``; ``args`` are its keyword arguments (the stage's tunable knobs).
     """
 
