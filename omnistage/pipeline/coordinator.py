@@ -29,6 +29,7 @@ from omnistage.errors import (
     RequestAbortedError,
     RequestTimeoutError,
     RequestValidationError,
+    StageFailureError,
     StreamBufferFullError,
 )
 from omnistage.pipeline.messages import (
@@ -227,6 +228,14 @@ class Coordinator:
         if isinstance(event, StreamChunk):
             self._enqueue(handle, event)
         elif isinstance(event, StageResult):
+            if event.stage not in handle.terminals:
+                error = StageFailureError(
+                    event.stage,
+                    f"finished the request but is not in its terminal set {sorted(handle.terminals)}: "
+                    "the routes and terminal_stages_fn disagree on this request",
+                )
+                self._finish(event.request_id, error=error, finish_reason="error")
+                return
             handle._outputs[event.stage] = event.data
             if _FINISH_PRIORITY[event.finish_reason] > _FINISH_PRIORITY[handle._finish_reason]:
                 handle._finish_reason = event.finish_reason

@@ -74,14 +74,21 @@ async def test_a_main_process_stage_that_fails_to_build_leaves_no_threads():
     assert not [name for name in leftover if name.startswith("zmq-")]
 
 
-async def test_a_request_the_hooks_disagree_on_is_cleaned_up_after_success():
+async def test_a_terminal_outside_the_requests_terminal_set_fails_it_clearly():
+    """Hooks that agree on the sample requests but not on this one: the talker chain runs
+    although the terminal set is only `decode`; its terminal's completion fails the
+    request (never a silent extra output), and every stage lets the request go."""
     config = toy.omni_config()
     thinker = config.stage("thinker")
     thinker.route_fn = "omnistage.testing.toy:omni_route_thinker_mismatch"
     thinker.stream_done_to_fn = "omnistage.testing.toy:omni_streams_mismatch"
+    toy.GATES.close("decode:MISMATCH")  # decode finishes last, deterministically
     async with Pipeline(config) as pipeline:
-        result = await pipeline.submit(toy.ToyRequest("MISMATCH", audio_out=False)).result()
-        assert set(result.outputs) == {"decode"}
+        handle = pipeline.submit(toy.ToyRequest("MISMATCH", audio_out=False))
+        with pytest.raises(StageFailureError, match="not in its terminal set") as info:
+            await asyncio.wait_for(handle.result(), 10)
+        assert info.value.stage == "code2wav"
+        toy.GATES.open("decode:MISMATCH")
         await assert_no_request_state(pipeline)
 
 
