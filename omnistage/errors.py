@@ -7,6 +7,7 @@ Every failure a client can see is one of these classes; the HTTP layer maps them
 class                          HTTP    meaning
 =============================  ======  ==============================================
 ``RequestValidationError``     400     bad input, detected before any model work
+``AuthenticationError``        401     missing or wrong API key
 ``PayloadTooLargeError``       413     request body or media above its cap
 ``QueueFullError``             503     admission bound reached; retry later
 ``PipelineUnhealthyError``     503     a stage process died or the pipeline is stopping
@@ -70,6 +71,13 @@ class PayloadTooLargeError(RequestValidationError):
     """A request body or an embedded media item exceeds its size or duration cap."""
 
     http_status = 413
+
+
+class AuthenticationError(OmnistageError):
+    """Missing or wrong API key (``Authorization: Bearer <key>``)."""
+
+    http_status = 401
+    error_type = "authentication_error"
 
 
 class QueueFullError(OmnistageError):

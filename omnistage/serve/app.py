@@ -19,14 +19,14 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omnistage.config.model import AudioResult, SpeechModelConfig
 from omnistage.errors import (
+    AuthenticationError,
     OmnistageError,
     PipelineUnhealthyError,
     RequestAbortedError,
@@ -57,7 +58,6 @@ from omnistage.serve.protocol import (
     not_found_envelope,
     parse_speech_request,
     sse_event,
-    unauthorized_envelope,
     validate_speech_request,
     voices_response,
 )
@@ -143,7 +143,6 @@ def create_app(model: SpeechModelConfig, settings: ServerSettings | None = None)
     app = FastAPI(title="omnistage", lifespan=lifespan)
     app.state.server = server
     _install_error_handlers(app)
-    _install_auth(app, server)
     _install_routes(app, server)
     return app
 
@@ -182,24 +181,27 @@ def _install_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=400)
 
 
-def _install_auth(app: FastAPI, server: SpeechServer) -> None:
-    key = server.settings.api_key
-    if not key:
-        return
+def _require_api_key(server: SpeechServer) -> Callable[[Request], None]:
+    """A dependency of every ``/v1`` route: checks ``Authorization: Bearer <key>``.
 
-    @app.middleware("http")
-    async def bearer_auth(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            scheme, _, token = given.partition(" ")
-            if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), key):
-                status, body = unauthorized_envelope()
-                return JSONResponse(body, status_code=status, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+    (A dependency, not an HTTP middleware: Starlette's middleware wrapper hides client
+    disconnects from the route, and a disconnect must abort the request.)
+    """
+
+    def check(request: Request) -> None:
+        key = server.settings.api_key
+        if not key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+            raise AuthenticationError("invalid or missing API key")
+
+    return check
 
 
 def _install_routes(app: FastAPI, server: SpeechServer) -> None:
     caps = server.capabilities
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(server))])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -218,15 +220,15 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
         data, media_type = server.metrics.render()
         return Response(data, media_type=media_type)
 
-    @app.get("/v1/models")
+    @v1.get("/models")
     async def models() -> JSONResponse:
         return JSONResponse(model_list(caps, server.created).model_dump())
 
-    @app.get("/v1/audio/voices")
+    @v1.get("/audio/voices")
     async def voices() -> JSONResponse:
         return JSONResponse(voices_response(caps).model_dump(mode="json"))
 
-    @app.post("/v1/audio/speech")
+    @v1.post("/audio/speech")
     async def speech(request: Request) -> Response:
         received = time.perf_counter()
         try:
@@ -247,6 +249,9 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
         if not speech_request.streaming:
             return await call.respond_whole()
         return await call.respond_stream()
+
+
+    app.include_router(v1)
 
 
 async def _read_body(request: Request, limit: int) -> bytes:

@@ -260,3 +260,13 @@ def test_fuzzed_bodies_never_cause_a_500(tone_server, body):
 
 def test_server_still_serves_after_fuzzing(tone_server):
     assert speech(tone_server, {"input": "alive", "response_format": "pcm"}).content == expected_pcm("alive")
+
+
+def test_client_disconnect_aborts_a_whole_file_request_behind_auth(auth_server):
+    """Auth must not hide disconnects from the route (it is a dependency, not an HTTP
+    middleware): a non-streaming request whose client leaves is aborted."""
+    body = {"input": "y" * 60, "delay_s": 0.05, "response_format": "pcm"}
+    headers = {"Authorization": "Bearer sekret"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{auth_server.base_url}/v1/audio/speech", json=body, headers=headers, timeout=0.5)
+    wait_idle(auth_server, timeout=2.0)
