@@ -8,6 +8,7 @@ class                          HTTP    meaning
 =============================  ======  ==============================================
 ``RequestValidationError``     400     bad input, detected before any model work
 ``AuthenticationError``        401     missing or wrong API key
+``UnsupportedMediaTypeError``  415     a body that is not declared as JSON
 ``PayloadTooLargeError``       413     request body or media above its cap
 ``QueueFullError``             503     admission bound reached; retry later
 ``PipelineUnhealthyError``     503     a stage process died or the pipeline is stopping
@@ -71,6 +72,12 @@ class PayloadTooLargeError(RequestValidationError):
     """A request body or an embedded media item exceeds its size or duration cap."""
 
     http_status = 413
+
+
+class UnsupportedMediaTypeError(RequestValidationError):
+    """The request body is not declared as JSON (``Content-Type: application/json``)."""
+
+    http_status = 415
 
 
 class AuthenticationError(OmnistageError):

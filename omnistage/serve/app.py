@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from omnistage.config.model import AudioResult, SpeechModelConfig
 from omnistage.errors import (
@@ -39,6 +40,7 @@ from omnistage.errors import (
     PipelineUnhealthyError,
     RequestAbortedError,
     StageFailureError,
+    UnsupportedMediaTypeError,
 )
 from omnistage.pipeline.coordinator import RequestHandle
 from omnistage.pipeline.messages import StreamChunk
@@ -171,9 +173,9 @@ def _install_error_handlers(app: FastAPI) -> None:
             status, body = not_found_envelope(f"no route {request.method} {request.url.path}")
         else:
             status, body = exc.status_code, {
-                "error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None, "code": None}
+                "error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None, "code": status}
             }
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(FastAPIValidationError)
     async def validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
@@ -203,7 +205,7 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
     caps = server.capabilities
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(server))])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
         if server.start_error is not None:
             return JSONResponse({"status": "failed", "reason": server.start_error}, status_code=503)
@@ -234,8 +236,9 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
         try:
             if not server.ready:
                 raise PipelineUnhealthyError(server.start_error or "the server is starting; see GET /health")
+            _require_json(request)
             body = await _read_body(request, server.settings.max_body_bytes)
-            speech_request = parse_speech_request(body, caps)
+            speech_request = await run_in_threadpool(parse_speech_request, body, caps)
             validate_speech_request(speech_request, caps)
             model_request = await run_in_threadpool(
                 server.model.build_request, speech_request, server.settings.media_policy
@@ -254,16 +257,31 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
     app.include_router(v1)
 
 
+def _require_json(request: Request) -> None:
+    """JSON bodies only: besides being the API's format, this keeps a web page from making
+    a browser post a "simple" (text/plain or form) request to a local server."""
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json" and not media_type.endswith("+json"):
+        raise UnsupportedMediaTypeError(
+            f"the body must be JSON with Content-Type: application/json, got {media_type or 'none'!r}"
+        )
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, at most ``limit`` bytes (413 above it; a client gone mid-upload ends the
+    request quietly)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise body_too_large(limit, int(declared))
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise body_too_large(limit, size)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise body_too_large(limit, size)
+            chunks.append(chunk)
+    except ClientDisconnect as exc:
+        raise RequestAbortedError("client disconnected while sending the body") from exc
     return b"".join(chunks)
 
 

@@ -393,6 +393,8 @@ def _check_text(name: str, text: str | None, max_chars: int, required: bool = Fa
         return
     if required and not text.strip():
         raise RequestValidationError(f"{name} must not be empty", param=name)
+    if "\x00" in text or any("\ud800" <= c <= "\udfff" for c in text):
+        raise RequestValidationError(f"{name} contains a NUL character or an unpaired surrogate", param=name)
     if len(text) > max_chars:
         raise RequestValidationError(
             f"{name} has {len(text)} characters; the maximum is {max_chars}", param=name
@@ -586,7 +588,20 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+MAX_ERROR_MESSAGE_CHARS = 2000
+MAX_ERROR_PARAM_CHARS = 200
+
+
+def _printable(text: str, limit: int) -> str:
+    """``text`` as valid UTF-8 (lone surrogates escaped), cut to ``limit`` characters: an
+    error never fails to encode, and never echoes a huge client value back."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _envelope(status: int, message: str, error_type: str, param: str | None) -> tuple[int, dict]:
+    message = _printable(message, MAX_ERROR_MESSAGE_CHARS)
+    param = None if param is None else _printable(param, MAX_ERROR_PARAM_CHARS)
     body = ErrorBody(message=message, type=error_type, param=param, code=status)
     return status, ErrorResponse(error=body).model_dump()
 

@@ -19,6 +19,8 @@ from omnistage.serve.audio import float_to_s16
 from omnistage.testing.tone import SAMPLE_RATE, ToneConfig, ToneRequest, tone_samples
 from tests.serve.conftest import run_uvicorn, serve, wait_health
 
+JSON = {"Content-Type": "application/json"}
+
 
 def expected_pcm(text: str, voice: str = "sine", speed: float = 1.0) -> bytes:
     chunks = tone_samples(ToneRequest(text, voice, speed, 10_000, 0.0))
@@ -119,8 +121,34 @@ def test_bad_fields_are_400_naming_the_field(tone_server, body, param):
 
 
 def test_malformed_json_is_400(tone_server):
-    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=b"{not json", timeout=10)
+    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=b"{not json", headers=JSON, timeout=10)
     assert response.status_code == 400 and "error" in response.json()
+
+
+def test_a_body_not_declared_as_json_is_415(tone_server):
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": content_type} if content_type else {}
+        response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=b'{"input": "hi"}', headers=headers)
+        assert response.status_code == 415 and response.json()["error"]["code"] == 415
+
+
+@pytest.mark.parametrize("escaped", [r"hello\u0000world", r"hello \ud800 there"])
+def test_nul_and_unpaired_surrogates_in_text_are_400(tone_server, escaped):
+    body = ('{"input": "' + escaped + '"}').encode()
+    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=body, headers=JSON)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "input"
+
+
+def test_errors_echoing_odd_or_huge_client_values_still_encode(tone_server):
+    body = ('{"input": "hi", ' + r'"\ud800": 1, "' + "k" * 50_000 + '": 2}').encode()
+    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=body, headers=JSON)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert len(error["message"]) <= 2003 and (error["param"] is None or len(error["param"]) <= 203)
+
+
+def test_head_health(tone_server):
+    assert httpx.head(f"{tone_server.base_url}/health").status_code == 200
 
 
 def test_unknown_route_is_404_in_the_envelope(tone_server):
@@ -181,6 +209,9 @@ def test_client_disconnect_aborts_the_request(tone_server):
 def test_auth_is_required_on_v1_only(auth_server):
     assert speech(auth_server, {"input": "hi"}).status_code == 401
     assert speech(auth_server, {"input": "hi"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    non_ascii = httpx.post(f"{auth_server.base_url}/v1/audio/speech", json={"input": "hi"},
+                           headers=[(b"Authorization", "Bearer é".encode())])
+    assert non_ascii.status_code == 401
     ok = speech(auth_server, {"input": "hi"}, headers={"Authorization": "Bearer sekret"})
     assert ok.status_code == 200
     assert httpx.get(f"{auth_server.base_url}/health").status_code == 200
@@ -253,7 +284,7 @@ speech_fields = st.sampled_from(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=st.dictionaries(speech_fields, json_values, max_size=6) | json_values)
 def test_fuzzed_bodies_never_cause_a_500(tone_server, body):
-    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=json.dumps(body), timeout=30)
+    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=json.dumps(body), headers=JSON, timeout=30)
     assert response.status_code != 500, response.text
     assert response.status_code in (200, 400, 413, 503)
 

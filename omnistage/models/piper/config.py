@@ -49,7 +49,12 @@ class PiperVoiceConfig(SpeechModelConfig):
                     name="synthesis",
                     factory=FactoryConfig(
                         path=f"{_STAGES}:create_synthesis_stage",
-                        args={"max_batch_size": 4, "max_length_ratio": 1.3, "intra_op_threads": 2},
+                        args={
+                            "max_batch_size": 4,
+                            "max_length_ratio": 1.3,
+                            "intra_op_threads": 2,
+                            "max_seconds_per_char": 0.3,
+                        },
                     ),
                     terminal=True,
                 ),

@@ -31,6 +31,8 @@ from omnistage.pipeline.messages import Abort, StageInput, StagePayload
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import Scheduler, ThreadedScheduler
 
+MIN_CAP_S = 10.0  # the output cap never goes below this many seconds
+
 
 @lru_cache(maxsize=8)
 def voice_spec(onnx_path: str) -> PiperVoiceSpec:
@@ -51,20 +53,28 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 2) -> 
 
 
 def create_synthesis_stage(
-    ctx: StageBuildContext, max_batch_size: int = 4, max_length_ratio: float = 1.3, intra_op_threads: int = 2
+    ctx: StageBuildContext,
+    max_batch_size: int = 4,
+    max_length_ratio: float = 1.3,
+    intra_op_threads: int = 2,
+    max_seconds_per_char: float = 0.3,
 ) -> SentenceScheduler:
     """The ONNX synthesis stage. ``max_length_ratio``: sentences share a call only if the
     longest has at most this many times the phonemes of the shortest, because every item
     of a call is decoded to the longest item's length (measured on CPU: a padded batch of
-    0.5-5.3 s sentences cost 2.2x the same sentences alone)."""
+    0.5-5.3 s sentences cost 2.2x the same sentences alone). ``max_seconds_per_char``:
+    output cap per request, in audio seconds per input character (at least 10 s); speech
+    runs about 0.06 s/char at speed 1 and 0.24 at speed 0.25, so the cap only stops
+    runaway durations (e.g. extreme ``noise_w``), finishing the request with "length"."""
     assert ctx.pipeline.model_path is not None
     synthesizer = PiperSynthesizer.load(voice_spec(ctx.pipeline.model_path), intra_op_threads)
-    return SentenceScheduler(synthesizer, max_batch_size, max_length_ratio)
+    return SentenceScheduler(synthesizer, max_batch_size, max_length_ratio, max_seconds_per_char)
 
 
 @dataclass
 class _Utterance:
     items: list[SynthesisItem]
+    max_samples: int
     next: int = 0
     samples: int = 0
 
@@ -88,14 +98,16 @@ class SentenceScheduler(Scheduler):
         synthesizer: PiperSynthesizer,
         max_batch_size: int,
         max_length_ratio: float,
+        max_seconds_per_char: float,
         abort_callback: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(abort_callback)
-        if max_batch_size < 1 or max_length_ratio < 1.0:
-            raise ValueError("max_batch_size must be >= 1 and max_length_ratio >= 1")
+        if max_batch_size < 1 or max_length_ratio < 1.0 or max_seconds_per_char <= 0:
+            raise ValueError("need max_batch_size >= 1, max_length_ratio >= 1, max_seconds_per_char > 0")
         self.synthesizer = synthesizer
         self.sample_rate = synthesizer.spec.sample_rate
         self.max_batch_size, self.max_length_ratio = max_batch_size, max_length_ratio
+        self.max_seconds_per_char = max_seconds_per_char
         self.active: OrderedDict[str, _Utterance] = OrderedDict()
 
     def live_requests(self) -> set[str]:
@@ -120,7 +132,9 @@ class SentenceScheduler(Scheduler):
         if isinstance(message, StagePayload):
             items: list[SynthesisItem] = []
             if self.run_batch([message.request_id], lambda: items.extend(_items(message.request, message.data))):
-                self.active[message.request_id] = _Utterance(items)
+                chars = sum(len(sentence) for sentence in message.request.sentences)
+                max_samples = int(max(MIN_CAP_S, chars * self.max_seconds_per_char) * self.sample_rate)
+                self.active[message.request_id] = _Utterance(items, max_samples)
         elif isinstance(message, Abort):
             if self.active.pop(message.request_id, None) is not None:
                 self.release(message.request_id)
@@ -149,12 +163,14 @@ class SentenceScheduler(Scheduler):
             return
         for request_id, wave in zip(ids, waves, strict=True):
             utterance = self.active[request_id]
+            wave = wave[: utterance.max_samples - utterance.samples]
             utterance.next += 1
             utterance.samples += len(wave)
             self.outbox.stream(request_id, wave, "audio", {"sample_rate": self.sample_rate})
-            if utterance.next == len(utterance.items):
+            capped = utterance.samples >= utterance.max_samples
+            if capped or utterance.next == len(utterance.items):
                 del self.active[request_id]
-                result = AudioResult(utterance.samples, self.sample_rate, num_frames=len(utterance.items))
-                self.outbox.result(request_id, result)
+                result = AudioResult(utterance.samples, self.sample_rate, num_frames=utterance.next)
+                self.outbox.result(request_id, result, "length" if capped else "stop")
             else:
                 self.active.move_to_end(request_id)  # round robin: other requests go first
