@@ -113,6 +113,17 @@ class Scheduler(ABC):
         """Thread-safe: hand a message to the compute thread."""
         self._inbox.put(message)
 
+    def take(self, block: bool, limit: int | None = None) -> list[StageInput | None]:
+        """Messages from the inbox: waits for one first if ``block``, then takes those
+        already there (at most ``limit`` in all). ``None`` in the list means stop."""
+        messages: list[StageInput | None] = [self._inbox.get()] if block else []
+        while limit is None or len(messages) < limit:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        return messages
+
     def queue_depth(self) -> int:
         """Messages waiting in the inbox (approximate; for metrics)."""
         return self._inbox.qsize()

@@ -11,7 +11,6 @@ requests leave a tombstone: late chunks never recreate state.
 
 from __future__ import annotations
 
-import queue
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -76,12 +75,7 @@ class StreamingScheduler(Scheduler):
 
     def _run(self) -> None:
         while True:
-            messages = [self._inbox.get()]
-            while len(messages) < self.max_messages_per_tick:
-                try:
-                    messages.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
+            messages = self.take(block=True, limit=self.max_messages_per_tick)
             touched: dict[str, StreamState] = {}
             for message in messages:
                 if message is None:

@@ -9,7 +9,6 @@ exists, so a new request's first sentence never waits behind another request's l
 
 from __future__ import annotations
 
-import queue
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -115,13 +114,7 @@ class SentenceScheduler(Scheduler):
 
     def _run(self) -> None:
         while True:
-            messages = [self._inbox.get()] if not self.active else []
-            while True:
-                try:
-                    messages.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            for message in messages:
+            for message in self.take(block=not self.active):
                 if message is None:
                     return
                 self._accept(message)
