@@ -225,13 +225,19 @@ class ServeArgs:
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Skip the warm-up request before reporting ready.")
     ] = False
+    no_playground: Annotated[
+        bool, typer.Option("--no-playground", help="Do not serve the web playground at /.")
+    ] = False
 
     def settings(self) -> ServerSettings:
         media = MediaPolicy(
             self.allowed_local_media_path, _media_domains(self.allowed_media_domain)
         )
         return ServerSettings(
-            api_key=self.api_key or None, media_policy=media, warmup=not self.no_warmup
+            api_key=self.api_key or None,
+            media_policy=media,
+            warmup=not self.no_warmup,
+            playground=not self.no_playground,
         )
 
 

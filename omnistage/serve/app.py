@@ -2,10 +2,11 @@
 
 Endpoints: ``POST /v1/audio/speech``, ``GET /v1/audio/voices``, ``GET /v1/models``,
 ``GET /health`` (503 while starting or after a stage process died), ``GET /metrics``
-(Prometheus). Errors use the OpenAI envelope, mapped from the typed errors of
-:mod:`omnistage.errors`. Request flow: capped body -> parse -> validate against the
-model's capabilities -> the model's request builder (all 4xx, before any model work)
--> admission -> response. A client disconnect aborts the request in the pipeline.
+(Prometheus), and the web playground at ``GET /`` (:mod:`omnistage.serve.playground`).
+Errors use the OpenAI envelope, mapped from the typed errors of :mod:`omnistage.errors`.
+Request flow: capped body -> parse -> validate against the model's capabilities -> the
+model's request builder (all 4xx, before any model work) -> admission -> response. A
+client disconnect aborts the request in the pipeline.
 
 Streaming: headers go out only once the first audio chunk exists, so a failure before it
 is a JSON error with its status; a failure after it truncates the stream (raw audio: no
@@ -48,6 +49,7 @@ from omnistage.pipeline.pipeline import Pipeline
 from omnistage.serve.audio import StreamingAudioEncoder, content_type, encode_audio, float_to_s16
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.metrics import ServerMetrics
+from omnistage.serve.playground import mount_playground
 from omnistage.serve.protocol import (
     ErrorEvent,
     SpeechAudioDelta,
@@ -79,12 +81,15 @@ class ServerSettings:
         media_policy: where reference audio may come from, and its caps.
         max_body_bytes: request body cap (413 above it).
         warmup: run the model's warm-up request before reporting ready.
+        playground: serve the web playground at ``/`` (its assets under ``/playground``;
+            both public, the page sends its key to ``/v1`` itself).
     """
 
     api_key: str | None = None
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)
     max_body_bytes: int = 32 * 1024 * 1024
     warmup: bool = True
+    playground: bool = True
 
 
 class SpeechServer:
@@ -146,6 +151,8 @@ def create_app(model: SpeechModelConfig, settings: ServerSettings | None = None)
     app.state.server = server
     _install_error_handlers(app)
     _install_routes(app, server)
+    if server.settings.playground:
+        mount_playground(app)
     return app
 
 
