@@ -166,7 +166,8 @@ async def _start(server: SpeechServer) -> None:
 
 def _error_response(exc: BaseException) -> JSONResponse:
     status, body = error_envelope(exc)
-    return JSONResponse(body, status_code=status)
+    headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthenticationError) else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

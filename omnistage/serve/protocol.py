@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
@@ -388,17 +389,20 @@ def _check_model(req: SpeechRequest, caps: SpeechCapabilities) -> None:
         )
 
 
+_UNSPEAKABLE = re.compile("[\x00\ud800-\udfff]")
+
+
 def _check_text(name: str, text: str | None, max_chars: int, required: bool = False) -> None:
     if text is None:
         return
     if required and not text.strip():
         raise RequestValidationError(f"{name} must not be empty", param=name)
-    if "\x00" in text or any("\ud800" <= c <= "\udfff" for c in text):
-        raise RequestValidationError(f"{name} contains a NUL character or an unpaired surrogate", param=name)
     if len(text) > max_chars:
         raise RequestValidationError(
             f"{name} has {len(text)} characters; the maximum is {max_chars}", param=name
         )
+    if _UNSPEAKABLE.search(text):
+        raise RequestValidationError(f"{name} contains a NUL character or an unpaired surrogate", param=name)
 
 
 def _set_fields(req: SpeechRequest) -> list[str]:

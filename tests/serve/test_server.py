@@ -207,7 +207,8 @@ def test_client_disconnect_aborts_the_request(tone_server):
 
 
 def test_auth_is_required_on_v1_only(auth_server):
-    assert speech(auth_server, {"input": "hi"}).status_code == 401
+    missing = speech(auth_server, {"input": "hi"})
+    assert missing.status_code == 401 and missing.headers["www-authenticate"] == "Bearer"
     assert speech(auth_server, {"input": "hi"}, headers={"Authorization": "Bearer wrong"}).status_code == 401
     non_ascii = httpx.post(f"{auth_server.base_url}/v1/audio/speech", json={"input": "hi"},
                            headers=[(b"Authorization", "Bearer é".encode())])

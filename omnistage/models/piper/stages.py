@@ -56,18 +56,40 @@ def create_synthesis_stage(
     max_batch_size: int = 4,
     max_length_ratio: float = 1.3,
     intra_op_threads: int = 2,
-    max_seconds_per_char: float = 0.3,
+    max_seconds_per_phoneme: float = 0.25,
+    max_audio_seconds: float = 900.0,
 ) -> SentenceScheduler:
     """The ONNX synthesis stage. ``max_length_ratio``: sentences share a call only if the
     longest has at most this many times the phonemes of the shortest, because every item
     of a call is decoded to the longest item's length (measured on CPU: a padded batch of
-    0.5-5.3 s sentences cost 2.2x the same sentences alone). ``max_seconds_per_char``:
-    output cap per request, in audio seconds per input character (at least 10 s); speech
-    runs about 0.06 s/char at speed 1 and 0.24 at speed 0.25, so the cap only stops
-    runaway durations (e.g. extreme ``noise_w``), finishing the request with "length"."""
+    0.5-5.3 s sentences cost 2.2x the same sentences alone).
+
+    Output cap per request (reaching it finishes the request with "length"):
+    ``max_seconds_per_phoneme`` x phoneme ids x ``length_scale`` (at least 10 s), and never
+    more than ``max_audio_seconds``. Measured on en_US-joe-medium: at most 0.043 s per id
+    per unit of length_scale with noise_w <= 0.8 (numbers, spelled letters, prose), and up
+    to 0.22 with noise_w = 2, so the cap stops only runaway durations."""
     assert ctx.pipeline.model_path is not None
     synthesizer = PiperSynthesizer.load(voice_spec(ctx.pipeline.model_path), intra_op_threads)
-    return SentenceScheduler(synthesizer, max_batch_size, max_length_ratio, max_seconds_per_char)
+    cap = OutputCap(max_seconds_per_phoneme, max_audio_seconds)
+    return SentenceScheduler(synthesizer, max_batch_size, max_length_ratio, cap)
+
+
+@dataclass(frozen=True)
+class OutputCap:
+    """Audio seconds a request may produce: ``seconds_per_phoneme`` per phoneme id, scaled
+    by the request's length_scale, at least ``MIN_CAP_S`` and at most ``max_seconds``."""
+
+    seconds_per_phoneme: float
+    max_seconds: float
+
+    def __post_init__(self) -> None:
+        if self.seconds_per_phoneme <= 0 or self.max_seconds < MIN_CAP_S:
+            raise ValueError(f"need seconds_per_phoneme > 0 and max_seconds >= {MIN_CAP_S}")
+
+    def samples(self, items: list[SynthesisItem], sample_rate: int) -> int:
+        seconds = sum(len(i.phoneme_ids) * i.length_scale for i in items) * self.seconds_per_phoneme
+        return int(min(max(MIN_CAP_S, seconds), self.max_seconds) * sample_rate)
 
 
 @dataclass
@@ -97,16 +119,15 @@ class SentenceScheduler(Scheduler):
         synthesizer: PiperSynthesizer,
         max_batch_size: int,
         max_length_ratio: float,
-        max_seconds_per_char: float,
+        cap: OutputCap,
         abort_callback: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__(abort_callback)
-        if max_batch_size < 1 or max_length_ratio < 1.0 or max_seconds_per_char <= 0:
-            raise ValueError("need max_batch_size >= 1, max_length_ratio >= 1, max_seconds_per_char > 0")
+        if max_batch_size < 1 or max_length_ratio < 1.0:
+            raise ValueError("need max_batch_size >= 1 and max_length_ratio >= 1")
         self.synthesizer = synthesizer
         self.sample_rate = synthesizer.spec.sample_rate
-        self.max_batch_size, self.max_length_ratio = max_batch_size, max_length_ratio
-        self.max_seconds_per_char = max_seconds_per_char
+        self.max_batch_size, self.max_length_ratio, self.cap = max_batch_size, max_length_ratio, cap
         self.active: OrderedDict[str, _Utterance] = OrderedDict()
 
     def live_requests(self) -> set[str]:
@@ -125,9 +146,7 @@ class SentenceScheduler(Scheduler):
         if isinstance(message, StagePayload):
             items: list[SynthesisItem] = []
             if self.run_batch([message.request_id], lambda: items.extend(_items(message.request, message.data))):
-                chars = sum(len(sentence) for sentence in message.request.sentences)
-                max_samples = int(max(MIN_CAP_S, chars * self.max_seconds_per_char) * self.sample_rate)
-                self.active[message.request_id] = _Utterance(items, max_samples)
+                self.active[message.request_id] = _Utterance(items, self.cap.samples(items, self.sample_rate))
         elif isinstance(message, Abort):
             if self.active.pop(message.request_id, None) is not None:
                 self.release(message.request_id)
