@@ -1,0 +1,1 @@
+"""The autoregressive engine (work in progress: the sampler is here; see issue 5)."""
