@@ -1,1 +1,1 @@
-"""The autoregressive engine (work in progress: the sampler is here; see issue 5)."""
+"""The autoregressive engine (in progress, issue 5): the sampler and the paged KV block manager."""
