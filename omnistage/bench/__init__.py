@@ -17,7 +17,6 @@ from omnistage.bench.speed import (
     plot_speed_report,
     print_speed_report,
     run_speed,
-    run_speed_benchmark,
     write_speed_json,
 )
 from omnistage.bench.wer import (
@@ -26,7 +25,6 @@ from omnistage.bench.wer import (
     normalize_for_wer,
     print_wer_report,
     run_wer,
-    run_wer_benchmark,
     write_wer_json,
 )
 
@@ -48,9 +46,7 @@ __all__ = [
     "print_speed_report",
     "print_wer_report",
     "run_speed",
-    "run_speed_benchmark",
     "run_wer",
-    "run_wer_benchmark",
     "write_speed_json",
     "write_wer_json",
 ]

@@ -59,7 +59,6 @@ __all__ = [
     "print_speed_report",
     "request_speech",
     "run_speed",
-    "run_speed_benchmark",
     "summarize_level",
     "write_speed_json",
 ]
@@ -401,29 +400,6 @@ async def run_speed(
         started_at=started,
         levels=levels,
     )
-
-
-async def run_speed_benchmark(
-    base_url: str,
-    samples: Sequence[BenchSample],
-    concurrencies: Sequence[int] = (1,),
-    stream: bool = True,
-    num_requests: int | None = None,
-    warmup: int = 1,
-    api_key: str | None = None,
-    model: str | None = None,
-    voice: str | None = None,
-    extra_fields: Mapping[str, Any] | None = None,
-    *,
-    timeout_s: float = 300.0,
-    show_progress: bool = True,
-) -> SpeedReport:
-    """Flat-argument form of :func:`run_speed` (see :class:`SpeedOptions` for each field)."""
-    target = SpeechTarget(base_url, model, voice, api_key, dict(extra_fields or {}), timeout_s)
-    options = SpeedOptions(
-        target, tuple(concurrencies), stream, num_requests, warmup, show_progress=show_progress
-    )
-    return await run_speed(options, samples)
 
 
 # ------------------------------------------------------------------------------ output

@@ -24,7 +24,7 @@ import json
 import re
 import time
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,6 @@ __all__ = [
     "normalize_for_wer",
     "print_wer_report",
     "run_wer",
-    "run_wer_benchmark",
     "write_wer_json",
 ]
 
@@ -307,25 +306,6 @@ async def run_wer(
     t = options.target
     info = RunInfo(t.base_url, t.model, t.voice, asr.name)
     return build_wer_report(done, failed, time.perf_counter() - start, options.worst_n, info)
-
-
-async def run_wer_benchmark(
-    base_url: str,
-    samples: Sequence[BenchSample],
-    asr: ASRBackend,
-    concurrency: int = 4,
-    api_key: str | None = None,
-    model: str | None = None,
-    voice: str | None = None,
-    extra_fields: Mapping[str, Any] | None = None,
-    *,
-    worst_n: int = 10,
-    timeout_s: float = 300.0,
-    show_progress: bool = True,
-) -> WerReport:
-    """Flat-argument form of :func:`run_wer` (see :class:`WerOptions` for each field)."""
-    target = SpeechTarget(base_url, model, voice, api_key, dict(extra_fields or {}), timeout_s)
-    return await run_wer(WerOptions(target, concurrency, worst_n, show_progress), samples, asr)
 
 
 # ------------------------------------------------------------------------------ output

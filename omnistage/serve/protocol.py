@@ -626,11 +626,6 @@ def error_envelope(exc: BaseException) -> tuple[int, dict]:
     return _envelope(500, "internal server error", "server_error", None)
 
 
-def unauthorized_envelope(message: str = "invalid or missing API key") -> tuple[int, dict]:
-    """401 ``authentication_error`` envelope (missing or wrong bearer token)."""
-    return _envelope(401, message, "authentication_error", None)
-
-
 def not_found_envelope(message: str = "not found") -> tuple[int, dict]:
     """404 ``not_found_error`` envelope (unknown route or resource)."""
     return _envelope(404, message, "not_found_error", None)

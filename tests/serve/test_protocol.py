@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from omnistage.errors import (
+    AuthenticationError,
     OmnistageError,
     PayloadTooLargeError,
     PipelineUnhealthyError,
@@ -36,7 +37,6 @@ from omnistage.serve.protocol import (
     parse_speech_request,
     request_error_from_validation,
     sse_event,
-    unauthorized_envelope,
     validate_speech_request,
     voices_response,
 )
@@ -481,7 +481,7 @@ def test_error_envelope_converts_pydantic_errors():
 
 
 def test_auth_not_found_and_too_large_helpers():
-    assert unauthorized_envelope() == (
+    assert error_envelope(AuthenticationError("invalid or missing API key")) == (
         401,
         {"error": {"message": "invalid or missing API key", "type": "authentication_error",
                    "param": None, "code": 401}},
