@@ -103,6 +103,11 @@ class SpeechRequest(BaseModel):
     ref_text: str | None = None
     references: list[SpeechReference] | None = None
     x_vector_only_mode: bool = False
+    non_streaming_mode: bool | None = Field(
+        default=None,
+        description="text feeding of an AR speech model: true = the whole text in the "
+        "prompt, false = text fed alongside the generated audio; null = the model's default",
+    )
     initial_codec_chunk_frames: int | None = Field(default=None, ge=0, le=_INT32_MAX)
 
     max_new_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)

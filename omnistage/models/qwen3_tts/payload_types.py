@@ -1,0 +1,98 @@
+"""Typed pipeline state of the Qwen3-TTS pipeline (request side)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from omnistage.engine.sampler import SamplingParams
+from omnistage.models.qwen3_tts.capabilities import ModelType
+
+
+@dataclass(frozen=True)
+class SamplingOverrides:
+    """Sampling values the client set; None = take generation_config.json's value.
+
+    Attributes:
+        temperature: >= 0 (0 = greedy).
+        top_k: >= 0 (0 = off).
+        top_p: in (0, 1].
+        repetition_penalty: > 0 (talker only).
+    """
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: ndarray fields have no boolean equality
+class Qwen3TTSRequest:
+    """A validated synthesis request (built by :func:`.request_builders.build_qwen3_tts_request`).
+
+    Attributes:
+        text: the text to speak (non-blank, at most ``MAX_INPUT_CHARS`` characters).
+        model_type: the served checkpoint's type (``base`` | ``custom_voice`` |
+            ``voice_design``); decides the prompt layout.
+        language: ``"auto"`` or a ``codec_language_id`` key, as requested.
+        language_id: codec id for the prompt's think prefix after the dialect-speaker
+            switch; None means ``auto`` (nothink prefix).
+        speaker: CustomVoice speaker name; None otherwise.
+        speaker_id: its codec id (``spk_id``); None otherwise.
+        instructions: instruct text (VoiceDesign: always; CustomVoice 1.7B: optional).
+        ref_audio: Base only: the reference voice, mono float32 ``[S]`` at 24 kHz,
+            0.5..30 s; None for the other types.
+        ref_text: transcript of ``ref_audio`` (ICL clone); None in x-vector-only mode.
+        x_vector_only: Base only: clone from the speaker embedding alone (no reference
+            codes or text in the prompt).
+        non_streaming_mode: True = the whole text is in the prompt; False = the text is
+            fed one token per generated frame (streaming-text mode).
+        sampling: the client's sampling values (see :func:`resolve_sampling`).
+        seed: seed of this request's sampling, 0..2**31-1 (drawn at random when the client
+            gave none, so it is always known and any output can be reproduced).
+        max_new_tokens: the client's frame cap, 1..8192; None = the text-proportional cap.
+        frame_cap: the text-proportional frame cap, :func:`max_frames_for_text`.
+        initial_codec_chunk_frames: frames of the first vocoder chunk (>= 0); None = the
+            vocoder's default ramp.
+        stream: the response is streamed.
+    """
+
+    text: str
+    model_type: ModelType
+    language: str
+    language_id: int | None
+    speaker: str | None
+    speaker_id: int | None
+    instructions: str | None
+    ref_audio: np.ndarray | None
+    ref_text: str | None
+    x_vector_only: bool
+    non_streaming_mode: bool
+    sampling: SamplingOverrides
+    seed: int
+    max_new_tokens: int | None
+    frame_cap: int
+    initial_codec_chunk_frames: int | None
+    stream: bool
+
+    @property
+    def icl(self) -> bool:
+        """In-context clone: reference codes and ``ref_text`` go into the prompt."""
+        return self.ref_audio is not None and not self.x_vector_only
+
+
+@dataclass(frozen=True)
+class Qwen3TTSSampling:
+    """A request's resolved generation settings (:func:`.request_builders.resolve_sampling`).
+
+    Attributes:
+        talker: code 0 of each frame: EOS stops, control codes suppressed,
+            ``min_new_tokens`` 2.
+        code_predictor: codes 1..15 of each frame: no repetition penalty, no stop ids.
+        max_new_tokens: frames to generate at most (finish_reason "length" when reached).
+    """
+
+    talker: SamplingParams
+    code_predictor: SamplingParams
+    max_new_tokens: int

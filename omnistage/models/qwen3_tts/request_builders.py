@@ -1,0 +1,322 @@
+"""Speech request -> :class:`Qwen3TTSRequest`: all validation before any model work.
+
+Precondition: the request passed :func:`~omnistage.serve.protocol.validate_speech_request`
+against :func:`~.capabilities.qwen3_tts_capabilities` of the same checkpoint (the server
+does this first). That check already rejects, naming the field: unknown speaker or
+language (listing the allowed ones), empty or too long text, ``instructions`` on Base
+(and on 0.6B CustomVoice), ``ref_audio``/``ref_text``/``references``/``x_vector_only_mode``
+on CustomVoice and VoiceDesign, ``speed``, and the sampling ranges the wire format has
+(temperature >= 0, top_k >= 0 (-1 = 0), 0 < top_p <= 1, repetition_penalty > 0,
+initial_codec_chunk_frames >= 0). This builder adds the rules that need the model type:
+
+- VoiceDesign needs non-blank ``instructions``; blank ``instructions`` are refused anywhere.
+- Base clones a voice: ``ref_audio`` (or ``references`` with exactly one item) is required.
+  Mode selection, never guessed:
+
+  * ``ref_text`` given -> in-context clone (ICL: reference codes and transcript in the
+    prompt; the higher-similarity mode);
+  * no ``ref_text`` and ``x_vector_only_mode: true`` -> speaker-embedding-only clone;
+  * no ``ref_text`` and no ``x_vector_only_mode`` -> 400 on ``ref_text`` (as the reference
+    qwen-tts raises): a missing transcript must not silently downgrade the clone;
+  * ``ref_text`` with ``x_vector_only_mode: true`` -> 400 on ``ref_text``: the mode would
+    drop the transcript.
+- Reference audio: any format FFmpeg decodes, any rate and channel count (media policy of
+  the server for data URI / base64 / URL / path); mono by channel average, resampled to
+  24 kHz; 0.5..30 s (:data:`MIN_REF_SECONDS`, :data:`MAX_REF_SECONDS`); not silent.
+- ``seed`` 0..2**31-1 (the sampler's hash seed), ``max_new_tokens`` 1..8192.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from dataclasses import replace
+
+import numpy as np
+
+from omnistage.engine.sampler import SamplingParams
+from omnistage.errors import RequestValidationError
+from omnistage.models.qwen3_tts.capabilities import (
+    AUTO_LANGUAGE,
+    FRAMES_PER_SECOND,
+    MAX_NEW_TOKENS_LIMIT,
+    SAMPLE_RATE,
+    GenerationDefaults,
+    Qwen3TTSModelFacts,
+)
+from omnistage.models.qwen3_tts.payload_types import (
+    Qwen3TTSRequest,
+    Qwen3TTSSampling,
+    SamplingOverrides,
+)
+from omnistage.serve.media import MediaPolicy, load_reference_audio, resample
+from omnistage.serve.protocol import SpeechRequest
+
+MIN_REF_SECONDS = 0.5
+"""Shortest reference: 6 codec frames, about 45 speaker-encoder mel frames (hop 256 at
+24 kHz). Below that the x-vector's statistics pooling averages too little speech to hold
+a voice, and the request would return some other voice without saying so."""
+MAX_REF_SECONDS = 30.0
+"""Longest reference. ICL puts every reference frame into the prompt (30 s = 375 frames
+plus the transcript) and the vocoder's first chunk decodes the reference codes as left
+context, so prefill and first-chunk cost grow with it; the speaker identity is settled
+long before 30 s. Applied as the media policy's duration cap (decoding stops there, 413)."""
+SILENT_PEAK = 1e-4
+"""A reference whose peak is below -80 dBFS is digital silence: no voice to clone."""
+MAX_SEED = 2**31 - 1
+
+# Seconds of speech per text unit at a slow reading pace (see max_frames_for_text).
+LEAD_SECONDS = 2.0
+SECONDS_PER_CJK = 0.5
+SECONDS_PER_DIGIT = 0.4
+SECONDS_PER_OTHER = 0.2
+_CJK = re.compile(
+    "[\u3040-\u30ff\u31f0-\u31ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af"
+    "\uf900-\ufaff\uff66-\uff9f\U00020000-\U0003ffff]"
+)
+_DIGIT = re.compile(r"\d")
+_SPACE = re.compile(r"\s")
+
+
+def max_frames_for_text(text: str, limit: int = MAX_NEW_TOKENS_LIMIT) -> int:
+    """Frame cap proportional to ``text``, so a request that misses EOS stops early.
+
+    ``frames = min(limit, ceil(12.5 * (2.0 + 0.5 * n_cjk + 0.4 * n_digit + 0.2 * n_other)))``
+    where ``n_cjk`` counts Han, kana and Hangul characters, ``n_digit`` digits, ``n_other``
+    every other non-space character (letters, punctuation); whitespace counts nothing.
+
+    The per-unit seconds are slow-pace ceilings, at least twice normal read speech, so a
+    normal reading is never cut: English read aloud runs about 14 characters/s with
+    spaces (~0.08 s per non-space character; 0.2 s gives 2.5x for slow, instructed or
+    expressive speech and the pauses punctuation brings); a digit reads as a word
+    ("2024" is about 1.1 s, 0.28 s per digit; 0.4 s); Mandarin runs 4-5 characters/s
+    (0.2-0.25 s), Korean about 6 syllables/s, Japanese 7-8 morae/s with about 2 morae per
+    kanji (0.5 s is over twice the slowest). The 2 s lead covers leading/trailing silence
+    and one-word inputs. 12.5 frames per second (80 ms frames). Field report (reference
+    issue #1179): about 0.34% of 0.6B requests never sample EOS after the sentence ends
+    and, uncapped, run to max_new_tokens (8192 frames = 655 s); with this cap they stop
+    within about 2.5x the text's normal duration, with finish_reason "length".
+
+    Args:
+        text: the text to speak.
+        limit: the highest cap (frames), :data:`MAX_NEW_TOKENS_LIMIT` by default.
+
+    Returns:
+        Frames, in ``[25, limit]`` (25 = the lead alone) when ``limit >= 25``.
+    """
+    n_cjk = len(_CJK.findall(text))
+    n_digit = len(_DIGIT.findall(text))
+    n_other = len(text) - n_cjk - n_digit - len(_SPACE.findall(text))
+    seconds = (
+        LEAD_SECONDS
+        + SECONDS_PER_CJK * n_cjk
+        + SECONDS_PER_DIGIT * n_digit
+        + SECONDS_PER_OTHER * n_other
+    )
+    return min(limit, math.ceil(FRAMES_PER_SECOND * seconds))
+
+
+def build_qwen3_tts_request(
+    request: SpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy
+) -> Qwen3TTSRequest:
+    """Validate ``request`` for the checkpoint ``facts`` describes (rules: module docstring).
+
+    Blocks on reference audio (fetch, decode): the server calls it from a worker thread.
+
+    Raises:
+        RequestValidationError: naming the field (``instructions``, ``ref_audio``,
+            ``references``, ``ref_text``, ``seed``, ``max_new_tokens``).
+        PayloadTooLargeError: reference audio over the media policy's byte cap or longer
+            than :data:`MAX_REF_SECONDS` (or the policy's duration cap, if lower).
+    """
+    _check_generation_limits(request)
+    instructions = _instructions(request, facts)
+    speaker = request.voice if facts.model_type == "custom_voice" else None
+    language = request.language or AUTO_LANGUAGE
+    ref_audio, ref_text, x_vector_only = _voice_clone(request, facts, media)
+    return Qwen3TTSRequest(
+        text=request.input,
+        model_type=facts.model_type,
+        language=language,
+        language_id=facts.language_id(language, speaker),
+        speaker=speaker,
+        speaker_id=None if speaker is None else facts.speakers[speaker],
+        instructions=instructions,
+        ref_audio=ref_audio,
+        ref_text=ref_text,
+        x_vector_only=x_vector_only,
+        # Reference defaults: streaming text for voice clone, whole text otherwise.
+        non_streaming_mode=(
+            request.non_streaming_mode
+            if request.non_streaming_mode is not None
+            else facts.model_type != "base"
+        ),
+        sampling=SamplingOverrides(
+            temperature=request.temperature,
+            top_k=request.top_k,
+            top_p=request.top_p,
+            repetition_penalty=request.repetition_penalty,
+        ),
+        seed=request.seed if request.seed is not None else secrets.randbelow(MAX_SEED + 1),
+        max_new_tokens=request.max_new_tokens,
+        frame_cap=max_frames_for_text(request.input),
+        initial_codec_chunk_frames=request.initial_codec_chunk_frames,
+        stream=request.streaming,
+    )
+
+
+def _check_generation_limits(request: SpeechRequest) -> None:
+    if request.seed is not None and request.seed > MAX_SEED:
+        raise RequestValidationError(f"seed must be 0..{MAX_SEED}", param="seed")
+    if request.max_new_tokens is not None and request.max_new_tokens > MAX_NEW_TOKENS_LIMIT:
+        raise RequestValidationError(
+            f"max_new_tokens must be 1..{MAX_NEW_TOKENS_LIMIT} (frames of 80 ms)",
+            param="max_new_tokens",
+        )
+
+
+def _instructions(request: SpeechRequest, facts: Qwen3TTSModelFacts) -> str | None:
+    text = request.instructions
+    if text is not None and not text.strip():
+        raise RequestValidationError(
+            "instructions must not be blank; omit the field", param="instructions"
+        )
+    if text is None and facts.model_type == "voice_design":
+        raise RequestValidationError(
+            "a VoiceDesign model needs instructions describing the voice", param="instructions"
+        )
+    return text
+
+
+def _voice_clone(
+    request: SpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy
+) -> tuple[np.ndarray | None, str | None, bool]:
+    """-> (reference samples [S] at 24 kHz, its transcript, x-vector-only) for Base."""
+    if facts.model_type != "base":
+        return None, None, False
+    audio, text, audio_param, text_param = (
+        request.ref_audio,
+        request.ref_text,
+        "ref_audio",
+        "ref_text",
+    )
+    if request.references:
+        if len(request.references) > 1:
+            raise RequestValidationError(
+                f"Qwen3-TTS clones from one reference; got {len(request.references)}",
+                param="references",
+            )
+        reference = request.references[0]
+        audio, text, audio_param, text_param = (
+            reference.audio,
+            reference.text,
+            "references.0.audio",
+            "references.0.text",
+        )
+    if audio is None:
+        raise RequestValidationError(
+            "a Base model clones a voice: send ref_audio (and ref_text, its transcript)",
+            param="ref_audio",
+        )
+    if text is not None and not text.strip():
+        raise RequestValidationError(f"{text_param} must not be blank", param=text_param)
+    if text is not None and request.x_vector_only_mode:
+        raise RequestValidationError(
+            f"x_vector_only_mode does not use {text_param}; omit one of them", param=text_param
+        )
+    if text is None and not request.x_vector_only_mode:
+        raise RequestValidationError(
+            f"{text_param} (the transcript of the reference audio) is required for in-context "
+            "cloning; or set x_vector_only_mode: true to clone from the speaker embedding "
+            "alone (lower similarity)",
+            param=text_param,
+        )
+    return load_reference(audio, media, audio_param), text, request.x_vector_only_mode
+
+
+def load_reference(value: str, media: MediaPolicy, param: str = "ref_audio") -> np.ndarray:
+    """Decode reference audio to what the speech tokenizer and speaker encoder take.
+
+    Args:
+        value: the request field (data URI, base64, URL or path; see
+            :mod:`omnistage.serve.media`).
+        media: the server's media policy; its duration cap is lowered to
+            :data:`MAX_REF_SECONDS`.
+        param: the field name reported in errors.
+
+    Returns:
+        Mono float32 ``[S]`` at 24 kHz (channel average, soxr HQ resampling).
+
+    Raises:
+        RequestValidationError: undecodable, shorter than :data:`MIN_REF_SECONDS`,
+            non-finite samples, or silent.
+        PayloadTooLargeError: over the byte cap or the duration cap.
+    """
+    policy = replace(media, max_duration_s=min(media.max_duration_s, MAX_REF_SECONDS))
+    audio = load_reference_audio(value, policy, param)
+    if audio.duration_s < MIN_REF_SECONDS:
+        raise RequestValidationError(
+            f"{param} is {audio.duration_s:.2f} s long; at least {MIN_REF_SECONDS} s of speech is needed",
+            param=param,
+        )
+    if not np.isfinite(audio.samples).all():
+        raise RequestValidationError(f"{param} contains NaN or infinite samples", param=param)
+    if np.abs(audio.samples).max() < SILENT_PEAK:
+        raise RequestValidationError(
+            f"{param} is silent; send a recording of the voice", param=param
+        )
+    return resample(audio.samples, audio.sample_rate, SAMPLE_RATE)
+
+
+def resolve_sampling(
+    request: Qwen3TTSRequest, defaults: GenerationDefaults, facts: Qwen3TTSModelFacts
+) -> Qwen3TTSSampling:
+    """The request's sampling for the engine: client values over generation_config.json.
+
+    - temperature, top_k, top_p from the client apply to both the talker and the code
+      predictor (the API has one set; the checkpoints' defaults are equal for both), so
+      ``temperature: 0`` makes the whole frame greedy. Unset, each takes its own default;
+      a ``do_sample: false`` default means greedy (temperature 0).
+    - repetition_penalty: talker only (the reference applies none to the code predictor).
+    - talker: EOS (``codec_eos_id``) stops; the control codes (the top 1024 ids, 2048..3071)
+      other than EOS are never sampled; ``min_new_tokens`` 2 (reference qwen-tts ``generate``).
+    - max_new_tokens: the client's value when given (1..8192, it may exceed the text cap:
+      the client asked for it); else ``min(frame_cap, generation_config max_new_tokens)``.
+    - both samplers get ``request.seed``; the engine's draws are keyed by (seed, step,
+      id), so it must give the code predictor's 15 draws per frame their own steps.
+    """
+    o = request.sampling
+
+    def pick(value, default):
+        return default if value is None else value
+
+    talker_temperature = defaults.temperature if defaults.do_sample else 0.0
+    predictor_temperature = defaults.subtalker_temperature if defaults.subtalker_do_sample else 0.0
+    # The top 1024 talker ids are control codes (reference: suppress_tokens =
+    # range(vocab_size - 1024, vocab_size) minus EOS); below them are the 2048 audio codes.
+    control_start = facts.codec_vocab_size - 1024
+    eos = facts.codec_eos_id
+    talker = SamplingParams(
+        temperature=pick(o.temperature, talker_temperature),
+        top_k=pick(o.top_k, defaults.top_k),
+        top_p=pick(o.top_p, defaults.top_p),
+        repetition_penalty=pick(o.repetition_penalty, defaults.repetition_penalty),
+        min_new_tokens=2,
+        stop_token_ids=(eos,),
+        suppress_ranges=((control_start, eos), (eos + 1, facts.codec_vocab_size)),
+        seed=request.seed,
+    )
+    code_predictor = SamplingParams(
+        temperature=pick(o.temperature, predictor_temperature),
+        top_k=pick(o.top_k, defaults.subtalker_top_k),
+        top_p=pick(o.top_p, defaults.subtalker_top_p),
+        seed=request.seed,
+    )
+    if request.max_new_tokens is not None:
+        max_new_tokens = request.max_new_tokens
+    else:
+        max_new_tokens = min(request.frame_cap, defaults.max_new_tokens)
+    return Qwen3TTSSampling(
+        talker=talker, code_predictor=code_predictor, max_new_tokens=max_new_tokens
+    )
