@@ -1,4 +1,5 @@
-"""The ``omnistage`` command: ``serve``, ``config resolve``, ``models``, ``bench speed|wer``."""
+"""The ``omnistage`` command: ``serve``, ``config resolve``, ``models``, ``bench speed|wer``,
+``init-random``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import typer
 
 from omnistage.cli.bench import bench_app
 from omnistage.cli.config import config_app
+from omnistage.cli.init_random import init_random
 from omnistage.cli.models import list_models
 from omnistage.cli.serve import SERVE_EPILOG, serve
 
@@ -21,6 +23,7 @@ app = typer.Typer(
 app.command("serve", context_settings=OVERRIDE_ARGS, epilog=SERVE_EPILOG)(serve)
 app.add_typer(config_app, name="config")
 app.add_typer(bench_app, name="bench")
+app.command("init-random")(init_random)
 
 
 @app.command("models")

@@ -1,0 +1,221 @@
+"""Talker prompts for every Qwen3-TTS mode, built exactly as the reference builds them.
+
+Each prompt position is the sum of a text track ``T(x) = text_projection(text_embedding(x))``
+and a codec track ``C(x) = codec_embedding(x)`` (digest sections 2 and 4):
+
+1. optional instruct ``T(<|im_start|>user\\n{instruct}<|im_end|>\\n)`` (text only);
+2. role ``T(<|im_start|>assistant\\n)``;
+3. codec prefix ``[nothink, think_bos, think_eos]`` (language auto) or ``[think, think_bos,
+   lang, think_eos]``, then the speaker vector (CustomVoice ``C(spk_id)``, Base x-vector,
+   VoiceDesign none), then ``[pad, bos]``; all but the last are added to text
+   ``[tts_pad] * (n - 2) + [tts_bos]``;
+4. the target text, in one of three layouts:
+   - streaming text: ``T(text[0]) + C(bos)``; trailing text ``T(text[1:]) ++ T(tts_eos)``;
+   - non-streaming text: ``(T(text) ++ T(tts_eos)) + C(pad)`` per position, then
+     ``T(tts_pad) + C(bos)``; no trailing text;
+   - ICL (Base with reference codes): text ``T(ref_text ++ text) ++ T(tts_eos)`` against codec
+     ``C(bos) ++ frame sums of the reference codes``; streaming aligns them position by
+     position (leftover text becomes trailing text, missing text is tts_pad), non-streaming
+     puts all text (+ ``C(pad)``) first, then the codec rows (+ ``T(tts_pad)``).
+
+During decoding, step ``g`` feeds the frame embedding plus ``trailing_text[g]`` while it
+lasts, then ``tts_pad``. Text is tokenized from the reference's templates and sliced as it
+does ([:3] role, [3:-5] text; reference text [3:-2]).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from omnistage.models.qwen3_tts.modeling.config import Qwen3TTSConfig
+from omnistage.models.qwen3_tts.modeling.talker import Talker
+
+__all__ = ["PromptBuilder", "TalkerPrompt"]
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class TalkerPrompt:
+    """One request's talker input.
+
+    Attributes:
+        prefill: ``[L, H]`` embeddings of the prefill (positions 0..L-1).
+        trailing_text: ``[M, H]`` text rows added to decode steps 0..M-1 (M may be 0).
+        tts_pad: ``[H]`` text row added to every decode step from M on.
+        ref_codes: ICL only: ``[R, 16] int64`` reference frames to prepend to the generated
+            codes before the vocoder (and drop from its audio); else ``None``.
+    """
+
+    prefill: torch.Tensor
+    trailing_text: torch.Tensor
+    tts_pad: torch.Tensor
+    ref_codes: torch.Tensor | None = None
+
+    def text_row(self, step: int) -> torch.Tensor:
+        """The text-track row of decode step ``step`` (0-based): ``[H]``."""
+        return self.trailing_text[step] if step < self.trailing_text.shape[0] else self.tts_pad
+
+
+class PromptBuilder:
+    """Builds :class:`TalkerPrompt` s for one loaded checkpoint.
+
+    Args:
+        talker: the loaded talker (its device and dtype are used).
+        config: the checkpoint's config (model type, special ids, languages, speakers).
+        tokenizer: the checkpoint's text tokenizer.
+
+    Every method raises ``ValueError`` for input the checkpoint cannot serve: empty text, a
+    mode the model type lacks, an unknown language or speaker, a missing instruct
+    (VoiceDesign) or an incomplete ICL reference.
+    """
+
+    def __init__(self, talker: Talker, config: Qwen3TTSConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.talker, self.config, self.tokenizer = talker, config, tokenizer
+
+    # -- public modes --------------------------------------------------------------------
+
+    def custom_voice(
+        self, text: str, speaker: str, language: str = AUTO, instruct: str | None = None, non_streaming_text: bool = True
+    ) -> TalkerPrompt:
+        """CustomVoice: a built-in ``speaker`` (case-insensitive). Dialect speakers switch the
+        language id to their dialect when ``language`` is chinese or auto. The reference's
+        wrapper drops the instruct for 0.6B CustomVoice models; here that is an error."""
+        self._require_type("custom_voice")
+        talker = self.config.talker
+        name = speaker.lower()
+        if name not in talker.spk_id:
+            raise ValueError(f"unknown speaker {speaker!r}; this model has {sorted(talker.spk_id)}")
+        if instruct and self.config.tts_model_size == "0b6":
+            raise ValueError("instruct is not supported by 0.6B CustomVoice models")
+        language_id = self._language_id(language)
+        dialect = talker.spk_is_dialect.get(name)
+        if dialect is not None and language.lower() in ("chinese", AUTO):
+            language_id = talker.codec_language_id[dialect]
+        speaker_row = self.talker.codec_embed(self._ids([talker.spk_id[name]]))[0]
+        return self._build(text, language_id, speaker_row, instruct or None, non_streaming_text)
+
+    def voice_design(self, text: str, instruct: str, language: str = AUTO, non_streaming_text: bool = True) -> TalkerPrompt:
+        """VoiceDesign: the voice is described by ``instruct`` (required); no speaker vector."""
+        self._require_type("voice_design")
+        if not instruct:
+            raise ValueError("VoiceDesign needs a non-empty instruct describing the voice")
+        return self._build(text, self._language_id(language), None, instruct, non_streaming_text)
+
+    def voice_clone(
+        self,
+        text: str,
+        x_vector: torch.Tensor,
+        language: str = AUTO,
+        ref_text: str | None = None,
+        ref_codes: torch.Tensor | None = None,
+        non_streaming_text: bool = False,
+    ) -> TalkerPrompt:
+        """Base: x-vector-only (``ref_text`` and ``ref_codes`` both ``None``) or ICL (both
+        given: ``ref_codes [R, 16] int64`` from the speech tokenizer's encoder, ``ref_text``
+        its transcript). ``x_vector``: ``[H]`` from the speaker encoder."""
+        self._require_type("base")
+        if (ref_codes is None) != (not ref_text):
+            raise ValueError("ICL needs both ref_text and ref_codes; x-vector-only mode needs neither")
+        groups = self.config.talker.num_code_groups
+        if ref_codes is not None and (ref_codes.dim() != 2 or ref_codes.shape[1] != groups or ref_codes.shape[0] == 0):
+            raise ValueError(f"ref_codes must be [R >= 1, {groups}], got {tuple(ref_codes.shape)}")
+        hidden = self.config.talker.decoder.hidden_size
+        if x_vector.shape != (hidden,):
+            raise ValueError(f"x_vector must be [{hidden}], got {tuple(x_vector.shape)}")
+        speaker_row = x_vector.to(self._device, self._dtype)
+        icl = None if ref_codes is None else (ref_text, ref_codes.to(self._device, torch.int64))
+        return self._build(text, self._language_id(language), speaker_row, None, non_streaming_text, icl)
+
+    # -- construction --------------------------------------------------------------------
+
+    @property
+    def _device(self) -> torch.device:
+        return self.talker.codec_head.weight.device
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.talker.codec_head.weight.dtype
+
+    def _require_type(self, model_type: str) -> None:
+        if self.config.tts_model_type != model_type:
+            raise ValueError(f"this is a {self.config.tts_model_type} model; {model_type} prompts need a {model_type} checkpoint")
+
+    def _language_id(self, language: str) -> int | None:
+        name = language.lower()
+        if name == AUTO:
+            return None
+        if name not in self.config.talker.codec_language_id or "dialect" in name:
+            supported = [lang for lang in self.config.talker.codec_language_id if "dialect" not in lang]
+            raise ValueError(f"unknown language {language!r}; use 'auto' or one of {sorted(supported)}")
+        return self.config.talker.codec_language_id[name]
+
+    def _ids(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.int64, device=self._device)
+
+    def _tokenize(self, template: str) -> list[int]:
+        return list(self.tokenizer(template)["input_ids"])
+
+    @torch.no_grad()
+    def _build(
+        self,
+        text: str,
+        language_id: int | None,
+        speaker_row: torch.Tensor | None,
+        instruct: str | None,
+        non_streaming_text: bool,
+        icl: tuple[str, torch.Tensor] | None = None,
+    ) -> TalkerPrompt:
+        if not text:
+            raise ValueError("text is empty")
+        cfg, t = self.config, self.config.talker
+        target = self._tokenize(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
+        role_ids, text_ids = target[:3], target[3:-5]
+        T, C = self.talker.text_embed, self.talker.codec_embed
+        pad_row, bos_row, eos_row = T(self._ids([cfg.tts_pad_id, cfg.tts_bos_id, cfg.tts_eos_id]))
+
+        if language_id is None:
+            prefix = [t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id]
+        else:
+            prefix = [t.codec_think_id, t.codec_think_bos_id, language_id, t.codec_think_eos_id]
+        codec_rows = [C(self._ids(prefix))]
+        if speaker_row is not None:
+            codec_rows.append(speaker_row[None])
+        codec_rows.append(C(self._ids([t.codec_pad_id, t.codec_bos_id])))
+        codec = torch.cat(codec_rows)
+        text_track = torch.cat((pad_row.expand(codec.shape[0] - 2, -1), bos_row[None]))
+        parts = [T(self._ids(role_ids)), text_track + codec[:-1]]
+        if instruct is not None:
+            parts.insert(0, T(self._ids(self._tokenize(f"<|im_start|>user\n{instruct}<|im_end|>\n"))))
+
+        trailing = pad_row[None][:0]
+        if icl is not None:
+            ref_text, ref_codes = icl
+            ref_ids = self._tokenize(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")[3:-2]
+            text_rows = torch.cat((T(self._ids(ref_ids + text_ids)), eos_row[None]))
+            codec_rows_icl = torch.cat((C(self._ids([t.codec_bos_id])), self.talker.frame_embedding(ref_codes)))
+            n_text, n_codec = text_rows.shape[0], codec_rows_icl.shape[0]
+            if non_streaming_text:
+                pads = C(self._ids([t.codec_pad_id])).expand(n_text, -1)
+                parts += [text_rows + pads, codec_rows_icl + pad_row]
+            elif n_text > n_codec:
+                parts.append(text_rows[:n_codec] + codec_rows_icl)
+                trailing = text_rows[n_codec:]
+            else:
+                padded = torch.cat((text_rows, pad_row.expand(n_codec - n_text, -1)))
+                parts.append(padded + codec_rows_icl)
+        elif non_streaming_text:
+            text_rows = torch.cat((T(self._ids(text_ids)), eos_row[None]))
+            parts += [text_rows + C(self._ids([t.codec_pad_id])), (pad_row + codec[-1])[None]]
+        else:
+            parts.append(T(self._ids(text_ids[:1])) + codec[-1:])
+            trailing = torch.cat((T(self._ids(text_ids[1:])), eos_row[None]))
+        return TalkerPrompt(
+            prefill=torch.cat(parts),
+            trailing_text=trailing,
+            tts_pad=pad_row,
+            ref_codes=None if icl is None else icl[1],
+        )

@@ -1,0 +1,334 @@
+"""The Qwen3-TTS talker and its code predictor, as plain PyTorch modules.
+
+Both are Qwen3 decoder stacks: pre-RMSNorm layers, grouped-query attention with a per-head
+RMSNorm on q and k, rotary position embedding (RoPE), SwiGLU MLP, final RMSNorm. Layers
+never own a KV cache: each attention layer calls ``attn(layer_index, q, k, v)`` (see
+:mod:`omnistage.engine.attention`), and whoever drives a forward ``prepare()``s that backend
+first. Tokens are flattened over the batch: a forward takes ``[N, H]`` embeddings and ``[N]``
+positions.
+
+The talker's config declares a multimodal RoPE (``mrope_section``, interleaved) but TTS
+always feeds three equal position rows, which makes it the plain 1-D RoPE implemented here
+(checked against the reference in ``tests/models/qwen3_tts/test_talker_parity.py``).
+
+Module and parameter names follow the checkpoint (``talker.model.layers.N.self_attn.q_proj``
+and so on; digest section 1) so weights load by name. Sources: Qwen3 (Qwen team, 2025) and
+the Qwen3-TTS technical report; frame semantics from the digest sections 2-3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.engine.attention import AttentionBackend, DenseKVCache
+from omnistage.models.qwen3_tts.modeling.config import (
+    CodePredictorConfig,
+    DecoderConfig,
+    TalkerConfig,
+)
+
+__all__ = [
+    "CodePredictor",
+    "Decoder",
+    "RMSNorm",
+    "SampleFn",
+    "Talker",
+    "greedy_sample",
+]
+
+SampleFn = Callable[[int, torch.Tensor], torch.Tensor]
+"""``sample_fn(group_index, logits [B, V]) -> [B] int64``: picks code group ``group_index``
+(1..15) of every frame in the batch."""
+
+
+def greedy_sample(group_index: int, logits: torch.Tensor) -> torch.Tensor:
+    """The greedy :data:`SampleFn`: argmax of ``logits [B, V]`` -> ``[B] int64``."""
+    return logits.argmax(dim=-1)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalization over the last dim, computed in fp32; the weight multiplies after the
+    cast back to the input dtype (the reference's order, which matters in bf16)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of the rotate-half RoPE for ``positions [N]``: ``[N, head_dim]`` each,
+    computed in fp32 and cast to the activations' dtype. ``inv_freq`` is a non-persistent
+    fp32 buffer (not in checkpoints); :meth:`reset_buffers` rebuilds it after a meta-device
+    load."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        self.register_buffer("inv_freq", self._inv_freq("cpu"), persistent=False)
+
+    def _inv_freq(self, device: torch.device | str) -> torch.Tensor:
+        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
+        return 1.0 / (self.theta**exponent)
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Recompute ``inv_freq`` on ``device`` (fp32)."""
+        self.inv_freq = self._inv_freq(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [N, heads, D]`` by ``cos, sin [N, D]`` (rotate-half pairing)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class Attention(nn.Module):
+    """GQA self-attention with per-head q/k RMSNorm and RoPE; the KV cache is the backend's."""
+
+    def __init__(self, config: DecoderConfig, layer_index: int) -> None:
+        super().__init__()
+        c = config
+        self.layer_index, self.num_heads, self.num_kv_heads, self.head_dim = layer_index, c.num_heads, c.num_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        out = attn(self.layer_index, _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v)
+        return self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """A Qwen3 decoder stack: ``layers`` and the final ``norm``.
+
+    Args:
+        config: geometry (``head_dim`` explicit).
+    """
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """``input_embeds [N, H]`` (any float dtype), ``positions [N] int64`` (absolute, per
+        sequence) -> hidden ``[N, H]`` after the final norm. ``attn`` must be prepared for
+        this forward by the caller."""
+        cos, sin = self.rotary(positions, input_embeds.dtype)
+        x = input_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)
+
+    def new_dense_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> DenseKVCache:
+        """A :class:`DenseKVCache` sized for this stack."""
+        c = self.config
+        return DenseKVCache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
+
+
+class TalkerModel(Decoder):
+    """The talker's decoder plus its two input tables (checkpoint prefix ``talker.model``):
+    ``codec_embedding [vocab 3072, H]`` and ``text_embedding [text_vocab, text_hidden]``."""
+
+    def __init__(self, config: TalkerConfig) -> None:
+        super().__init__(config.decoder)
+        self.codec_embedding = nn.Embedding(config.decoder.vocab_size, config.decoder.hidden_size)
+        self.text_embedding = nn.Embedding(config.text_vocab_size, config.text_hidden_size)
+
+
+class TextProjection(nn.Module):
+    """``linear_fc2(silu(linear_fc1(x)))``: text_hidden -> text_hidden -> talker hidden, with
+    biases."""
+
+    def __init__(self, text_hidden_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.linear_fc1 = nn.Linear(text_hidden_size, text_hidden_size, bias=True)
+        self.linear_fc2 = nn.Linear(text_hidden_size, hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(F.silu(self.linear_fc1(x)))
+
+
+class CodePredictorModel(Decoder):
+    """The predictor's decoder plus ``codec_embedding.{0..G-2}``: tables ``[2048, talker H]``
+    for code groups 1..G-1 (in talker width; projected on input when widths differ)."""
+
+    def __init__(self, config: CodePredictorConfig, talker_hidden_size: int) -> None:
+        super().__init__(config.decoder)
+        self.codec_embedding = nn.ModuleList(
+            nn.Embedding(config.decoder.vocab_size, talker_hidden_size) for _ in range(config.num_code_groups - 1)
+        )
+
+
+class CodePredictor(nn.Module):
+    """Predicts code groups 1..G-1 of a frame from the talker's hidden state and code 0.
+
+    Checkpoint prefix ``talker.code_predictor``: ``model`` (decoder + codec embeddings),
+    ``lm_head.{0..G-2}`` and, when the predictor is narrower than the talker (1.7B),
+    ``small_to_mtp_projection`` (Linear with bias, talker H -> predictor H).
+    """
+
+    def __init__(self, config: CodePredictorConfig, talker_hidden_size: int) -> None:
+        super().__init__()
+        hidden = config.decoder.hidden_size
+        self.num_groups = config.num_code_groups
+        self.model = CodePredictorModel(config, talker_hidden_size)
+        self.lm_head = nn.ModuleList(
+            nn.Linear(hidden, config.decoder.vocab_size, bias=False) for _ in range(config.num_code_groups - 1)
+        )
+        self.small_to_mtp_projection = nn.Linear(talker_hidden_size, hidden, bias=True) if hidden != talker_hidden_size else None
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.small_to_mtp_projection is None else self.small_to_mtp_projection(x)
+
+    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device | str) -> DenseKVCache:
+        """A per-frame :class:`DenseKVCache` for ``batch`` frames (``G + 1`` positions; only
+        ``G`` are used)."""
+        return self.model.new_dense_cache(batch, self.num_groups + 1, dtype, device)
+
+    def predict(
+        self, talker_hidden: torch.Tensor, code0_embedding: torch.Tensor, sample_fn: SampleFn, cache: DenseKVCache
+    ) -> torch.Tensor:
+        """Codes of groups 1..G-1.
+
+        Prefill ``[talker_hidden, code0_embedding]`` (positions 0, 1), ``lm_head[0]`` at
+        position 1 gives group 1; then each step feeds ``codec_embedding[j-1](c_j)`` at
+        position ``j + 1`` and ``lm_head[j]`` gives group ``j + 1`` (digest section 3).
+
+        Args:
+            talker_hidden: ``[B, H_talker]``, the talker's post-norm hidden state that
+                produced code 0.
+            code0_embedding: ``[B, H_talker]``, the talker's ``codec_embedding(code0)``.
+            sample_fn: picks each group from ``logits [B, vocab]``.
+            cache: a :class:`DenseKVCache` of this predictor for batch ``B``; it is reset.
+
+        Returns:
+            ``[B, G-1] int64`` on the inputs' device; no host sync.
+        """
+        b = talker_hidden.shape[0]
+        device = talker_hidden.device
+        cache.reset()
+        cache.prepare(2)
+        prefill = self._project(torch.stack((talker_hidden, code0_embedding), dim=1)).reshape(2 * b, -1)
+        positions = torch.arange(2, device=device).repeat(b)
+        hidden = self.model(prefill, positions, cache).view(b, 2, -1)[:, 1]
+        codes = [sample_fn(1, self.lm_head[0](hidden))]
+        for j in range(1, self.num_groups - 1):
+            cache.prepare(1)
+            x = self._project(self.model.codec_embedding[j - 1](codes[-1]))
+            hidden = self.model(x, torch.full((b,), j + 1, dtype=torch.int64, device=device), cache)
+            codes.append(sample_fn(j + 1, self.lm_head[j](hidden)))
+        return torch.stack(codes, dim=1)
+
+
+class Talker(nn.Module):
+    """The talker (checkpoint prefix ``talker``): decoder + embeddings (``model``),
+    ``text_projection``, ``codec_head`` (untied) and the ``code_predictor``.
+
+    Building blocks for an engine's decode step (all on device, no host sync):
+    :meth:`forward`, :meth:`codec_logits`, :meth:`complete_frame`, :meth:`frame_embedding`,
+    :meth:`text_embed`, :meth:`codec_embed`.
+    """
+
+    def __init__(self, config: TalkerConfig, predictor_config: CodePredictorConfig) -> None:
+        super().__init__()
+        if predictor_config.num_code_groups != config.num_code_groups:
+            raise ValueError(
+                f"talker has {config.num_code_groups} code groups, its predictor {predictor_config.num_code_groups}"
+            )
+        self.config = config
+        self.model = TalkerModel(config)
+        self.text_projection = TextProjection(config.text_hidden_size, config.decoder.hidden_size)
+        self.codec_head = nn.Linear(config.decoder.hidden_size, config.decoder.vocab_size, bias=False)
+        self.code_predictor = CodePredictor(predictor_config, config.decoder.hidden_size)
+
+    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """``input_embeds [N, H]``, ``positions [N] int64`` -> post-norm hidden ``[N, H]``.
+        ``attn`` (the talker's KV backend) must be prepared for this forward."""
+        return self.model(input_embeds, positions, attn)
+
+    def codec_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Code-0 logits ``[B, vocab 3072]`` (activation dtype) from hidden ``[B, H]``."""
+        return self.codec_head(hidden)
+
+    def text_embed(self, text_ids: torch.Tensor) -> torch.Tensor:
+        """The text track ``T(x) = text_projection(text_embedding(x))``: ids ``[M] int64`` ->
+        ``[M, H]``."""
+        return self.text_projection(self.model.text_embedding(text_ids))
+
+    def codec_embed(self, codec_ids: torch.Tensor) -> torch.Tensor:
+        """The codec track ``C(x) = codec_embedding(x)``: ids ``[M] int64`` -> ``[M, H]``."""
+        return self.model.codec_embedding(codec_ids)
+
+    def complete_frame(
+        self, talker_hidden: torch.Tensor, code0: torch.Tensor, sample_fn: SampleFn, cache: DenseKVCache
+    ) -> torch.Tensor:
+        """The whole frame: ``[code0, predictor codes]`` -> ``[B, G] int64``.
+
+        Args:
+            talker_hidden: ``[B, H]`` post-norm hidden state whose logits gave ``code0``.
+            code0: ``[B] int64`` (must not be EOS: the EOS frame is never completed).
+            sample_fn: :data:`SampleFn` for groups 1..G-1 (:func:`greedy_sample` for greedy).
+            cache: from ``code_predictor.new_cache(B, ...)``; reset here.
+        """
+        rest = self.code_predictor.predict(talker_hidden, self.codec_embed(code0), sample_fn, cache)
+        return torch.cat((code0[:, None], rest), dim=1)
+
+    def frame_embedding(self, codes: torch.Tensor) -> torch.Tensor:
+        """Feedback of a frame ``codes [B, G] int64`` -> ``[B, H]``:
+        ``C(c0) + sum_{i=1..G-1} code_predictor.codec_embedding[i-1](c_i)`` (digest
+        section 2). Add the next trailing-text row (or tts_pad) to get the next input."""
+        total = self.codec_embed(codes[:, 0])
+        for i, table in enumerate(self.code_predictor.model.codec_embedding, start=1):
+            total = total + table(codes[:, i])
+        return total

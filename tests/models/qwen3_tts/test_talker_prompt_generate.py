@@ -1,0 +1,126 @@
+"""Prompt lengths per mode, prompt validation, and the reference generation loop's stopping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omnistage.models.qwen3_tts.modeling.generate import TalkerSampling, generate
+from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder
+from omnistage.models.qwen3_tts.modeling.talker import greedy_sample
+from omnistage.models.qwen3_tts.modeling.weights import LoadedCheckpoint, load_checkpoint
+
+TEXT4 = "abcd"  # 4 byte tokens in the tiny tokenizer
+REF2 = "ok"  # 2 tokens
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_checkpoints) -> dict[str, LoadedCheckpoint]:
+    return {t: load_checkpoint(p) for t, p in tiny_checkpoints.items()}
+
+
+def builder(ck: LoadedCheckpoint) -> PromptBuilder:
+    return PromptBuilder(ck.model.talker, ck.config, ck.tokenizer)
+
+
+def test_tiny_tokenizer_gives_the_token_counts_the_lengths_assume(loaded) -> None:
+    tok = loaded["base"].tokenizer
+    assert len(tok(TEXT4)["input_ids"]) == 4 and len(tok(REF2)["input_ids"]) == 2
+    assert len(tok("x")["input_ids"]) == 1
+
+
+def test_prefill_lengths_match_the_digests_verified_lengths(loaded) -> None:
+    """Digest section 4 (4 text tokens, 2 ref tokens, 17 ref frames): ICL 27 (non-streaming
+    34), x-vector 9 (+4 trailing), CustomVoice non-streaming 15, VoiceDesign 20. ICL,
+    CustomVoice and VoiceDesign use an explicit language (4-id codec prefix), x-vector
+    "auto" (3 ids); the VoiceDesign instruct is 1 token (5 template tokens around it)."""
+    base, hidden = builder(loaded["base"]), loaded["base"].config.talker.decoder.hidden_size
+    x_vector, codes = torch.randn(hidden), torch.randint(0, 2048, (17, 16))
+    icl = base.voice_clone(TEXT4, x_vector, "english", ref_text=REF2, ref_codes=codes)
+    assert icl.prefill.shape[0] == 27 and icl.ref_codes is not None
+    icl_ns = base.voice_clone(TEXT4, x_vector, "english", ref_text=REF2, ref_codes=codes, non_streaming_text=True)
+    assert icl_ns.prefill.shape[0] == 34 and icl_ns.trailing_text.shape[0] == 0
+    xvec = base.voice_clone(TEXT4, x_vector, "auto")
+    assert (xvec.prefill.shape[0], xvec.trailing_text.shape[0]) == (9, 4) and xvec.ref_codes is None
+    custom = builder(loaded["custom_voice"]).custom_voice(TEXT4, "aiden", "english")
+    assert custom.prefill.shape[0] == 15
+    design = builder(loaded["voice_design"]).voice_design(TEXT4, "x", "english")
+    assert design.prefill.shape[0] == 20
+
+
+def test_trailing_rows_then_tts_pad_feed_the_decode_steps(loaded) -> None:
+    ck = loaded["base"]
+    prompt = builder(ck).voice_clone(TEXT4, torch.randn(ck.config.talker.decoder.hidden_size), "auto")
+    assert torch.equal(prompt.text_row(3), prompt.trailing_text[3])
+    assert torch.equal(prompt.text_row(4), prompt.tts_pad) and torch.equal(prompt.text_row(100), prompt.tts_pad)
+
+
+@pytest.mark.parametrize(
+    ("model_type", "call", "message"),
+    [
+        ("custom_voice", lambda b: b.custom_voice("hi", "nobody"), "unknown speaker 'nobody'"),
+        ("custom_voice", lambda b: b.custom_voice("hi", "ryan", language="klingon"), "unknown language 'klingon'"),
+        ("custom_voice", lambda b: b.custom_voice("hi", "ryan", language="sichuan_dialect"), "unknown language"),
+        ("custom_voice", lambda b: b.custom_voice("", "ryan"), "text is empty"),
+        ("voice_design", lambda b: b.voice_design("hi", ""), "non-empty instruct"),
+        ("voice_design", lambda b: b.custom_voice("hi", "ryan"), "custom_voice prompts need a custom_voice checkpoint"),
+        ("base", lambda b: b.voice_clone("hi", torch.zeros(32), ref_text="ok"), "both ref_text and ref_codes"),
+        ("base", lambda b: b.voice_clone("hi", torch.zeros(32), ref_text="ok", ref_codes=torch.zeros(3, 8, dtype=torch.int64)), r"\[R >= 1, 16\]"),
+        ("base", lambda b: b.voice_clone("hi", torch.zeros(5)), r"x_vector must be \[32\]"),
+    ],
+)
+def test_invalid_prompts_raise_value_errors(loaded, model_type, call, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        call(builder(loaded[model_type]))
+
+
+def test_dialect_speaker_switches_language_only_for_chinese_or_auto(loaded) -> None:
+    b = builder(loaded["custom_voice"])
+    auto = b.custom_voice("hi", "eric", "auto")
+    chinese = b.custom_voice("hi", "eric", "chinese")
+    english = b.custom_voice("hi", "eric", "english")
+    # auto would use the 3-id prefix; the dialect makes it the 4-id prefix with the same rows
+    assert torch.equal(auto.prefill, chinese.prefill)
+    assert auto.prefill.shape == english.prefill.shape and not torch.equal(auto.prefill, english.prefill)
+
+
+def test_eos_ends_generation_after_min_new_tokens_and_is_not_returned(tiny_checkpoints) -> None:
+    ck = load_checkpoint(tiny_checkpoints["voice_design"])
+    talker = ck.model.talker
+    with torch.no_grad():
+        talker.codec_head.weight[ck.config.talker.codec_eos_id] *= 1000.0  # EOS dominates
+    prompt = builder(ck).voice_design("hello", "calm")
+    result = generate(talker, prompt, TalkerSampling.greedy(), max_new_frames=10)
+    assert result.finish_reason == "stop"
+    assert result.codes.shape == (2, 16)  # EOS masked for the first 2 code-0 ids
+    assert (result.codes[:, 0] != ck.config.talker.codec_eos_id).all()
+
+
+def test_length_cap_returns_exactly_max_new_frames_with_codes_in_range(loaded) -> None:
+    ck = loaded["voice_design"]
+    prompt = builder(ck).voice_design("hello", "calm")
+    result = generate(ck.model.talker, prompt, TalkerSampling.from_generation_config(ck.generation, seed=5), max_new_frames=6)
+    assert result.finish_reason == "length" and result.codes.shape == (6, 16)
+    assert (result.codes[:, 0] < 2048).all() and (result.codes >= 0).all() and (result.codes[:, 1:] < 2048).all()
+    again = generate(ck.model.talker, prompt, TalkerSampling.from_generation_config(ck.generation, seed=5), max_new_frames=6)
+    assert torch.equal(result.codes, again.codes)
+
+
+def test_batched_frame_completion_equals_one_by_one(loaded) -> None:
+    """The building blocks the engine batches: complete_frame and frame_embedding over B=3
+    equal the same calls per row."""
+    talker = loaded["custom_voice"].model.talker
+    hidden = torch.randn(3, talker.config.decoder.hidden_size)
+    code0 = torch.tensor([5, 700, 2047])
+    with torch.no_grad():
+        batched = talker.complete_frame(hidden, code0, greedy_sample, talker.code_predictor.new_cache(3, torch.float32, "cpu"))
+        single = torch.cat([
+            talker.complete_frame(hidden[i : i + 1], code0[i : i + 1], greedy_sample, talker.code_predictor.new_cache(1, torch.float32, "cpu"))
+            for i in range(3)
+        ])
+        assert torch.equal(batched, single)
+        feedback = talker.frame_embedding(batched)
+        manual = talker.codec_embed(batched[:, 0]) + sum(
+            talker.code_predictor.model.codec_embedding[i - 1](batched[:, i]) for i in range(1, 16)
+        )
+    torch.testing.assert_close(feedback, manual)
