@@ -20,7 +20,7 @@ samples softmax(logits / T).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -90,32 +90,62 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device | str) -> SamplingBatch:
         """Tensors for ``params`` (one per request) over ``vocab_size`` ids on ``device``."""
-        def col(values: list[float | int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        banned = torch.zeros(len(params), vocab_size, dtype=torch.bool, device=device)
-        stop = torch.zeros_like(banned)
+        batch = cls.empty(len(params), vocab_size, device)
         for row, p in enumerate(params):
-            for start, end in p.suppress_ranges:
-                banned[row, start:end] = True
-            stop[row, list(p.stop_token_ids)] = True
+            batch.set_row(row, p)
+        return batch
+
+    @classmethod
+    def empty(cls, rows: int, vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        """``rows`` greedy rows (temperature 0, nothing banned); fill them with :meth:`set_row`."""
+        def col(dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(rows, dtype=dtype, device=device)
+
+        banned = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)
         return cls(
-            temperature=col([p.temperature for p in params], torch.float32),
-            top_p=col([p.top_p for p in params], torch.float32),
-            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
-            top_k=col([p.top_k for p in params], torch.int64),
-            min_new_tokens=col([p.min_new_tokens for p in params], torch.int64),
-            seed=col([p.seed for p in params], torch.int64),
+            temperature=col(torch.float32),
+            top_p=col(torch.float32) + 1,
+            repetition_penalty=col(torch.float32) + 1,
+            top_k=col(torch.int64),
+            min_new_tokens=col(torch.int64),
+            seed=col(torch.int64),
             banned=banned,
-            stop=stop,
+            stop=torch.zeros_like(banned),
             generated=torch.zeros_like(banned),
-            num_generated=torch.zeros(len(params), dtype=torch.int64, device=device),
+            num_generated=col(torch.int64),
         )
 
-    def record(self, tokens: torch.Tensor) -> None:
-        """Account the sampled ``tokens`` (``[B] int64``) of this step."""
-        self.generated.scatter_(1, tokens[:, None], True)
-        self.num_generated += 1
+    def set_row(self, row: int, params: SamplingParams) -> None:
+        """Make ``row`` a fresh request with ``params`` (nothing generated yet). The engine
+        keeps one persistent batch with a row per slot and calls this on admission."""
+        self.temperature[row] = params.temperature
+        self.top_p[row] = params.top_p
+        self.repetition_penalty[row] = params.repetition_penalty
+        self.top_k[row] = params.top_k
+        self.min_new_tokens[row] = params.min_new_tokens
+        self.seed[row] = params.seed
+        self.banned[row] = False
+        for start, end in params.suppress_ranges:
+            self.banned[row, start:end] = True
+        self.stop[row] = False
+        self.stop[row, list(params.stop_token_ids)] = True
+        self.generated[row] = False
+        self.num_generated[row] = 0
+
+    def select(self, rows: torch.Tensor) -> SamplingBatch:
+        """The batch of ``rows`` (``[B] int64`` device tensor), gathered on the device (no
+        host sync, so it can run inside a CUDA graph with a static index buffer)."""
+        return SamplingBatch(*(getattr(self, f.name).index_select(0, rows) for f in fields(self)))
+
+    def record(self, tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Account the sampled ``tokens`` (``[B] int64``) of this step, for every row or for
+        ``rows`` (``[B] int64``, distinct) of a persistent batch."""
+        if rows is None:
+            self.generated.scatter_(1, tokens[:, None], True)
+            self.num_generated += 1
+        else:
+            self.generated.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.bool))
+            self.num_generated.index_add_(0, rows, torch.ones_like(rows))
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:

@@ -113,10 +113,16 @@ class Scheduler(ABC):
         """Thread-safe: hand a message to the compute thread."""
         self._inbox.put(message)
 
-    def take(self, block: bool, limit: int | None = None) -> list[StageInput | None]:
-        """Messages from the inbox: waits for one first if ``block``, then takes those
-        already there (at most ``limit`` in all). ``None`` in the list means stop."""
-        messages: list[StageInput | None] = [self._inbox.get()] if block else []
+    def take(self, block: bool, limit: int | None = None, timeout: float | None = None) -> list[StageInput | None]:
+        """Messages from the inbox: waits for one first if ``block`` (at most ``timeout``
+        seconds, None: no limit), then takes those already there (at most ``limit`` in
+        all). ``None`` in the list means stop."""
+        messages: list[StageInput | None] = []
+        if block:
+            try:
+                messages.append(self._inbox.get(timeout=timeout))
+            except queue.Empty:
+                return messages
         while limit is None or len(messages) < limit:
             try:
                 messages.append(self._inbox.get_nowait())

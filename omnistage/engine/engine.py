@@ -1,0 +1,286 @@
+"""The AR engine: requests in, one frame per request per step out.
+
+Usage::
+
+    engine = AREngine(model, EngineConfig(kv_cache_bytes=...))
+    engine.add_request("r1", GenerationInput(prompt, SamplingParams(...), max_new_tokens=200))
+    while engine.has_work():
+        for out in engine.step():
+            ...  # out.frame [1, G] as soon as it exists; out.result once the request ended
+
+A step is :meth:`AREngine.schedule` (host: pick the batch) then :meth:`AREngine.execute`
+(launch it, then resolve frames). On CUDA the host side of step ``t`` (reading code 0 back
+for the stop check, handing frames on) overlaps the device running step ``t + 1``: the next
+step needs nothing from the host (its input embeddings are already on the device), so
+``execute`` launches step ``t + 1`` first and then waits for step ``t``'s frames. A
+request that stopped at step ``t`` has therefore also run in step ``t + 1``; that frame is
+dropped, and its KV writes land in blocks that are freed only afterwards in stream order.
+On CPU each step is resolved right after it ran.
+
+If a step raises, every request of it (the launched batch and the one being resolved) ends
+with finish_reason ``"error"`` and frees its blocks before the exception propagates to the
+caller's batch boundary.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.cuda_graph import CUDAGraphRunner, default_batch_sizes
+from omnistage.engine.kv_cache import PagedKVCache, kv_budget_bytes
+from omnistage.engine.model_runner import ARModel, ModelRunner
+from omnistage.engine.paged_attention import decode_attention_for
+from omnistage.engine.scheduler import BatchScheduler, ScheduledBatch
+from omnistage.engine.sequence import GenerationInput, GenerationResult, Sequence, SequenceStatus
+from omnistage.errors import RequestValidationError
+from omnistage.pipeline.messages import FinishReason
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs.
+
+    Attributes:
+        kv_cache_bytes / mem_fraction_static: the KV pool's budget, exactly one of them
+            (the fraction is of the device memory free when the engine is built, i.e.
+            after the weights; CUDA only).
+        block_size: tokens per KV block.
+        max_num_seqs: running requests at most.
+        max_waiting: queued requests at most (more -> QueueFullError).
+        max_model_len: prompt + max_new_tokens at most per request.
+        max_prefill_tokens: prompt tokens per coalesced prefill at most.
+        prefill_hold_ms: how long waiting requests gather before a prefill while others
+            decode (coalescing window).
+        num_step_rows: rows of the step-embedding pool shared by running requests.
+        cuda_graph_batch_sizes: decode buckets to capture; None = the default buckets up
+            to ``max_num_seqs`` on CUDA; () = no graphs. Ignored on CPU.
+        use_triton: Triton decode attention (None: on CUDA when installed).
+        overlap: resolve step t while step t+1 runs (None: on CUDA).
+    """
+
+    kv_cache_bytes: int | None = None
+    mem_fraction_static: float | None = None
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_waiting: int = 1024
+    max_model_len: int = 4096
+    max_prefill_tokens: int = 8192
+    prefill_hold_ms: float = 5.0
+    num_step_rows: int = 65536
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    use_triton: bool | None = None
+    overlap: bool | None = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one request got from a step: a new ``frame`` (``[1, G] int64``, on the device)
+    and/or, if it ended, its ``result``."""
+
+    request_id: str
+    frame: torch.Tensor | None
+    result: GenerationResult | None
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A step about to run: the batch to launch (if any) and the requests it may end
+    (``request_ids``: the batch and the in-flight step it resolves)."""
+
+    batch: ScheduledBatch | None
+    request_ids: tuple[str, ...]
+
+
+@dataclass
+class _InFlight:
+    seqs: list[Sequence]
+    codes: torch.Tensor  # [B, G] device
+    code0: torch.Tensor  # [B] host
+    done: torch.cuda.Event | None
+
+
+class AREngine:
+    """Continuous-batching AR engine over an :class:`ARModel` (see the module docstring).
+
+    Args:
+        model: the model (its ``spec.device`` is where everything runs).
+        config: see :class:`EngineConfig`.
+
+    Raises:
+        ValueError: a bad budget (see :func:`~omnistage.engine.kv_cache.kv_budget_bytes`).
+    """
+
+    def __init__(self, model: ARModel, config: EngineConfig) -> None:
+        spec = model.spec
+        self.config, self.device = config, spec.device
+        budget = kv_budget_bytes(spec.device, config.kv_cache_bytes, config.mem_fraction_static)
+        self.cache = PagedKVCache.for_budget(
+            budget, spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, spec.dtype, spec.device
+        )
+        self.kv_blocks = BlockManager(self.cache.num_usable_blocks, config.block_size)
+        self.row_blocks = BlockManager(math.ceil(config.num_step_rows / config.block_size), config.block_size)
+        self.scheduler = BatchScheduler(
+            self.kv_blocks, self.row_blocks, config.max_num_seqs, config.max_waiting,
+            config.max_prefill_tokens, config.prefill_hold_ms / 1000,
+        )
+        self.runner = ModelRunner(
+            model, self.cache, decode_attention_for(spec.device, config.use_triton), config.max_num_seqs,
+            self.row_blocks.num_blocks * config.block_size, math.ceil(config.max_model_len / config.block_size),
+        )
+        is_cuda = spec.device.type == "cuda"
+        self.overlap = is_cuda if config.overlap is None else config.overlap
+        sizes = config.cuda_graph_batch_sizes
+        sizes = default_batch_sizes(config.max_num_seqs) if sizes is None else list(sizes)
+        self.graphs = CUDAGraphRunner(self.runner, sizes) if is_cuda and sizes else None
+        self._in_flight: _InFlight | None = None
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, inputs: GenerationInput, now: float | None = None) -> None:
+        """Queue a request (``now``: monotonic seconds, for tests).
+
+        Raises:
+            QueueFullError: the waiting queue is full.
+            RequestValidationError: the request can never fit (model length, KV pool,
+                step-row pool) or its prompt width is not the model's hidden size.
+            ValueError: ``request_id`` is already in the engine.
+        """
+        seq = Sequence(request_id, inputs, time.monotonic() if now is None else now)
+        self._validate(seq)
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """End a request now and free its blocks (unknown ids are ignored; idempotent).
+        A frame of it still in flight is dropped when it resolves."""
+        seq = self.scheduler.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+
+    def has_work(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight)
+
+    def wait_hint(self, now: float | None = None) -> float | None:
+        """Seconds the caller may sleep before the next :meth:`step` has something to do
+        (0: step now; None: idle until a request arrives)."""
+        if self._in_flight is not None or any(s.schedulable for s in self.scheduler.running):
+            return 0.0
+        return self.scheduler.hold_remaining(time.monotonic() if now is None else now)
+
+    def live_requests(self) -> set[str]:
+        return self.scheduler.live_requests()
+
+    # --------------------------------------------------------------------- steps
+    def step(self, now: float | None = None) -> list[StepOutput]:
+        """:meth:`schedule` then :meth:`execute`."""
+        return self.execute(self.schedule(now))
+
+    def schedule(self, now: float | None = None) -> StepPlan:
+        """Pick the next step's batch (admitting waiting requests); pass the plan to
+        :meth:`execute` before scheduling again."""
+        batch = self.scheduler.schedule(time.monotonic() if now is None else now)
+        seqs = (batch.seqs if batch else []) + (self._in_flight.seqs if self._in_flight else [])
+        return StepPlan(batch, tuple(dict.fromkeys(s.request_id for s in seqs)))
+
+    def execute(self, plan: StepPlan) -> list[StepOutput]:
+        """Launch ``plan.batch`` and resolve the frames that are due.
+
+        Raises:
+            whatever the model raises; the plan's requests have then ended with "error".
+        """
+        previous, self._in_flight = self._in_flight, None
+        ok = False
+        try:
+            launched = self._launch(plan.batch) if plan.batch else None
+            outputs = self._resolve(previous) if previous else []
+            if launched is not None and self.overlap:
+                self._in_flight = launched
+            elif launched is not None:
+                outputs += self._resolve(launched)
+            ok = True
+            return outputs
+        finally:
+            if not ok:
+                self._fail(plan)
+
+    def _launch(self, batch: ScheduledBatch) -> _InFlight:
+        seqs = batch.seqs
+        if batch.kind == "prefill":
+            for seq in seqs:
+                self.runner.admit(seq)
+            hidden, slot_ids, row_ids = self.runner.prefill(seqs)
+            if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
+                codes = self.graphs.frame_tail(hidden, slot_ids, row_ids)
+            else:
+                codes = self.runner.frame_tail(hidden, slot_ids, row_ids, self.runner.model.new_frame_cache(len(seqs)))
+        else:
+            codes = self._decode(seqs)
+        for seq in seqs:
+            seq.num_scheduled += 1
+        codes = codes.clone()  # graph outputs are overwritten by the next replay
+        if self.device.type != "cuda":
+            return _InFlight(seqs, codes, codes[:, 0], None)
+        code0 = torch.empty(len(seqs), dtype=torch.int64, pin_memory=True)
+        code0.copy_(codes[:, 0], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _InFlight(seqs, codes, code0, done)
+
+    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        meta = self.runner.decode_meta(seqs)
+        if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
+            return self.graphs.decode(meta)
+        width = math.ceil(int(meta[:, 2].max()) / self.config.block_size)
+        cache = self.runner.model.new_frame_cache(len(seqs))
+        return self.runner.decode(self.runner.upload_meta(meta), cache, width)
+
+    def _resolve(self, step: _InFlight) -> list[StepOutput]:
+        if step.done is not None:
+            step.done.synchronize()
+        outputs = []
+        for i, (seq, code0) in enumerate(zip(step.seqs, step.code0.tolist(), strict=True)):
+            if seq.status is not SequenceStatus.RUNNING:  # aborted, or stopped a step ago
+                continue
+            if code0 in seq.stop_ids:
+                outputs.append(StepOutput(seq.request_id, None, self._finish(seq, "stop")))
+                continue
+            frame = step.codes[i : i + 1]
+            seq.frames.append(frame)
+            result = self._finish(seq, "length") if len(seq.frames) == seq.max_new_tokens else None
+            outputs.append(StepOutput(seq.request_id, frame, result))
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> GenerationResult:
+        self.scheduler.finish(seq, reason)
+        groups = self.runner.spec.num_code_groups
+        codes = torch.cat(seq.frames) if seq.frames else torch.empty(0, groups, dtype=torch.int64, device=self.device)
+        return GenerationResult(codes, reason, seq.prompt_len)
+
+    def _fail(self, plan: StepPlan) -> None:
+        for request_id in plan.request_ids:
+            seq = self.scheduler.get(request_id)
+            if seq is not None:
+                self.scheduler.finish(seq, "error")
+
+    def _validate(self, seq: Sequence) -> None:
+        inputs, spec = seq.inputs, self.runner.spec
+        if seq.prompt_len + seq.max_new_tokens > self.config.max_model_len:
+            raise RequestValidationError(
+                f"prompt ({seq.prompt_len}) + max_new_tokens ({seq.max_new_tokens}) exceeds the engine's "
+                f"max_model_len {self.config.max_model_len}", "max_new_tokens",
+            )
+        if self.kv_blocks.blocks_needed(seq.reserved_tokens) > self.kv_blocks.num_blocks:
+            raise RequestValidationError(
+                f"the request needs {seq.reserved_tokens} KV tokens; the pool holds "
+                f"{self.kv_blocks.num_blocks * self.config.block_size}", "max_new_tokens",
+            )
+        if self.row_blocks.blocks_needed(inputs.num_step_rows) > self.row_blocks.num_blocks:
+            raise RequestValidationError(f"{inputs.num_step_rows} step rows exceed the pool", "step_embeds")
+        widths = [t.shape[-1] for t in (inputs.step_embeds, inputs.pad_embed) if t is not None]
+        if inputs.prompt.dim() == 2:
+            widths.append(inputs.prompt.shape[1])
+        if any(w != spec.hidden_size for w in widths):
+            raise RequestValidationError(f"embeddings must be {spec.hidden_size} wide, got {widths}", "prompt")

@@ -1,0 +1,239 @@
+"""The model contract the engine drives (:class:`ARModel`) and the runner that executes a
+prefill or a decode step on it, entirely on the device.
+
+One engine step, for a batch of ``B`` requests::
+
+    hidden = model.forward(input_embeds, positions, paged_attention)      # backbone
+    code0  = sample(model.head_logits(hidden_last), per-request params)   # fp32, seeded
+    codes  = model.complete_frame(hidden_last, code0, sample_fn, cache)   # [B, G]
+    next_embeds[slot] = model.next_input_embeds(codes, step_row)          # fed next step
+
+No host sync inside: per-request state lives on the device in *slots* (one row per running
+request, plus a scratch row ``max_num_seqs`` that the padding rows of a CUDA-graph batch
+use): the next input embedding, the sampling state, the block table. A decode step reads
+its slots through one small ``[B, 3] int64`` index tensor (slot, step row, context length),
+so the same code runs eagerly or replayed from a CUDA graph
+(:class:`~omnistage.engine.cuda_graph.CUDAGraphRunner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from omnistage.engine.attention import AttentionBackend, DenseKVCache
+from omnistage.engine.kv_cache import PagedKVCache
+from omnistage.engine.paged_attention import DecodeAttention, PagedAttention
+from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
+from omnistage.engine.sequence import Sequence
+
+# sample_fn(group_index, logits [B, V_code]) -> [B] int64; group_index in 1..G-1
+SampleFn = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ARModelSpec:
+    """What the engine needs to know about a model.
+
+    Attributes:
+        num_layers, num_kv_heads, head_dim: backbone attention geometry (KV pool layout).
+        hidden_size: ``H``, width of input embeddings and hidden states.
+        vocab_size: code-0 (token) vocabulary, the width of :meth:`ARModel.head_logits`.
+        num_code_groups: ``G`` codes per frame (1 for a token LM).
+        code_vocab_size: vocabulary of codes ``1..G-1`` (unused when G == 1).
+        dtype, device: of the weights and activations.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    num_code_groups: int
+    code_vocab_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class ARModel(Protocol):
+    """An autoregressive backbone with a (possibly multi-codebook) head.
+
+    Every method is device-only (no host sync) and works for any batch size, so the engine
+    can capture decode steps in CUDA graphs.
+    """
+
+    spec: ARModelSpec
+
+    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """``input_embeds [N, H]``, ``positions [N] int64`` -> hidden ``[N, H]`` (final norm
+        applied). Layer ``i`` calls ``attn(i, q, k, v)``."""
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, H]`` -> code-0 logits ``[B, vocab_size]``."""
+
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``[L] int64`` -> ``[L, H]`` (token-id prompts)."""
+
+    def new_frame_cache(self, batch: int) -> DenseKVCache | None:
+        """The code predictor's per-frame KV cache for ``batch`` requests (None if G == 1)."""
+
+    def complete_frame(
+        self, hidden: torch.Tensor, code0: torch.Tensor, sample_fn: SampleFn, cache: DenseKVCache | None
+    ) -> torch.Tensor:
+        """Codes of the frame ``[B, G] int64`` from the last hidden ``[B, H]`` and its
+        code 0 ``[B]``; codes 1..G-1 drawn with ``sample_fn`` (G == 1: ``code0[:, None]``)."""
+
+    def next_input_embeds(self, codes: torch.Tensor, step_rows: torch.Tensor) -> torch.Tensor:
+        """The next step's input ``[B, H]`` from the frame ``[B, G]`` and the requests'
+        step rows ``[B, H]`` (Qwen3-TTS: sum of the 16 codebook embeddings + the row)."""
+
+
+class ModelRunner:
+    """Executes prefills and decode steps of an :class:`ARModel` over a paged KV pool.
+
+    Args:
+        model: the model.
+        cache: the KV pool.
+        decode_attention: see :func:`~omnistage.engine.paged_attention.decode_attention_for`.
+        max_num_seqs: slots (running requests at most).
+        num_step_rows: rows of the step-embedding pool (a scratch row is added).
+        max_blocks_per_seq: block-table width.
+    """
+
+    def __init__(
+        self,
+        model: ARModel,
+        cache: PagedKVCache,
+        decode_attention: DecodeAttention,
+        max_num_seqs: int,
+        num_step_rows: int,
+        max_blocks_per_seq: int,
+    ) -> None:
+        spec = model.spec
+        self.model, self.spec, self.cache = model, spec, cache
+        self.attn = PagedAttention(cache, decode_attention)
+        device, slots = spec.device, max_num_seqs + 1
+        self.scratch_slot, self.scratch_row = max_num_seqs, num_step_rows
+        self.next_embeds = torch.zeros(slots, spec.hidden_size, dtype=spec.dtype, device=device)
+        self.step_rows = torch.zeros(num_step_rows + 1, spec.hidden_size, dtype=spec.dtype, device=device)
+        self.block_tables = torch.full((slots, max_blocks_per_seq), cache.scratch_block, dtype=torch.int64, device=device)
+        self.sampling = SamplingBatch.empty(slots, spec.vocab_size, device)
+        self.predictor_sampling = (
+            SamplingBatch.empty(slots, spec.code_vocab_size, device) if spec.num_code_groups > 1 else None
+        )
+
+    # ----------------------------------------------------------------- host side
+    def admit(self, seq: Sequence) -> None:
+        """Write an admitted request's slot state: sampling rows, block table, step rows."""
+        inputs, device = seq.inputs, self.spec.device
+        self.sampling.set_row(seq.slot, inputs.sampling)
+        if self.predictor_sampling is not None:
+            self.predictor_sampling.set_row(seq.slot, inputs.predictor_sampling or SamplingParams(temperature=0.0))
+        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        self.block_tables[seq.slot].fill_(self.cache.scratch_block)
+        self.block_tables[seq.slot, : len(table)] = table.to(device)
+        hidden = self.spec.hidden_size
+        pad = inputs.pad_embed if inputs.pad_embed is not None else torch.zeros(hidden)
+        rows = [pad.reshape(1, hidden).to(device, self.spec.dtype)]
+        if inputs.step_embeds is not None:
+            rows.insert(0, inputs.step_embeds.to(device, self.spec.dtype))
+        self.step_rows[torch.tensor(seq.row_slots, device=device)] = torch.cat(rows)
+
+    def decode_meta(self, seqs: list[Sequence]) -> torch.Tensor:
+        """``[B, 3] int64`` host tensor (slot, step row, context length) of a decode step;
+        call before incrementing ``num_scheduled``."""
+        return torch.tensor(
+            [[s.slot, s.step_row(s.num_scheduled), s.prompt_len + s.num_scheduled] for s in seqs], dtype=torch.int64
+        )
+
+    def padding_meta(self, rows: int) -> torch.Tensor:
+        """``[rows, 3]`` meta rows that touch only scratch state (CUDA-graph padding)."""
+        return torch.tensor([[self.scratch_slot, self.scratch_row, 1]] * rows, dtype=torch.int64).reshape(rows, 3)
+
+    # --------------------------------------------------------------- device side
+    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One variable-length forward over the prompts of ``seqs`` (admitted, nothing
+        scheduled yet). Returns the last hidden ``[B, H]``, slot ids and step rows
+        ``[B] int64``: the inputs of :meth:`frame_tail`, which makes frame 0."""
+        device, size = self.spec.device, self.cache.block_size
+        lengths = [s.prompt_len for s in seqs]
+        positions = [t for n in lengths for t in range(n)]
+        seq_ids = [i for i, n in enumerate(lengths) for _ in range(n)]
+        kv_slots = [s.kv_slot(t, size) for s in seqs for t in range(s.prompt_len)]
+        ends = [end - 1 for end in itertools.accumulate(lengths)]
+        per_seq = [s.slot for s in seqs] + [s.step_row(0) for s in seqs] + ends
+        flat = _upload(positions + seq_ids + kv_slots + per_seq, device)
+        n, b = len(positions), len(seqs)
+        positions_d, seq_ids_d, kv_slots_d = flat[: 3 * n].view(3, n)
+        slot_ids, row_ids, last = flat[3 * n :].view(3, b)
+        embeds = torch.cat([self._prompt_embeds(s) for s in seqs])
+        self.attn.prepare_prefill(kv_slots_d, seq_ids_d, positions_d)
+        hidden = self.model.forward(embeds, positions_d, self.attn)
+        return hidden[last], slot_ids, row_ids
+
+    def decode(self, meta: torch.Tensor, cache: DenseKVCache | None, width: int | None = None) -> torch.Tensor:
+        """One decode step of the requests in ``meta`` (``[B, 3] int64`` on the device, see
+        :meth:`decode_meta`); ``width``: block-table columns to use (None: all, as in a
+        captured graph). Returns the frames ``[B, G] int64``."""
+        slot_ids, row_ids, context_lens = meta[:, 0], meta[:, 1], meta[:, 2]
+        positions = context_lens - 1
+        tables = self.block_tables.index_select(0, slot_ids)[:, :width]
+        size = self.cache.block_size
+        kv_slots = tables.gather(1, (positions // size)[:, None])[:, 0] * size + positions % size
+        self.attn.prepare_decode(kv_slots, tables, context_lens)
+        hidden = self.model.forward(self.next_embeds.index_select(0, slot_ids), positions, self.attn)
+        return self.frame_tail(hidden, slot_ids, row_ids, cache)
+
+    def upload_meta(self, meta: torch.Tensor) -> torch.Tensor:
+        return _upload(meta, self.spec.device)
+
+    def _prompt_embeds(self, seq: Sequence) -> torch.Tensor:
+        prompt = seq.inputs.prompt.to(self.spec.device)
+        if prompt.dim() == 1:
+            return self.model.embed_tokens(prompt)
+        return prompt.to(self.spec.dtype)
+
+    def frame_tail(
+        self, hidden: torch.Tensor, slot_ids: torch.Tensor, row_ids: torch.Tensor, cache: DenseKVCache | None
+    ) -> torch.Tensor:
+        """From the last hidden ``[B, H]`` to the frame ``[B, G] int64``: sample code 0,
+        complete the frame, record the draws and store the next input embedding in each
+        request's slot (``slot_ids``, ``row_ids``: ``[B] int64``)."""
+        batch = self.sampling.select(slot_ids)
+        code0 = sample(self.model.head_logits(hidden), batch)
+        self.sampling.record(code0, slot_ids)
+        sample_fn = self._predictor_sampler(slot_ids, batch.num_generated)
+        codes = self.model.complete_frame(hidden, code0, sample_fn, cache)
+        embeds = self.model.next_input_embeds(codes, self.step_rows.index_select(0, row_ids))
+        self.next_embeds.index_copy_(0, slot_ids, embeds.to(self.spec.dtype))
+        return codes
+
+    def _predictor_sampler(self, slot_ids: torch.Tensor, frame_index: torch.Tensor) -> SampleFn:
+        if self.predictor_sampling is None:
+            return _no_sub_codes
+        batch = self.predictor_sampling.select(slot_ids)
+        groups = self.spec.num_code_groups
+
+        def sample_fn(group: int, logits: torch.Tensor) -> torch.Tensor:
+            # the seeded draw of (frame k, group g) uses hash step k * G + g: unique per draw
+            return sample(logits, dataclasses.replace(batch, num_generated=frame_index * groups + group))
+
+        return sample_fn
+
+
+def _no_sub_codes(group: int, logits: torch.Tensor) -> torch.Tensor:
+    raise RuntimeError("a single-codebook model sampled a code-predictor group")
+
+
+def _upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """An int64 host list/tensor on ``device``; on CUDA through pinned memory, without
+    waiting (the copy is ordered before later kernels on the stream)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)

@@ -1,0 +1,138 @@
+"""The paged attention backend: the attention contract of :mod:`omnistage.engine.attention`
+over a :class:`~omnistage.engine.kv_cache.PagedKVCache`.
+
+Two kinds of forward, announced by the runner before the first layer:
+
+- prefill (:meth:`PagedAttention.prepare_prefill`): whole prompts of several requests,
+  concatenated (variable lengths); each new token attends causally within its own
+  sequence. There is no cached prefix yet (no prefix caching), so attention needs only
+  the new tokens: one SDPA call with a block-diagonal causal mask.
+- decode (:meth:`PagedAttention.prepare_decode`): one new token per sequence, attending to
+  its whole cached context through its block table.
+
+Either way every layer first writes its new ``k, v`` at the tokens' slots. Decode attention
+has a plain PyTorch reference (:func:`paged_decode_reference`, used on CPU and as the test
+oracle) and a Triton kernel (:mod:`omnistage.engine.triton_decode`) used on CUDA;
+:func:`decode_attention_for` picks one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from omnistage.engine.kv_cache import PagedKVCache
+
+# (q [B, Hq, D], k_cache [S, Hkv, D], v_cache [S, Hkv, D], block_tables [B, MB] int64,
+#  context_lens [B] int64, block_size) -> [B, Hq, D]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def paged_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """Decode attention by gathering each sequence's keys into a padded batch.
+
+    Args:
+        q: ``[B, Hq, D]``, one query token per sequence.
+        k_cache, v_cache: ``[S, Hkv, D]``, one layer of the pool (``S`` slots).
+        block_tables: ``[B, MB] int64``; entries past a sequence's blocks are ignored.
+        context_lens: ``[B] int64``, tokens each sequence attends to (its new one included).
+        block_size: tokens per block.
+
+    Returns:
+        ``[B, Hq, D]``: softmax(q k^T / sqrt(D)) v over each sequence's first
+        ``context_len`` tokens (grouped-query: query head h reads kv head h // (Hq/Hkv)).
+    """
+    offsets = torch.arange(block_tables.shape[1] * block_size, device=q.device)
+    slots = block_tables[:, offsets // block_size] * block_size + offsets % block_size  # [B, L]
+    keys = k_cache[slots].transpose(1, 2)  # [B, Hkv, L, D]
+    values = v_cache[slots].transpose(1, 2)
+    mask = (offsets[None, :] < context_lens[:, None])[:, None, None, :]  # [B, 1, 1, L]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != q.shape[1]
+    )
+    return out[:, :, 0, :]
+
+
+def varlen_prefill_mask(seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``[N, N] bool``: token i may attend to token j (same sequence, j not after i)."""
+    return (seq_ids[:, None] == seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
+
+
+def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Causal attention of concatenated sequences: q ``[N, Hq, D]``, k/v ``[N, Hkv, D]``,
+    mask from :func:`varlen_prefill_mask`; returns ``[N, Hq, D]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out[0].transpose(0, 1)
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def decode_attention_for(device: torch.device, use_triton: bool | None = None) -> DecodeAttention:
+    """The decode attention for ``device``: the Triton kernel on CUDA when Triton is
+    installed (``use_triton=None``), else the PyTorch reference.
+
+    Raises:
+        ValueError: ``use_triton=True`` on a CPU device or without Triton installed.
+    """
+    if use_triton is None:
+        use_triton = device.type == "cuda" and triton_available()
+    if not use_triton:
+        return paged_decode_reference
+    if device.type != "cuda" or not triton_available():
+        raise ValueError(f"the Triton decode kernel needs CUDA and triton (device {device})")
+    from omnistage.engine.triton_decode import paged_decode_triton
+
+    return paged_decode_triton
+
+
+class PagedAttention:
+    """The attention backend over a paged pool (see the module docstring).
+
+    Args:
+        cache: the pool.
+        decode_attention: from :func:`decode_attention_for`.
+    """
+
+    def __init__(self, cache: PagedKVCache, decode_attention: DecodeAttention) -> None:
+        self.cache = cache
+        self.decode_attention = decode_attention
+        self._slots = torch.empty(0, dtype=torch.int64)
+        self._mask: torch.Tensor | None = None
+        self._block_tables = self._context_lens = self._slots
+
+    def prepare_prefill(self, slot_mapping: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        """A prefill forward of ``N`` tokens: ``slot_mapping``, ``seq_ids`` (which
+        sequence each token belongs to) and ``positions``, all ``[N] int64``."""
+        self._slots = slot_mapping
+        self._mask = varlen_prefill_mask(seq_ids, positions)
+
+    def prepare_decode(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
+        """A decode forward of ``B`` tokens, one per sequence: ``slot_mapping [B]``,
+        ``block_tables [B, MB]``, ``context_lens [B]`` (all int64, the new token counted)."""
+        self._slots, self._block_tables, self._context_lens = slot_mapping, block_tables, context_lens
+        self._mask = None
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
+        k_cache.index_copy_(0, self._slots, k)
+        v_cache.index_copy_(0, self._slots, v)
+        if self._mask is not None:
+            return varlen_prefill_attention(q, k, v, self._mask)
+        return self.decode_attention(
+            q, k_cache, v_cache, self._block_tables, self._context_lens, self.cache.block_size
+        )

@@ -1,0 +1,141 @@
+"""Continuous batching: which requests run in the next engine step.
+
+A bounded FIFO waiting queue (full -> :class:`~omnistage.errors.QueueFullError`); admission
+by free KV blocks, free step-embedding rows and a free slot. A request's KV blocks are
+reserved for its whole generation (prompt + max_new_tokens) at admission, so a running
+request never runs out of blocks and there is no preemption: preempting a feedback-decoding
+request would mean replaying every fed-back frame embedding, and a stream that stalls mid
+sentence is worse for TTS than a request that waits a little longer to start. The head of
+the queue blocks the others (no overtaking), so big requests cannot starve.
+
+Each step is either one prefill of every admissible waiting request (prefill first, as in
+nano-vllm) or one decode of every running request. Prefills are coalesced: while the oldest
+waiting request has waited less than ``prefill_hold_s`` and the waiting requests could not
+fill the free slots, the running requests decode and newcomers gather. Finishing, aborting
+and failing free blocks, rows and the slot at once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.errors import QueueFullError
+from omnistage.pipeline.messages import FinishReason
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    kind: Literal["prefill", "decode"]
+    seqs: list[Sequence]
+
+
+class BatchScheduler:
+    """Args:
+    kv_blocks: the KV pool's bookkeeping.
+    row_blocks: the step-embedding row pool's bookkeeping.
+    max_num_seqs: running requests at most (slots).
+    max_waiting: waiting requests at most.
+    max_prefill_tokens: prompt tokens per prefill at most (a longer single prompt still
+        runs alone).
+    prefill_hold_s: the coalescing window (seconds).
+    """
+
+    def __init__(
+        self,
+        kv_blocks: BlockManager,
+        row_blocks: BlockManager,
+        max_num_seqs: int,
+        max_waiting: int,
+        max_prefill_tokens: int,
+        prefill_hold_s: float,
+    ) -> None:
+        self.kv_blocks, self.row_blocks = kv_blocks, row_blocks
+        self.max_waiting, self.max_prefill_tokens, self.prefill_hold_s = max_waiting, max_prefill_tokens, prefill_hold_s
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._free_slots: deque[int] = deque(range(max_num_seqs))
+        self._by_id: dict[str, Sequence] = {}
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``.
+
+        Raises:
+            QueueFullError: ``max_waiting`` requests are waiting.
+            ValueError: the request id is already in the engine.
+        """
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request {seq.request_id!r} is already in the engine")
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFullError(self.max_waiting)
+        self.waiting.append(seq)
+        self._by_id[seq.request_id] = seq
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def live_requests(self) -> set[str]:
+        return set(self._by_id)
+
+    def schedule(self, now: float) -> ScheduledBatch | None:
+        """The next step's batch, or None when there is nothing to run now."""
+        admitted = self._admit(now)
+        if admitted:
+            return ScheduledBatch("prefill", admitted)
+        decode = [s for s in self.running if s.schedulable]
+        return ScheduledBatch("decode", decode) if decode else None
+
+    def hold_remaining(self, now: float) -> float | None:
+        """Seconds until waiting requests may be prefilled (0: now); None if none waits."""
+        if not self.waiting:
+            return None
+        if self._prefill_due(now):
+            return 0.0
+        return self.prefill_hold_s - (now - self.waiting[0].arrival)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End ``seq`` (any state) and free everything it holds; idempotent."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self.kv_blocks.free(seq.request_id)
+            self.row_blocks.free(seq.request_id)
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        del self._by_id[seq.request_id]
+
+    def _prefill_due(self, now: float) -> bool:
+        held = now - self.waiting[0].arrival < self.prefill_hold_s
+        return not held or len(self.waiting) >= len(self._free_slots)
+
+    def _admit(self, now: float) -> list[Sequence]:
+        if not self.waiting or not self._prefill_due(now):
+            return []
+        admitted: list[Sequence] = []
+        tokens = 0
+        while self.waiting and self._free_slots:
+            seq = self.waiting[0]
+            if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:
+                break
+            if not (
+                self.kv_blocks.can_allocate(seq.reserved_tokens)
+                and self.row_blocks.can_allocate(seq.inputs.num_step_rows)
+            ):
+                break
+            self.waiting.popleft()
+            seq.block_table = self.kv_blocks.allocate(seq.request_id, seq.reserved_tokens)
+            self.row_blocks.allocate(seq.request_id, seq.inputs.num_step_rows)
+            seq.row_slots = self.row_blocks.slots(seq.request_id)
+            seq.slot = self._free_slots.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            admitted.append(seq)
+            tokens += seq.prompt_len
+        return admitted

@@ -1,0 +1,146 @@
+"""A request in the engine: what it generates from (:class:`GenerationInput`), its state
+while it waits and runs (:class:`Sequence`), and what it produced (:class:`GenerationResult`).
+
+Steps and frames: the prefill produces frame 0; decode step ``k`` (k >= 1) feeds frame
+``k - 1``'s feedback embedding at position ``prompt_len + k - 1`` and produces frame ``k``.
+The feedback embedding of frame ``k`` is ``model.next_input_embeds(codes_k, row_k)`` where
+``row_k`` is ``step_embeds[k]`` while ``k < M`` and then ``pad_embed`` (Qwen3-TTS: the
+trailing text rows, then ``tts_pad``; see shared/reference/qwen3-tts.md, sections 2 and 4).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.engine.sampler import SamplingParams
+from omnistage.errors import RequestValidationError
+from omnistage.pipeline.messages import FinishReason
+
+
+@dataclass(frozen=True)
+class GenerationInput:
+    """What one request generates from; also the payload an AR stage takes
+    (:mod:`omnistage.scheduling.ar`).
+
+    Attributes:
+        prompt: ``[L, H]`` float prompt embeddings (model dtype), or ``[L] int64`` token ids
+            (embedded by ``model.embed_tokens``). May live on any device; moved once.
+        sampling: code-0 (token) sampling: temperature, top-k/p, repetition penalty over
+            generated ids, suppressed ranges, ``min_new_tokens``, ``stop_token_ids`` (a
+            sampled stop id ends the request with finish_reason ``"stop"``; its frame is
+            not emitted) and the seed.
+        max_new_tokens: frames (tokens) at most; reaching it ends with ``"length"``.
+        step_embeds: ``[M, H]`` rows added to the feedback embedding of frames ``0..M-1``
+            (None: no rows).
+        pad_embed: ``[H]`` row added from frame ``M`` on (None: zeros).
+        predictor_sampling: sampling of codes ``1..G-1`` by the code predictor (None:
+            greedy); its repetition penalty, stop ids and ``min_new_tokens`` must be off.
+            Give it a seed other than ``sampling.seed``.
+    """
+
+    prompt: torch.Tensor
+    sampling: SamplingParams
+    max_new_tokens: int
+    step_embeds: torch.Tensor | None = None
+    pad_embed: torch.Tensor | None = None
+    predictor_sampling: SamplingParams | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt.dim() not in (1, 2) or self.prompt.shape[0] < 1:
+            raise RequestValidationError("prompt must be [L] token ids or [L, H] embeddings, L >= 1", "prompt")
+        if self.prompt.dim() == 1 and self.prompt.dtype != torch.int64:
+            raise RequestValidationError(f"token-id prompts are int64, got {self.prompt.dtype}", "prompt")
+        if self.max_new_tokens < 1:
+            raise RequestValidationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
+        p = self.predictor_sampling
+        if p is not None and (p.repetition_penalty != 1 or p.stop_token_ids or p.min_new_tokens):
+            raise RequestValidationError(
+                "the code predictor's sampling takes no repetition penalty, stop ids or min_new_tokens",
+                "predictor_sampling",
+            )
+
+    @property
+    def num_step_rows(self) -> int:
+        """Rows the request keeps in the step-row pool: its step embeddings and the pad row."""
+        return (0 if self.step_embeds is None else self.step_embeds.shape[0]) + 1
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """A finished request.
+
+    Attributes:
+        codes: ``[T, G] int64`` every emitted frame (the stop frame excluded), on the
+            engine's device.
+        finish_reason: ``"stop"`` (a stop id), ``"length"`` (``max_new_tokens``).
+        num_prompt_tokens: ``L``.
+    """
+
+    codes: torch.Tensor
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """A request's state in the engine (host side; device state lives in its slot).
+
+    Attributes:
+        request_id, inputs: the request.
+        arrival: monotonic seconds when it was added (for the prefill hold window).
+        status: waiting -> running -> finished.
+        slot: its row in the runner's per-slot device state while running, else -1.
+        block_table: KV blocks, reserved for the whole generation at admission.
+        row_slots: pool rows of its step embeddings, then its pad row.
+        num_scheduled: steps launched so far (= frames that are or will be produced).
+        frames: ``[1, G] int64`` frames emitted so far (device tensors).
+        stop_ids: ``inputs.sampling.stop_token_ids`` as a set (host-side stop check).
+        finish_reason: set once it finished.
+    """
+
+    request_id: str
+    inputs: GenerationInput
+    arrival: float
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int = -1
+    block_table: list[int] = field(default_factory=list)
+    row_slots: list[int] = field(default_factory=list)
+    num_scheduled: int = 0
+    frames: list[torch.Tensor] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        self.stop_ids = frozenset(self.inputs.sampling.stop_token_ids)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.inputs.prompt.shape[0]
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.inputs.max_new_tokens
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV tokens it can ever hold: the prompt and every fed-back frame but the last."""
+        return self.prompt_len + self.max_new_tokens - 1
+
+    @property
+    def schedulable(self) -> bool:
+        return self.status is SequenceStatus.RUNNING and self.num_scheduled < self.max_new_tokens
+
+    def kv_slot(self, token: int, block_size: int) -> int:
+        return self.block_table[token // block_size] * block_size + token % block_size
+
+    def step_row(self, frame: int) -> int:
+        """The pool row added to frame ``frame``'s feedback embedding."""
+        return self.row_slots[min(frame, len(self.row_slots) - 1)]
