@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Benchmark the Qwen3-TTS speech tokenizer decoder as the streaming vocoder runs it.
+
+The decoder has the real dimensions (114.3 M parameters) and random weights, built in
+memory; it runs through :class:`StreamingDecoderArena` (64 state slots) exactly as the
+vocoder stage calls it. Measures one chunk decode (median and p90 in ms, host-synchronized)
+for 1, 8 and 64 concurrent streams at chunk sizes 1 and 8 frames, eager vs CUDA graphs,
+and the first 1-frame chunk of a fresh stream at concurrency 1 (slot allocation included).
+Audio throughput = streams x chunk x 80 ms per call time. Prints a table and writes JSON
+(default benchmarks/results/vocoder_gpu.json). About a minute on an H200.
+
+Usage: python benchmarks/vocoder_gpu.py [--dtype bfloat16|float32] [--output PATH]
+       python benchmarks/vocoder_gpu.py --device cpu --size tiny --iters 3 --output /tmp/v.json  (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.config import SpeechTokenizerConfig
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import build_decoder
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
+    random_speech_tokenizer_tensors,
+    speech_tokenizer_config,
+)
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import StreamingDecoderArena
+
+FRAME_S = 0.08
+CONCURRENCY = (1, 8, 64)
+CHUNKS = (1, 8)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn) -> float:  # noqa: ANN001 -- any callable
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
+def chunk_times(arena: StreamingDecoderArena, streams: int, frames: int, iters: int) -> list[float]:
+    device = arena.device
+    slots = [arena.allocate() for _ in range(streams)]
+    codes = torch.randint(0, 2048, (streams, frames, 16), device=device)
+    for _ in range(3):
+        arena.decode(slots, codes)
+    times = [timed(device, lambda: arena.decode(slots, codes)) for _ in range(iters)]
+    for slot in slots:
+        arena.free(slot)
+    return times
+
+
+def first_chunk_ms(arena: StreamingDecoderArena, iters: int) -> list[float]:
+    device = arena.device
+    codes = torch.randint(0, 2048, (1, 1, 16), device=device)
+    times = []
+    for _ in range(iters):
+        def first() -> None:
+            slot = arena.allocate()
+            arena.decode([slot], codes)
+            arena.free(slot)
+        times.append(timed(device, first))
+    return times
+
+
+def summary(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    return {"median_ms": statistics.median(ordered), "p90_ms": ordered[int(0.9 * (len(ordered) - 1))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--size", default="0.6b", choices=["tiny", "0.6b"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results/vocoder_gpu.json")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+
+    config = SpeechTokenizerConfig.from_dict(speech_tokenizer_config(args.size))
+    decoder = build_decoder(config.decoder, random_speech_tokenizer_tensors(args.size, seed=0), device, dtype)
+    modes = ["eager", "graphs"] if device.type == "cuda" else ["eager"]
+    rows, firsts = [], {}
+    for mode in modes:
+        arena = StreamingDecoderArena(decoder, num_slots=max(CONCURRENCY))
+        if mode == "graphs":
+            capture_ms = timed(device, partial(arena.capture_graphs, CONCURRENCY, CHUNKS))
+            print(f"captured {len(CONCURRENCY) * len(CHUNKS)} graphs in {capture_ms:.0f} ms")
+        firsts[mode] = summary(first_chunk_ms(arena, args.iters))
+        for streams in CONCURRENCY:
+            for frames in CHUNKS:
+                stats = summary(chunk_times(arena, streams, frames, args.iters))
+                audio_s = streams * frames * FRAME_S
+                rows.append({"mode": mode, "streams": streams, "chunk_frames": frames, **stats,
+                             "audio_s_per_wall_s": audio_s / (stats["median_ms"] / 1e3)})  # fmt: skip
+
+    print(f"{'mode':7} {'streams':>7} {'chunk':>5} {'median ms':>10} {'p90 ms':>8} {'audio s/s':>10}")
+    for r in rows:
+        print(f"{r['mode']:7} {r['streams']:7d} {r['chunk_frames']:5d} {r['median_ms']:10.2f} "
+              f"{r['p90_ms']:8.2f} {r['audio_s_per_wall_s']:10.1f}")  # fmt: skip
+    for mode, stats in firsts.items():
+        print(f"first 1-frame chunk, 1 stream, {mode}: median {stats['median_ms']:.2f} ms, p90 {stats['p90_ms']:.2f} ms")
+    result = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__, "size": args.size, "dtype": args.dtype, "iters": args.iters,
+        "chunks": rows, "first_chunk": firsts,
+    }  # fmt: skip
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

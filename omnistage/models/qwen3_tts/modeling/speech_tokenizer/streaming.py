@@ -1,0 +1,235 @@
+"""Exact incremental decoding: per-stream decoder state in a fixed arena of slots.
+
+A stream owns one slot of preallocated tensors holding everything the causal decoder
+carries between chunks (29 tensors at real dims: 8 layers' keys and values of the last 71
+frames, 17 causal conv histories (the k=1 convs need none), 4 transposed-conv input tails;
+plus the absolute frame position): 5.2 MB per slot in fp32, 2.6 MB in bf16. Decoding a chunk gathers the slots' state, runs
+:meth:`SpeechTokenizerDecoder.step` and scatters the new state back, so the concatenated
+chunks equal the offline decode of all frames (shared/reference/qwen3-tts.md, section 6:
+windowed re-decoding with a short left context does not).
+
+On CUDA, :meth:`StreamingDecoderArena.capture_graphs` records one CUDA graph per (batch
+bucket, chunk length); a call pads its batch to the bucket with a scratch slot and
+replays, which removes the ~13 ms launch floor of the eager decoder (peer-baseline-h200.md).
+All decoding runs on a dedicated high-priority stream, so vocoder chunks are not queued
+behind the AR engine's kernels.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import SpeechTokenizerDecoder
+
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_GRAPH_CHUNK_LENGTHS = tuple(range(1, 9))  # the ramp 1, 2, 4, 8 and flushes of 1..8
+FULL_DECODE_CHUNK_FRAMES = 128
+
+
+class ArenaFullError(RuntimeError):
+    """Every slot of the state arena is in use."""
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    codes: torch.Tensor  # [bucket, n, G] static input
+    slots: torch.Tensor  # [bucket] int64 static input
+    audio: torch.Tensor  # [bucket, n * spf] static output
+
+
+class StreamingDecoderArena:
+    """The speech tokenizer decoder with carried per-stream state in ``num_slots`` slots.
+
+    Args:
+        decoder: the decoder (its device and dtype are the arena's).
+        num_slots: concurrent streams (64 by default: the reference server's arena size).
+
+    Not thread-safe: one scheduler thread drives it.
+    """
+
+    def __init__(self, decoder: SpeechTokenizerDecoder, num_slots: int = 64) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.decoder = decoder
+        self.num_slots = num_slots
+        self.samples_per_frame = decoder.samples_per_frame
+        self.num_code_groups = decoder.config.num_quantizers
+        weight = decoder.pre_conv.conv.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        # slot num_slots is scratch: padding rows of a graph replay read and write it
+        self._state = decoder.zero_state(num_slots + 1)
+        self._positions = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._used: set[int] = set()
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._buckets: list[int] = []
+        self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+
+    @property
+    def num_free(self) -> int:
+        """Slots available to :meth:`allocate`."""
+        return len(self._free)
+
+    def allocate(self, left_context: torch.Tensor | None = None) -> int:
+        """Take a slot with a fresh state; with ``left_context`` (``[R, G]`` int64 codes, e.g.
+        a voice clone's reference codes) decode it into the state first, once, discarding
+        its audio: later chunks then continue the decode of ``left_context ++ codes``.
+
+        Raises:
+            ArenaFullError: no free slot.
+            ValueError: ``left_context`` is not ``[R >= 1, G]``.
+        """
+        if not self._free:
+            raise ArenaFullError(f"all {self.num_slots} vocoder state slots are in use")
+        if left_context is not None and (left_context.dim() != 2 or left_context.shape[0] < 1):
+            raise ValueError(f"left_context must be [R>=1, {self.num_code_groups}], got {tuple(left_context.shape)}")
+        slot = self._free.pop()
+        self._used.add(slot)
+        for tensor in self._state:
+            tensor[slot].zero_()
+        self._positions[slot] = 0
+        if left_context is not None:
+            self.decode([slot], left_context[None])
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return ``slot`` to the arena; idempotent (freeing a free slot does nothing)."""
+        if slot in self._used:
+            self._used.discard(slot)
+            self._free.append(slot)
+
+    def position(self, slot: int) -> int:
+        """Frames decoded so far in ``slot`` (left context included)."""
+        return int(self._positions[slot])
+
+    @torch.inference_mode()
+    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
+        """Decode the next ``n`` frames of each slot's stream, as one batch.
+
+        Args:
+            slots: ``B`` distinct allocated slots.
+            codes: ``[B, n, G]`` int64 (any device), ``n >= 1``.
+
+        Returns:
+            ``[B, n * samples_per_frame]`` PCM in [-1, 1], the arena's dtype and device.
+
+        Raises:
+            ValueError: a slot is not allocated or repeated, or ``codes`` has the wrong shape.
+        """
+        batch = len(slots)
+        if len(set(slots)) != batch or not self._used.issuperset(slots):
+            raise ValueError(f"slots must be distinct allocated slots, got {list(slots)}")
+        if codes.dim() != 3 or codes.shape[0] != batch or codes.shape[1] < 1 or codes.shape[2] != self.num_code_groups:
+            raise ValueError(f"codes must be [{batch}, n>=1, {self.num_code_groups}], got {tuple(codes.shape)}")
+        if self._stream is None:
+            return self._decode_eager(torch.tensor(slots, device=self.device), codes.to(self.device))
+        caller = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(caller)
+        with torch.cuda.stream(self._stream):
+            audio = self._decode_cuda(slots, codes)
+        caller.wait_stream(self._stream)
+        audio.record_stream(caller)
+        return audio
+
+    def _decode_eager(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        state = [t.index_select(0, index) for t in self._state]
+        audio, new_state = self.decoder.step(codes, self._positions.index_select(0, index), state)
+        for arena, new in zip(self._state, new_state, strict=True):
+            arena.index_copy_(0, index, new)
+        self._positions.index_add_(0, index, torch.full_like(index, codes.shape[1]))
+        return audio
+
+    def _decode_cuda(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
+        batch, n = codes.shape[:2]
+        at = bisect.bisect_left(self._buckets, batch)
+        graph = self._graphs.get((self._buckets[at], n)) if at < len(self._buckets) else None
+        if graph is None:
+            index = torch.tensor(slots, device="cpu").to(self.device, non_blocking=True)
+            return self._decode_eager(index, codes.to(self.device, non_blocking=True))
+        graph.slots.fill_(self.num_slots)
+        graph.slots[:batch].copy_(torch.tensor(slots), non_blocking=True)
+        graph.codes.zero_()
+        graph.codes[:batch].copy_(codes, non_blocking=True)
+        graph.graph.replay()
+        return graph.audio[:batch].clone()
+
+    @torch.inference_mode()
+    def capture_graphs(
+        self,
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        chunk_lengths: Sequence[int] = DEFAULT_GRAPH_CHUNK_LENGTHS,
+    ) -> None:
+        """Record a CUDA graph per (batch bucket, chunk length), largest first, in one
+        memory pool; later calls pad to the smallest bucket >= their batch and replay
+        (other shapes run eagerly). Call at start-up, before serving. Graphs only read and
+        write the scratch slot while capturing, so live streams are untouched.
+
+        Raises:
+            RuntimeError: the decoder is not on a CUDA device.
+        """
+        if self._stream is None:
+            raise RuntimeError("CUDA graphs need the decoder on a CUDA device")
+        pool = torch.cuda.graph_pool_handle()
+        buckets = sorted({min(b, self.num_slots) for b in batch_buckets})
+        for bucket in reversed(buckets):
+            for n in sorted(chunk_lengths, reverse=True):
+                self._graphs[(bucket, n)] = self._capture(bucket, n, pool)
+        self._buckets = buckets
+        torch.cuda.synchronize(self.device)
+
+    def _capture(self, bucket: int, n: int, pool: tuple[int, int]) -> _Graph:
+        slots = torch.full((bucket,), self.num_slots, dtype=torch.int64, device=self.device)
+        codes = torch.zeros(bucket, n, self.num_code_groups, dtype=torch.int64, device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            for _ in range(2):  # warm-up outside the graph (kernel selection, workspaces)
+                self._decode_eager(slots, codes)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=self._stream):
+            audio = self._decode_eager(slots, codes)
+        return _Graph(graph, codes, slots, audio)
+
+    @torch.inference_mode()
+    def decode_full(self, items: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+        """Offline decode of whole utterances in one batch, without slots.
+
+        Args:
+            items: per utterance ``(codes [T, G], left_context [R, G] or None)``, int64.
+
+        Returns:
+            Per utterance ``[T * samples_per_frame]`` PCM (the left context's audio
+            dropped). Decoding is causal, so right-padding every sequence to the longest
+            and cutting each back is exact; it runs in chunks of 128 frames.
+
+        Raises:
+            ValueError: no items, or codes that are not ``[T >= 1, G]``.
+        """
+        if not items or any(c.dim() != 2 or c.shape[0] < 1 or c.shape[1] != self.num_code_groups for c, _ in items):
+            raise ValueError(f"decode_full needs utterances of codes [T>=1, {self.num_code_groups}]")
+        sequences = [c.to(self.device) if r is None else torch.cat([r.to(self.device), c.to(self.device)]) for c, r in items]
+        longest = max(s.shape[0] for s in sequences)
+        batch = torch.zeros(len(sequences), longest, self.num_code_groups, dtype=torch.int64, device=self.device)
+        for i, sequence in enumerate(sequences):
+            batch[i, : sequence.shape[0]] = sequence
+        # chunked with a carried state: exact, and memory bounded by the chunk, not the
+        # utterance (the last layers hold 96 channels x 1920 samples per frame)
+        state = self.decoder.zero_state(len(sequences))
+        positions = torch.zeros(len(sequences), dtype=torch.int64, device=self.device)
+        pieces = []
+        for start in range(0, longest, FULL_DECODE_CHUNK_FRAMES):
+            chunk = batch[:, start : start + FULL_DECODE_CHUNK_FRAMES]
+            piece, state = self.decoder.step(chunk, positions, state)
+            positions = positions + chunk.shape[1]
+            pieces.append(piece)
+        audio = torch.cat(pieces, dim=1)
+        spf = self.samples_per_frame
+        out = []
+        for i, (codes, left) in enumerate(items):
+            start = 0 if left is None else left.shape[0] * spf
+            out.append(audio[i, start : start + codes.shape[0] * spf])
+        return out

@@ -1,0 +1,51 @@
+"""Random speech tokenizers: deterministic, every tensor random, the real layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.config import SpeechTokenizerConfig
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
+    random_speech_tokenizer_tensors,
+    speech_tokenizer_config,
+    write_random_speech_tokenizer,
+)
+
+
+def test_the_same_seed_gives_the_same_tensors_and_another_seed_others() -> None:
+    first, again, other = (random_speech_tokenizer_tensors("tiny", s) for s in (0, 0, 1))
+    assert first.keys() == other.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert not torch.equal(first["decoder.pre_conv.conv.weight"], other["decoder.pre_conv.conv.weight"])
+
+
+def test_every_tensor_is_random_where_defaults_would_hide_bugs() -> None:
+    tensors = random_speech_tokenizer_tensors("tiny", 0)
+    for name, tensor in tensors.items():
+        if name.endswith("cluster_usage"):
+            assert tensor.min() >= 0.5
+        elif not name.endswith("initialized"):
+            assert tensor.abs().min() > 0 and (tensor.numel() == 1 or tensor.std() > 0), name  # no zero or constant tensor
+    snake = [k for k in tensors if k.endswith(".alpha") or k.endswith(".beta")]
+    assert snake and all(tensors[k].abs().min() > 0 for k in snake)
+
+
+def test_written_files_have_the_real_layout(tmp_path: Path) -> None:
+    write_random_speech_tokenizer(tmp_path, "tiny", seed=0)
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors", "preprocessor_config.json"}
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["architectures"] == ["Qwen3TTSTokenizerV2Model"] and raw["model_type"] == "qwen3_tts_tokenizer_12hz"
+    config = SpeechTokenizerConfig.from_dict(raw)
+    assert config.decoder.samples_per_frame == 1920 and config.encoder_valid_num_quantizers == 16
+
+
+def test_real_sizes_have_the_released_dimensions() -> None:
+    config = SpeechTokenizerConfig.from_dict(speech_tokenizer_config("0.6b"))
+    d = config.decoder
+    assert (d.latent_dim, d.codebook_dim, d.hidden_size, d.num_hidden_layers, d.decoder_dim) == (1024, 512, 512, 8, 1536)
+    assert (d.num_attention_heads, d.head_dim, d.sliding_window) == (16, 64, 72)
+    assert config.encoder["num_quantizers"] == 32 and config.encoder["upsampling_ratios"] == [8, 6, 5, 4]
+

@@ -1,0 +1,144 @@
+"""Streaming decoding with carried state equals the offline decode (tiny random codec, fp32)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import (
+    SpeechTokenizerDecoder,
+    load_decoder,
+)
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
+    write_random_speech_tokenizer,
+)
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import (
+    ArenaFullError,
+    StreamingDecoderArena,
+)
+
+SPF = 1920
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory: pytest.TempPathFactory) -> SpeechTokenizerDecoder:
+    directory: Path = tmp_path_factory.mktemp("speech_tokenizer")
+    write_random_speech_tokenizer(directory, "tiny", seed=0)
+    return load_decoder(directory)
+
+
+def _codes(frames: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 2048, (frames, 16), generator=torch.Generator().manual_seed(seed))
+
+
+def _offline(decoder: SpeechTokenizerDecoder, codes: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return decoder(codes[None])[0]
+
+
+def _stream(arena: StreamingDecoderArena, slot: int, codes: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    pieces, start = [], 0
+    for size in sizes:
+        chunk = codes[start : start + size]
+        piece = arena.decode([slot], chunk[None])[0]
+        assert piece.shape == (chunk.shape[0] * SPF,)
+        pieces.append(piece)
+        start += size
+    return torch.cat(pieces)
+
+
+@settings(max_examples=6, deadline=None)
+@given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+def test_any_chunk_schedule_concatenates_to_the_offline_decode(decoder, sizes: list[int], seed: int) -> None:
+    codes = _codes(sum(sizes), seed)
+    arena = StreamingDecoderArena(decoder, num_slots=2)
+    slot = arena.allocate()
+    streamed = _stream(arena, slot, codes, sizes)
+    assert streamed.shape == (sum(sizes) * SPF,)
+    assert (streamed - _offline(decoder, codes)).abs().max() <= TOLERANCE
+
+
+def test_streaming_past_the_attention_window_stays_exact(decoder) -> None:
+    codes = _codes(90, seed=7)  # > the 72-frame sliding window
+    arena = StreamingDecoderArena(decoder, num_slots=1)
+    streamed = _stream(arena, arena.allocate(), codes, [1, 2, 4] + [8] * 10 + [3])
+    assert arena.position(0) == 90
+    assert (streamed - _offline(decoder, codes)).abs().max() <= TOLERANCE
+
+
+def test_left_context_is_decoded_once_and_never_emitted(decoder) -> None:
+    reference, codes = _codes(11, seed=1), _codes(13, seed=2)
+    arena = StreamingDecoderArena(decoder, num_slots=1)
+    slot = arena.allocate(left_context=reference)
+    assert arena.position(slot) == 11
+    streamed = _stream(arena, slot, codes, [1, 2, 4, 6])
+    expected = _offline(decoder, torch.cat([reference, codes]))[11 * SPF :]
+    assert streamed.shape == expected.shape
+    assert (streamed - expected).abs().max() <= TOLERANCE
+
+
+def test_a_batch_of_eight_streams_equals_eight_single_streams(decoder) -> None:
+    utterances = [_codes(9, seed=s) for s in range(8)]
+    batched = StreamingDecoderArena(decoder, num_slots=8)
+    slots = [batched.allocate(left_context=_codes(3 + s, seed=100 + s) if s % 2 else None) for s in range(8)]
+    pieces = [batched.decode(slots, torch.stack([u[a:b] for u in utterances])) for a, b in ((0, 1), (1, 3), (3, 9))]
+    together = torch.cat(pieces, dim=1)
+    for s, utterance in enumerate(utterances):
+        single = StreamingDecoderArena(decoder, num_slots=1)
+        slot = single.allocate(left_context=_codes(3 + s, seed=100 + s) if s % 2 else None)
+        alone = _stream(single, slot, utterance, [1, 2, 6])
+        assert (together[s] - alone).abs().max() <= TOLERANCE
+
+
+def test_decode_full_equals_offline_and_drops_the_left_context(decoder) -> None:
+    arena = StreamingDecoderArena(decoder, num_slots=1)
+    short, long_, reference = _codes(5, seed=3), _codes(140, seed=4), _codes(4, seed=5)
+    out = arena.decode_full([(short, None), (long_, reference)])
+    assert out[0].shape == (5 * SPF,) and out[1].shape == (140 * SPF,)
+    assert (out[0] - _offline(decoder, short)).abs().max() <= TOLERANCE
+    assert (out[1] - _offline(decoder, torch.cat([reference, long_]))[4 * SPF :]).abs().max() <= TOLERANCE
+
+
+def test_a_full_arena_raises_and_free_is_idempotent(decoder) -> None:
+    arena = StreamingDecoderArena(decoder, num_slots=2)
+    first, second = arena.allocate(), arena.allocate()
+    assert arena.num_free == 0
+    with pytest.raises(ArenaFullError):
+        arena.allocate()
+    arena.free(first)
+    arena.free(first)
+    assert arena.num_free == 1
+    with pytest.raises(ValueError, match="allocated"):
+        arena.decode([first], _codes(1, seed=0)[None])
+    arena.free(second)
+    assert arena.num_free == 2
+
+
+def test_a_reused_slot_starts_from_a_fresh_state(decoder) -> None:
+    arena = StreamingDecoderArena(decoder, num_slots=1)
+    slot = arena.allocate()
+    arena.decode([slot], _codes(6, seed=8)[None])
+    arena.free(slot)
+    slot = arena.allocate()
+    codes = _codes(4, seed=9)
+    assert arena.position(slot) == 0
+    assert (arena.decode([slot], codes[None])[0] - _offline(decoder, codes)).abs().max() <= TOLERANCE
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_decoding(decoder) -> None:
+    device_decoder = SpeechTokenizerDecoder(decoder.config).to("cuda")
+    device_decoder.load_state_dict(decoder.state_dict())
+    graphed = StreamingDecoderArena(device_decoder, num_slots=8)
+    graphed.capture_graphs(batch_buckets=(1, 4, 8), chunk_lengths=(1, 2, 3, 8))
+    utterances = [_codes(14, seed=s).cuda() for s in range(3)]
+    slots = [graphed.allocate() for _ in utterances]
+    pieces = [graphed.decode(slots, torch.stack([u[a:b] for u in utterances])) for a, b in ((0, 1), (1, 3), (3, 11), (11, 14))]
+    together = torch.cat(pieces, dim=1).cpu()
+    for s, utterance in enumerate(utterances):
+        assert (together[s] - _offline(decoder, utterance.cpu())).abs().max() <= 1e-4
