@@ -7,10 +7,15 @@ due chunk with a :class:`StreamingCodecDecoder`, whose carried per-stream state 
 concatenated chunks equal the offline decode. Due chunks of several requests with the same
 length are decoded as ONE batch. At stream-done the remainder is flushed.
 
-Each request's stage payload must satisfy :class:`VocoderPayload` (:class:`VocoderInput`
-is a ready-made one): the first chunk size, the left context (a voice clone's reference
-codes: decoded into the state once, never emitted) and whether to stream at all. Chunks
-and stream-done may come before the payload; they wait for it.
+Each request's setup is a :class:`VocoderPayload` (:class:`VocoderInput` is a ready-made
+one): the first chunk size, the left context (a voice clone's reference codes: decoded
+into the state once, never emitted) and whether to stream at all. It comes either as the
+stage payload or, when the payload only arrives at the end (the engine's result), as a
+stream chunk of modality :data:`SETUP_MODALITY` from an earlier stage, so decoding starts
+with the first frame. Code chunks and stream-done may come before the setup; they wait
+for it. A payload with a ``finish_reason`` (e.g. the engine's
+:class:`~omnistage.engine.sequence.GenerationResult`: ``"length"`` when its cap was
+reached) passes it on as the vocoder's finish_reason, so it reaches the client.
 
 Output: ``modality="audio"`` stream chunks, mono float32 numpy PCM with metadata
 ``sample_rate`` (as Piper's terminal stage), then an
@@ -30,7 +35,10 @@ import numpy as np
 import torch
 
 from omnistage.config.model import AudioResult
+from omnistage.pipeline.messages import FinishReason
 from omnistage.scheduling.streaming import StreamingScheduler, StreamState
+
+SETUP_MODALITY = "vocoder_setup"
 
 
 class StreamingCodecDecoder(Protocol):
@@ -75,6 +83,13 @@ class VocoderPayload(Protocol):
     stream: bool
 
 
+@runtime_checkable
+class UpstreamFinish(Protocol):
+    """A stage payload that carries its producer's finish_reason."""
+
+    finish_reason: FinishReason
+
+
 @dataclass(frozen=True, slots=True)
 class VocoderInput:
     """A plain :class:`VocoderPayload`."""
@@ -114,6 +129,7 @@ class ChunkPlan:
 class _Voice:
     """A request's vocoder state (``StreamState.model_state``)."""
 
+    setup: VocoderPayload | None = None
     frames: list[torch.Tensor] = field(default_factory=list)  # buffered [n, G] pieces
     buffered: int = 0
     chunks_out: int = 0
@@ -186,7 +202,7 @@ class VocoderScheduler(StreamingScheduler):
     def step(self, states: list[StreamState]) -> None:
         self._waiting.clear()
         live = [s for s in states if self._ingest_chunks(s)]
-        ready = [s for s in live if s.payload is not None]
+        ready = [s for s in live if s.model_state.setup is not None]
         self._finish_offline([s for s in ready if not self._payload(s).stream and self.ready_to_finish(s)])
         streaming, empty = [], []
         for state in (s for s in ready if self._payload(s).stream):
@@ -204,15 +220,21 @@ class VocoderScheduler(StreamingScheduler):
             voice: _Voice = state.model_state
             if self.ready_to_finish(state) and voice.buffered == 0:
                 self.decoder.free(self._slots.pop(state.request_id))
-                self.complete(state, AudioResult(voice.samples_out, self.sample_rate, num_frames=voice.frames_out))
+                self._complete(state)
         for state in empty:
-            self.complete(state, AudioResult(0, self.sample_rate))
+            self._complete(state)
 
     def _ingest_chunks(self, state: StreamState) -> bool:
-        """Buffer the state's new chunks; a malformed chunk or payload fails only its own
-        request (returns False)."""
+        """Buffer the state's new chunks and take its setup; a malformed chunk, setup or
+        payload fails only its own request (returns False)."""
         voice = state.model_state = state.model_state or _Voice()
         for chunk in state.chunks:
+            if chunk.modality == SETUP_MODALITY:
+                if not isinstance(chunk.data, VocoderPayload):
+                    name = type(chunk.data).__name__
+                    return self._reject(state, TypeError(f"vocoder: a setup chunk must provide VocoderPayload's fields, got {name}"))
+                voice.setup = chunk.data
+                continue
             codes = chunk.data
             if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[0] < 1 or codes.dtype != torch.int64:
                 got = tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__
@@ -220,9 +242,12 @@ class VocoderScheduler(StreamingScheduler):
             voice.frames.append(codes)
             voice.buffered += codes.shape[0]
         state.chunks.clear()
-        if state.payload is not None and not isinstance(state.payload.data, VocoderPayload):
-            name = type(state.payload.data).__name__
-            return self._reject(state, TypeError(f"vocoder: the stage payload must provide VocoderPayload's fields, got {name}"))
+        if voice.setup is None and state.payload is not None:
+            if isinstance(state.payload.data, VocoderPayload):
+                voice.setup = state.payload.data
+            elif self.ready_to_finish(state):
+                name = type(state.payload.data).__name__
+                return self._reject(state, TypeError(f"vocoder: no setup chunk arrived and the payload ({name}) is no VocoderPayload"))
         return True
 
     def _reject(self, state: StreamState, error: Exception) -> bool:
@@ -233,7 +258,13 @@ class VocoderScheduler(StreamingScheduler):
 
     @staticmethod
     def _payload(state: StreamState) -> VocoderPayload:
-        return state.payload.data  # checked by _ingest_chunks
+        return state.model_state.setup  # set (and checked) by _ingest_chunks
+
+    def _complete(self, state: StreamState) -> None:
+        voice: _Voice = state.model_state
+        data = state.payload.data if state.payload is not None else None
+        reason: FinishReason = data.finish_reason if isinstance(data, UpstreamFinish) else "stop"
+        self.complete(state, AudioResult(voice.samples_out, self.sample_rate, num_frames=voice.frames_out), reason)
 
     def _open(self, state: StreamState) -> bool:
         """Give the request a decoder slot if it has none; False if none is free."""
@@ -276,5 +307,4 @@ class VocoderScheduler(StreamingScheduler):
             for state, (codes, _), audio in zip(with_audio, items, self.decoder.decode_full(items), strict=True):
                 self._emit_audio(state, audio.float().cpu().numpy(), codes.shape[0])
         for state in states:
-            voice: _Voice = state.model_state
-            self.complete(state, AudioResult(voice.samples_out, self.sample_rate, num_frames=voice.frames_out))
+            self._complete(state)

@@ -288,4 +288,5 @@ def qwen3_tts_capabilities(
         max_input_chars=MAX_INPUT_CHARS,
         response_formats=RESPONSE_FORMATS,
         stream_response_formats=RESPONSE_FORMATS,
+        extra_generation_params={"min_new_tokens": (0, MAX_NEW_TOKENS_LIMIT)},
     )

@@ -52,6 +52,7 @@ class Qwen3TTSRequest:
         seed: seed of this request's sampling, 0..2**31-1 (drawn at random when the client
             gave none, so it is always known and any output can be reproduced).
         max_new_tokens: the client's frame cap, 1..8192; None = the text-proportional cap.
+        min_new_tokens: frames before EOS may stop the request (>= 2).
         frame_cap: the text-proportional frame cap, :func:`max_frames_for_text`.
         initial_codec_chunk_frames: frames of the first vocoder chunk (>= 0); None = the
             vocoder's default ramp.
@@ -72,6 +73,7 @@ class Qwen3TTSRequest:
     sampling: SamplingOverrides
     seed: int
     max_new_tokens: int | None
+    min_new_tokens: int
     frame_cap: int
     initial_codec_chunk_frames: int | None
     stream: bool

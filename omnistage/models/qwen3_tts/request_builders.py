@@ -79,6 +79,9 @@ _DIGIT = re.compile(r"\d")
 _SPACE = re.compile(r"\s")
 
 
+REFERENCE_MIN_NEW_TOKENS = 2  # qwen-tts generate(): EOS is masked for the first 2 frames
+
+
 def max_frames_for_text(text: str, limit: int = MAX_NEW_TOKENS_LIMIT) -> int:
     """Frame cap proportional to ``text``, so a request that misses EOS stops early.
 
@@ -160,6 +163,7 @@ def build_qwen3_tts_request(
         ),
         seed=request.seed if request.seed is not None else secrets.randbelow(MAX_SEED + 1),
         max_new_tokens=request.max_new_tokens,
+        min_new_tokens=_min_new_tokens(request),
         frame_cap=max_frames_for_text(request.input),
         initial_codec_chunk_frames=request.initial_codec_chunk_frames,
         stream=request.streaming,
@@ -174,6 +178,15 @@ def _check_generation_limits(request: SpeechRequest) -> None:
             f"max_new_tokens must be 1..{MAX_NEW_TOKENS_LIMIT} (frames of 80 ms)",
             param="max_new_tokens",
         )
+
+
+def _min_new_tokens(request: SpeechRequest) -> int:
+    """``extra_params["min_new_tokens"]``: frames before EOS may end the request (at least
+    the reference's 2). Benchmarks set it equal to ``max_new_tokens`` for fixed lengths."""
+    value = request.extra_params.get("min_new_tokens", REFERENCE_MIN_NEW_TOKENS)
+    if value != int(value):
+        raise RequestValidationError("min_new_tokens must be an integer", param="min_new_tokens")
+    return max(REFERENCE_MIN_NEW_TOKENS, int(value))
 
 
 def _instructions(request: SpeechRequest, facts: Qwen3TTSModelFacts) -> str | None:
@@ -302,7 +315,7 @@ def resolve_sampling(
         top_k=pick(o.top_k, defaults.top_k),
         top_p=pick(o.top_p, defaults.top_p),
         repetition_penalty=pick(o.repetition_penalty, defaults.repetition_penalty),
-        min_new_tokens=2,
+        min_new_tokens=request.min_new_tokens,
         stop_token_ids=(eos,),
         suppress_ranges=((control_start, eos), (eos + 1, facts.codec_vocab_size)),
         seed=request.seed,

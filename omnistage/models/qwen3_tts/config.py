@@ -1,0 +1,112 @@
+"""The Qwen3-TTS 12 Hz pipeline (0.6B / 1.7B; Base, CustomVoice, VoiceDesign): ``EntryClass``.
+
+``omnistage serve --model-path DIR`` with a checkpoint in the real Hugging Face layout
+(``config.json`` ``architectures: ["Qwen3TTSForConditionalGeneration"]``) serves it on
+CUDA when available, else on CPU (slow, correct). Stages: see :mod:`.stages`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from functools import lru_cache
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+import soundfile
+
+from omnistage.config.model import SpeechModelConfig
+from omnistage.config.pipeline import FactoryConfig, StageConfig
+from omnistage.models.qwen3_tts.capabilities import (
+    SAMPLE_RATE,
+    Qwen3TTSModelFacts,
+    qwen3_tts_capabilities,
+)
+from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest
+from omnistage.models.qwen3_tts.request_builders import build_qwen3_tts_request
+from omnistage.serve.media import MediaPolicy
+from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
+
+_STAGES = "omnistage.models.qwen3_tts.stages"
+
+
+class Qwen3TTSPipelineConfig(SpeechModelConfig):
+    architecture = "Qwen3TTSForConditionalGeneration"
+
+    @classmethod
+    def for_model_path(cls, model_path: str) -> Self:
+        Qwen3TTSModelFacts.from_checkpoint(model_path)  # fail now, naming the file, if unusable
+        return cls(
+            name=f"qwen3_tts:{Path(model_path).name}",
+            model_path=model_path,
+            entry_stage="preprocessing",
+            stages=[
+                # Built first: the vocoder's weights, state arena and CUDA graphs must be
+                # resident before the engine sizes its KV pool from the free memory.
+                StageConfig(
+                    name="vocoder",
+                    factory=FactoryConfig(path=f"{_STAGES}:create_vocoder_stage", args={"device": "auto", "num_slots": 64}),
+                    terminal=True,
+                    # setup and frames stream in while the engine runs; its result comes last
+                    can_accept_stream_before_payload=True,
+                ),
+                StageConfig(
+                    name="preprocessing",
+                    factory=FactoryConfig(path=f"{_STAGES}:create_preprocessing_stage", args={"device": "auto", "num_workers": 8}),
+                    next="tts_engine",
+                    stream_to=["vocoder"],
+                ),
+                StageConfig(
+                    name="tts_engine",
+                    factory=FactoryConfig(
+                        path=f"{_STAGES}:create_tts_engine_stage",
+                        args={"device": "auto", "max_num_seqs": 64, "mem_fraction_static": 0.5},
+                    ),
+                    next="vocoder",
+                    stream_to=["vocoder"],
+                ),
+            ],
+        )
+
+    def _facts(self) -> Qwen3TTSModelFacts:
+        assert self.model_path is not None
+        return _facts(self.model_path)
+
+    def capabilities(self) -> SpeechCapabilities:
+        assert self.model_path is not None
+        return qwen3_tts_capabilities(self._facts(), (Path(self.model_path).name, "qwen3-tts"))
+
+    def build_request(self, request: SpeechRequest, media: MediaPolicy) -> Qwen3TTSRequest:
+        return build_qwen3_tts_request(request, self._facts(), media)
+
+    def warmup_request(self) -> SpeechRequest:
+        """A 4-frame request valid for the checkpoint's type (Base: a 1 s synthetic
+        reference clip, x-vector only)."""
+        facts = self._facts()
+        fields: dict = {"input": "Hello.", "max_new_tokens": 4}
+        if facts.model_type == "custom_voice":
+            fields["voice"] = facts.voices[0]
+        elif facts.model_type == "voice_design":
+            fields["instructions"] = "A calm, clear voice."
+        else:
+            fields["ref_audio"] = _warmup_clip()
+            fields["x_vector_only_mode"] = True
+        return SpeechRequest(**fields)
+
+
+@lru_cache(maxsize=8)
+def _facts(model_path: str) -> Qwen3TTSModelFacts:
+    return Qwen3TTSModelFacts.from_checkpoint(model_path)
+
+
+def _warmup_clip() -> str:
+    """1 s of a decaying 220 Hz tone as a WAV data URI."""
+    t = np.arange(SAMPLE_RATE) / SAMPLE_RATE
+    audio = (0.3 * np.sin(2 * np.pi * 220 * t) * np.exp(-2 * t)).astype(np.float32)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, audio, SAMPLE_RATE, format="WAV")
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+EntryClass = Qwen3TTSPipelineConfig

@@ -1,0 +1,304 @@
+"""Stage factories of the Qwen3-TTS pipeline (seed 000): preprocessing -> tts_engine -> vocoder.
+
+- ``preprocessing`` (threaded, 8 workers): the typed request -> the talker prompt (a
+  :class:`~omnistage.engine.sequence.GenerationInput`). For voice clone, reference clips
+  are encoded (x-vector + reference codes) by one :class:`ReferenceEncoder` shared by the
+  workers, which batches clips across requests and caches them by content. It also
+  streams the vocoder its setup (first chunk size, the ICL reference codes as left
+  context, stream or not) at once, so the vocoder is ready before the first frame.
+- ``tts_engine`` (the AR engine): one frame of 16 codes per step, each streamed to the
+  vocoder as it exists; its result (all codes + finish_reason) becomes the vocoder's
+  payload, which carries "length" through to the client.
+- ``vocoder`` (terminal, streaming): exact incremental decoding, chunk ramp 1, 2, 4, 8.
+
+Build order: the vocoder is listed first in the pipeline config, so its weights, state
+arena and CUDA graphs are resident before the engine sizes its KV pool from the free
+device memory (``mem_fraction_static``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.sequence import GenerationInput
+from omnistage.models.qwen3_tts.capabilities import (
+    SAMPLE_RATE,
+    GenerationDefaults,
+    Qwen3TTSModelFacts,
+)
+from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
+from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, TalkerPrompt
+from omnistage.models.qwen3_tts.modeling.speaker_encoder import SpeakerEncoder
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.encoder import (
+    SpeechTokenizerEncoder,
+    load_encoder,
+)
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import StreamingDecoderArena
+from omnistage.models.qwen3_tts.modeling.weights import (
+    LoadedCheckpoint,
+    default_dtype,
+    load_checkpoint,
+)
+from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest
+from omnistage.models.qwen3_tts.request_builders import resolve_sampling
+from omnistage.pipeline.messages import StagePayload
+from omnistage.pipeline.stage import StageBuildContext
+from omnistage.scheduling import ThreadedScheduler
+from omnistage.scheduling.ar import ARScheduler
+from omnistage.scheduling.vocoder import SETUP_MODALITY, ChunkPlan, VocoderInput, VocoderScheduler
+
+CPU_KV_CACHE_BYTES = 256 * 1024 * 1024  # CPU has no free-memory query worth trusting: a fixed pool
+# The code predictor draws with its own seed: the sampler's noise is keyed by (seed, step,
+# id), and sharing the talker's seed would correlate its draws with code 0's.
+PREDICTOR_SEED_SALT = 0x5BD1E995
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"``: CUDA when available, else CPU; anything else as given.
+
+    Raises:
+        ValueError: CUDA asked for but not available.
+    """
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but CUDA is not available")
+    return resolved
+
+
+@lru_cache(maxsize=2)
+def loaded_checkpoint(model_path: str, device: torch.device) -> LoadedCheckpoint:
+    """The checkpoint, loaded once per process and device (preprocessing and tts_engine
+    share the talker's weights)."""
+    return load_checkpoint(model_path, device)
+
+
+def _model_path(ctx: StageBuildContext) -> str:
+    assert ctx.pipeline.model_path is not None, "the Qwen3-TTS pipeline needs model_path"
+    return ctx.pipeline.model_path
+
+
+# --------------------------------------------------------------------------- preprocessing
+
+
+@dataclass
+class _ReferenceJob:
+    key: str
+    clip: np.ndarray
+    done: threading.Event = field(default_factory=threading.Event)
+    result: tuple[torch.Tensor, torch.Tensor] | None = None
+    error: BaseException | None = None
+
+
+class ReferenceEncoder:
+    """x-vectors and reference codes of voice-clone clips, shared by the preprocessing
+    workers: batched across requests and cached by content.
+
+    Cache: keyed by the SHA-256 of the clip's 24 kHz float32 samples (architecture rule 8:
+    a key derived from content, so one user's voice can never be served for another's
+    clip); ``cache_size`` entries, least recently used out first. A hit skips both encoders
+    (the "cached reference" case of time to first audio).
+
+    Batching: the first worker to arrive leads: it waits ``hold_ms`` for others to join,
+    then encodes every pending clip, the speech-tokenizer encoder in one padded batch (its
+    output is causal per frame, so padding does not change a clip's codes), the speaker
+    encoder clip by clip (padding would change its statistics pooling).
+
+    Args:
+        speaker_encoder: the checkpoint's ECAPA-TDNN.
+        codec_encoder: the speech tokenizer's encoder.
+        hold_ms: how long a leader waits for more clips.
+        cache_size: cached clips (0 = no cache).
+    """
+
+    def __init__(
+        self, speaker_encoder: SpeakerEncoder, codec_encoder: SpeechTokenizerEncoder, hold_ms: float = 2.0, cache_size: int = 256
+    ) -> None:
+        self.speaker_encoder, self.codec_encoder = speaker_encoder, codec_encoder
+        self.hold_s, self.cache_size = hold_ms / 1000, cache_size
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self._pending: list[_ReferenceJob] = []
+        self._leading = False
+
+    def encode(self, clip: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """``clip``: mono float32 ``[S]`` at 24 kHz -> (x-vector ``[H]`` in the speaker
+        encoder's dtype, reference codes ``[ceil(S / 1920), 16] int64``), on the encoders'
+        device.
+
+        Raises:
+            ValueError / RuntimeError: the encoders failed on this clip or on its batch.
+        """
+        key = hashlib.sha256(np.ascontiguousarray(clip, dtype=np.float32).tobytes()).hexdigest()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            job = _ReferenceJob(key, clip)
+            self._pending.append(job)
+            lead, self._leading = not self._leading, True
+        if lead:
+            time.sleep(self.hold_s)
+            self._lead()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        assert job.result is not None
+        return job.result
+
+    def _lead(self) -> None:
+        while True:
+            with self._lock:
+                jobs, self._pending = self._pending, []
+                if not jobs:
+                    self._leading = False
+                    return
+            self._run(jobs)
+
+    def _run(self, jobs: list[_ReferenceJob]) -> None:
+        try:
+            results = self._encode([job.clip for job in jobs])
+        except (RuntimeError, ValueError) as exc:  # every job of the batch fails with it
+            for job in jobs:
+                job.error = exc
+                job.done.set()
+            return
+        with self._lock:
+            for job, result in zip(jobs, results, strict=True):
+                job.result = result
+                if self.cache_size:
+                    self._cache[job.key] = result
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
+        for job in jobs:
+            job.done.set()
+
+    @torch.inference_mode()
+    def _encode(self, clips: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        device = next(self.codec_encoder.parameters()).device
+        tensors = [torch.from_numpy(np.ascontiguousarray(c, dtype=np.float32)).to(device) for c in clips]
+        codes = self.codec_encoder.encode_batch(tensors)
+        return [(self.speaker_encoder.embed(t), c) for t, c in zip(tensors, codes, strict=True)]
+
+
+def create_preprocessing_stage(
+    ctx: StageBuildContext, device: str = "auto", num_workers: int = 8, reference_hold_ms: float = 2.0, reference_cache_size: int = 256
+) -> ThreadedScheduler:
+    """Request -> :class:`GenerationInput` (and the vocoder's setup, streamed at once)."""
+    model_path = _model_path(ctx)
+    where = resolve_device(device)
+    checkpoint = loaded_checkpoint(model_path, where)
+    builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
+    facts = Qwen3TTSModelFacts.from_checkpoint(model_path)
+    defaults = GenerationDefaults.from_checkpoint(model_path)
+    references = None
+    if checkpoint.model.speaker_encoder is not None:
+        codec_encoder = load_encoder(Path(model_path) / "speech_tokenizer", where)
+        references = ReferenceEncoder(checkpoint.model.speaker_encoder, codec_encoder, reference_hold_ms, reference_cache_size)
+
+    @torch.inference_mode()
+    def compute(payload: StagePayload) -> GenerationInput:
+        request: Qwen3TTSRequest = payload.request
+        prompt = _prompt(builder, references, request)
+        sampling = resolve_sampling(request, defaults, facts)
+        setup = VocoderInput(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream)
+        scheduler.outbox.stream(payload.request_id, setup, SETUP_MODALITY)
+        predictor_seed = (request.seed ^ PREDICTOR_SEED_SALT) & 0x7FFFFFFF
+        return GenerationInput(
+            prompt=prompt.prefill,
+            sampling=sampling.talker,
+            max_new_tokens=sampling.max_new_tokens,
+            step_embeds=prompt.trailing_text if prompt.trailing_text.shape[0] else None,
+            pad_embed=prompt.tts_pad,
+            predictor_sampling=dataclasses.replace(sampling.code_predictor, seed=predictor_seed),
+        )
+
+    scheduler = ThreadedScheduler(compute, num_workers)
+    return scheduler
+
+
+def _prompt(builder: PromptBuilder, references: ReferenceEncoder | None, request: Qwen3TTSRequest) -> TalkerPrompt:
+    """The talker prompt of ``request``'s mode (shared/reference/qwen3-tts.md, section 4)."""
+    text_mode = request.non_streaming_mode
+    if request.model_type == "custom_voice":
+        assert request.speaker is not None
+        return builder.custom_voice(request.text, request.speaker, request.language, request.instructions, text_mode)
+    if request.model_type == "voice_design":
+        assert request.instructions is not None
+        return builder.voice_design(request.text, request.instructions, request.language, text_mode)
+    assert references is not None and request.ref_audio is not None
+    x_vector, ref_codes = references.encode(request.ref_audio)
+    if request.icl:
+        return builder.voice_clone(request.text, x_vector, request.language, request.ref_text, ref_codes, text_mode)
+    return builder.voice_clone(request.text, x_vector, request.language, non_streaming_text=text_mode)
+
+
+# --------------------------------------------------------------------------- tts_engine
+
+
+def create_tts_engine_stage(
+    ctx: StageBuildContext,
+    device: str = "auto",
+    max_num_seqs: int = 64,
+    mem_fraction_static: float = 0.5,
+    kv_cache_bytes: int | None = None,
+    block_size: int = 16,
+    prefill_hold_ms: float = 5.0,
+    max_model_len: int = 10240,
+    cuda_graphs: bool = True,
+) -> ARScheduler:
+    """The talker + code predictor on the AR engine.
+
+    KV pool: ``kv_cache_bytes`` when given, else ``mem_fraction_static`` of the device
+    memory free once every stage before this one (the vocoder) is built; on CPU
+    (no free-memory figure) :data:`CPU_KV_CACHE_BYTES` unless ``kv_cache_bytes`` is set.
+    ``max_model_len``: prompt + frames per request at most (8192 frames + a long prompt).
+    """
+    where = resolve_device(device)
+    checkpoint = loaded_checkpoint(_model_path(ctx), where)
+    if kv_cache_bytes is None and where.type == "cpu":
+        kv_cache_bytes = CPU_KV_CACHE_BYTES
+    config = EngineConfig(
+        kv_cache_bytes=kv_cache_bytes,
+        mem_fraction_static=None if kv_cache_bytes is not None else mem_fraction_static,
+        block_size=block_size,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        prefill_hold_ms=prefill_hold_ms,
+        cuda_graph_batch_sizes=None if cuda_graphs else (),
+    )
+    return ARScheduler(AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config))
+
+
+# --------------------------------------------------------------------------- vocoder
+
+
+def create_vocoder_stage(
+    ctx: StageBuildContext,
+    device: str = "auto",
+    num_slots: int = 64,
+    ramp: tuple[int, ...] = (1, 2, 4),
+    steady: int = 8,
+    cuda_graphs: bool = True,
+) -> VocoderScheduler:
+    """The speech-tokenizer decoder, streaming (bf16 on CUDA, fp32 on CPU). ``num_slots``:
+    concurrent streams with decoder state (more wait for a slot, buffering frames)."""
+    where = resolve_device(device)
+    decoder = load_decoder(Path(_model_path(ctx)) / "speech_tokenizer", where, default_dtype(where))
+    arena = StreamingDecoderArena(decoder, num_slots)
+    if where.type == "cuda" and cuda_graphs:
+        arena.capture_graphs()
+    return VocoderScheduler(arena, SAMPLE_RATE, ChunkPlan(tuple(ramp), steady))
