@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from omnistage.config.model import SpeechModelConfig
+
+logger = logging.getLogger(__name__)
 
 
 class RegistryError(ValueError):
@@ -36,10 +39,21 @@ class ModelRegistry:
     def __init__(self) -> None:
         self.entries: dict[str, ModelEntry] = {}
         self._names: dict[str, str] = {}  # architecture or alias -> architecture
+        # model package -> why it is unavailable (a third-party dependency is not installed)
+        self.unavailable: dict[str, str] = {}
 
     @classmethod
     def discover(cls, packages: tuple[str, ...] = ("omnistage.models",)) -> ModelRegistry:
-        """Import ``<package>.<model>.config`` for every sub-package and register it."""
+        """Import ``<package>.<model>.config`` for every sub-package and register it.
+
+        A package whose third-party dependency is not installed (e.g. ``piper`` on a
+        GPU-only install) is not registered: it is listed in :attr:`unavailable` with the
+        missing module, logged, and named in the error of a request that needs a model
+        nobody else serves. Any other import failure is a bug and raises.
+
+        Raises:
+            RegistryError: a model package fails to import for another reason.
+        """
         registry = cls()
         for package_name in packages:
             package = importlib.import_module(package_name)
@@ -51,6 +65,11 @@ class ModelRegistry:
                     module = importlib.import_module(module_name)
                 except ImportError as exc:
                     if isinstance(exc, ModuleNotFoundError) and exc.name == module_name:
+                        continue
+                    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+                    if missing and missing.split(".")[0] not in ("omnistage", package_name.split(".")[0]):
+                        registry.unavailable[info.name] = f"needs the module {missing!r}, which is not installed"
+                        logger.warning("model package %s is unavailable: %s", module_name, registry.unavailable[info.name])
                         continue
                     raise RegistryError(f"model package {module_name} cannot be imported: {exc}") from exc
                 entry = getattr(module, "EntryClass", None)
@@ -105,7 +124,7 @@ class ModelRegistry:
         if model_path is None:
             defaults = [e for e in self.entries.values() if e.entry.is_default]
             if not defaults:
-                raise RegistryError("no default model is registered; pass --model-path")
+                raise RegistryError(f"no default model is registered{self._unavailable_note()}; pass --model-path")
             return defaults[0]
         if model_path in self._names:
             return self.entries[self._names[model_path]]
@@ -126,5 +145,11 @@ class ModelRegistry:
             if name in self._names:
                 return self.entries[self._names[name]]
         raise RegistryError(
-            f"{model_path!r}: architectures {architectures} are not supported; known: {', '.join(self.known())}"
+            f"{model_path!r}: architectures {architectures} are not supported; known: "
+            f"{', '.join(self.known())}{self._unavailable_note()}"
         )
+
+    def _unavailable_note(self) -> str:
+        if not self.unavailable:
+            return ""
+        return " (unavailable model packages: " + "; ".join(f"{k} {v}" for k, v in sorted(self.unavailable.items())) + ")"

@@ -64,3 +64,29 @@ def test_named_variants():
     assert reg.resolve("tone-test", variant="long").max_concurrent_requests == 512
     with pytest.raises(RegistryError, match="variants: \\['long'\\]"):
         reg.resolve("tone-test", variant="short")
+
+
+def _model_packages(tmp_path, monkeypatch, name: str, config_source: str) -> str:
+    """A package ``name`` (unique per test: imports are cached) with one model package
+    ``voice`` whose config.py is ``config_source``; returns ``name``."""
+    root = tmp_path / name
+    (root / "voice").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "voice" / "__init__.py").write_text("")
+    (root / "voice" / "config.py").write_text(config_source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return name
+
+
+def test_a_model_whose_dependency_is_missing_is_unavailable_and_named_in_errors(tmp_path, monkeypatch):
+    package = _model_packages(tmp_path, monkeypatch, "models_missing_dep", "import not_installed_backend_xyz\n")
+    reg = ModelRegistry.discover((package,))
+    assert reg.unavailable == {"voice": "needs the module 'not_installed_backend_xyz', which is not installed"}
+    with pytest.raises(RegistryError, match="not_installed_backend_xyz"):
+        reg.resolve(None)
+
+
+def test_a_model_package_that_fails_to_import_otherwise_is_an_error(tmp_path, monkeypatch):
+    package = _model_packages(tmp_path, monkeypatch, "models_broken", "raise ImportError('broken on purpose')\n")
+    with pytest.raises(RegistryError, match="broken on purpose"):
+        ModelRegistry.discover((package,))
