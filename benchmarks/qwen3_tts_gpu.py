@@ -69,15 +69,15 @@ class MemoryPeak(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak, self._stop = 0.0, threading.Event()
+        self.peak, self._halt = 0.0, threading.Event()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             self.peak = max(self.peak, gpu_memory_mib())
-            self._stop.wait(0.5)
+            self._halt.wait(0.5)
 
     def stop(self) -> float:
-        self._stop.set()
+        self._halt.set()
         self.join()
         return self.peak
 

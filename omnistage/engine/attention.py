@@ -83,7 +83,14 @@ class DenseKVCache:
         qb = q.view(b, n, *q.shape[1:]).transpose(1, 2)
         kb = self.k[layer, :, :end].transpose(1, 2)
         vb = self.v[layer, :, :end].transpose(1, 2)
-        # causal with an offset: new token i sees cached keys [0, start + i]
-        mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, enable_gqa=kb.shape[1] != qb.shape[1])
+        # causal with an offset: new token i sees cached keys [0, start + i]. The code
+        # predictor's forwards need no mask tensor (building one is 2-4 kernels per layer, and
+        # on CUDA a mask rules out flash attention): one new token sees everything cached,
+        # and a first forward is plainly causal.
+        mask = None
+        if n > 1 and start > 0:
+            mask = torch.ones(n, end, dtype=torch.bool, device=q.device).tril(diagonal=start)
+        out = F.scaled_dot_product_attention(
+            qb, kb, vb, attn_mask=mask, is_causal=n > 1 and start == 0, enable_gqa=kb.shape[1] != qb.shape[1]
+        )
         return out.transpose(1, 2).reshape(b * n, *q.shape[1:])

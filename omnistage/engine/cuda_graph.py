@@ -16,9 +16,11 @@ prefill 110 ms eager vs 35 ms with its tail replayed (benchmarks/results/engine_
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from omnistage.engine.model_runner import ModelRunner
+from omnistage.engine.model_runner import ModelRunner, StepSampling
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -32,15 +34,22 @@ class CUDAGraphRunner:
     :meth:`ModelRunner.frame_tail` (what follows a prefill's forward: code 0, the code
     predictor, sampling; ~3/4 of a 0.6B prefill's kernel launches), and replays them.
 
+    A graph is also specific to a :class:`~omnistage.engine.model_runner.StepSampling`
+    (which sampler work its batches need). The general one, which serves any batch, is
+    captured for every bucket here; a step that needs less replays its own variant,
+    captured on first use (a one-off pause of about one eager step).
+
     Args:
         runner: the eager runner (its state buffers are what the graphs read and write).
         batch_sizes: buckets to capture.
+        sampling_variants: more :class:`StepSampling` values to capture for every bucket
+            at start-up (besides the general one).
 
     Raises:
         ValueError: the runner's device is not CUDA.
     """
 
-    def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int], sampling_variants: Sequence[StepSampling] = ()) -> None:
         if runner.spec.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.runner = runner
@@ -50,57 +59,73 @@ class CUDAGraphRunner:
         self.meta = self.padding.clone()  # decode input: slot, step row, context length
         self.hidden = torch.zeros(largest, spec.hidden_size, dtype=spec.dtype, device=spec.device)  # tail input
         self.tail_ids = self.padding[:, :2].clone()  # tail input: slot, step row
-        self.decode_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.tail_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int, StepSampling], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # the graphs write into these predictor caches: they must live as long as the graphs
+        # (shared by the graphs of a bucket: they never run at the same time)
         self.frame_caches = {size: runner.model.new_frame_cache(size) for size in self.batch_sizes}
-        pool = None
-        for size in reversed(self.batch_sizes):
-            cache = self.frame_caches[size]  # shared: the two graphs of a bucket never overlap
-            steps = {
-                "decode": lambda size=size, cache=cache: runner.decode(self.meta[:size], cache),
-                "tail": lambda size=size, cache=cache: runner.frame_tail(
-                    self.hidden[:size], self.tail_ids[:size, 0], self.tail_ids[:size, 1], cache
-                ),
-            }
-            for kind, step in steps.items():
-                step()  # warm-up: Triton compiles, cuBLAS picks kernels
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    codes = step()
-                pool = graph.pool()
-                (self.decode_graphs if kind == "decode" else self.tail_graphs)[size] = (graph, codes)
+        self._pool = None
+        for size in reversed(self.batch_sizes):  # largest first, as in nano-vllm
+            for kind in ("decode", "tail"):
+                for sampling in dict.fromkeys((StepSampling(), *sampling_variants)):
+                    self._capture(kind, size, sampling)
         torch.cuda.synchronize()
 
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def decode(self, meta: torch.Tensor) -> torch.Tensor:
+    def decode(self, meta: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
         """Replay the decode step for ``meta`` (``[B, 3] int64`` host tensor, ``B <=``
-        :attr:`max_batch_size`); returns a view ``[B, G]`` of the graph's output, valid
-        until the next replay."""
+        :attr:`max_batch_size`) and ``sampling`` (its requests'); returns a view ``[B, G]``
+        of the graph's output, valid until the next replay."""
         batch = meta.shape[0]
         size = self._bucket(batch)
+        graph, codes = self._graph("decode", size, sampling)
         padded = torch.cat([meta, self.runner.padding_meta(size - batch)])
         self.meta[:size].copy_(padded.pin_memory(), non_blocking=True)
-        graph, codes = self.decode_graphs[size]
         graph.replay()
         return codes[:batch]
 
-    def frame_tail(self, hidden: torch.Tensor, slot_ids: torch.Tensor, row_ids: torch.Tensor) -> torch.Tensor:
+    def frame_tail(
+        self, hidden: torch.Tensor, slot_ids: torch.Tensor, row_ids: torch.Tensor, sampling: StepSampling
+    ) -> torch.Tensor:
         """Replay :meth:`ModelRunner.frame_tail` for ``B <=`` :attr:`max_batch_size`
         requests (device inputs); returns a view ``[B, G]``, valid until the next replay."""
         batch = hidden.shape[0]
         size = self._bucket(batch)
+        graph, codes = self._graph("tail", size, sampling)
         self.hidden[:batch].copy_(hidden)
         self.tail_ids[:batch, 0].copy_(slot_ids)
         self.tail_ids[:batch, 1].copy_(row_ids)
         self.tail_ids[batch:size].copy_(self.padding[batch:size, :2])
-        graph, codes = self.tail_graphs[size]
         graph.replay()
         return codes[:batch]
+
+    def _graph(self, kind: str, size: int, sampling: StepSampling) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        key = (kind, size, sampling)
+        return self.graphs[key] if key in self.graphs else self._capture(kind, size, sampling)
+
+    def _capture(self, kind: str, size: int, sampling: StepSampling) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Warm up and capture one graph on padding inputs: it touches only scratch state,
+        and it is ordered after any replay still queued on the stream."""
+        runner, cache = self.runner, self.frame_caches[size]
+        self.meta[:size].copy_(self.padding[:size])
+        self.tail_ids[:size].copy_(self.padding[:size, :2])
+        if kind == "decode":
+            def step() -> torch.Tensor:
+                return runner.decode(self.meta[:size], cache, sampling=sampling)
+        else:
+            def step() -> torch.Tensor:
+                return runner.frame_tail(self.hidden[:size], self.tail_ids[:size, 0], self.tail_ids[:size, 1], cache,
+                                         sampling)
+        step()  # warm-up: Triton compiles, cuBLAS picks kernels
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            codes = step()
+        self._pool = graph.pool()
+        self.graphs[(kind, size, sampling)] = (graph, codes)
+        return graph, codes
 
     def _bucket(self, batch: int) -> int:
         return next(s for s in self.batch_sizes if s >= batch)

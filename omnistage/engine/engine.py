@@ -33,7 +33,7 @@ import torch
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.cuda_graph import CUDAGraphRunner, default_batch_sizes
 from omnistage.engine.kv_cache import PagedKVCache, kv_budget_bytes
-from omnistage.engine.model_runner import ARModel, ModelRunner
+from omnistage.engine.model_runner import ARModel, ModelRunner, StepSampling
 from omnistage.engine.paged_attention import decode_attention_for
 from omnistage.engine.scheduler import BatchScheduler, ScheduledBatch
 from omnistage.engine.sequence import GenerationInput, GenerationResult, Sequence, SequenceStatus
@@ -59,6 +59,9 @@ class EngineConfig:
         num_step_rows: rows of the step-embedding pool shared by running requests.
         cuda_graph_batch_sizes: decode buckets to capture; None = the default buckets up
             to ``max_num_seqs`` on CUDA; () = no graphs. Ignored on CPU.
+        graph_sampling: sampling variants captured at start-up for every bucket beside the
+            general one (e.g. the model's default request sampling), so serving never
+            pauses to capture them on first use.
         use_triton: Triton decode attention (None: on CUDA when installed).
         overlap: resolve step t while step t+1 runs (None: on CUDA).
     """
@@ -73,6 +76,7 @@ class EngineConfig:
     prefill_hold_ms: float = 5.0
     num_step_rows: int = 65536
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    graph_sampling: tuple[StepSampling, ...] = ()
     use_triton: bool | None = None
     overlap: bool | None = None
 
@@ -136,7 +140,7 @@ class AREngine:
         self.overlap = is_cuda if config.overlap is None else config.overlap
         sizes = config.cuda_graph_batch_sizes
         sizes = default_batch_sizes(config.max_num_seqs) if sizes is None else list(sizes)
-        self.graphs = CUDAGraphRunner(self.runner, sizes) if is_cuda and sizes else None
+        self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling) if is_cuda and sizes else None
         self._in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------------ requests
@@ -208,16 +212,18 @@ class AREngine:
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight:
         seqs = batch.seqs
+        sampling = StepSampling.of(seqs)
         if batch.kind == "prefill":
             for seq in seqs:
                 self.runner.admit(seq)
             hidden, slot_ids, row_ids = self.runner.prefill(seqs)
             if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
-                codes = self.graphs.frame_tail(hidden, slot_ids, row_ids)
+                codes = self.graphs.frame_tail(hidden, slot_ids, row_ids, sampling)
             else:
-                codes = self.runner.frame_tail(hidden, slot_ids, row_ids, self.runner.model.new_frame_cache(len(seqs)))
+                cache = self.runner.model.new_frame_cache(len(seqs))
+                codes = self.runner.frame_tail(hidden, slot_ids, row_ids, cache, sampling)
         else:
-            codes = self._decode(seqs)
+            codes = self._decode(seqs, sampling)
         for seq in seqs:
             seq.num_scheduled += 1
         codes = codes.clone()  # graph outputs are overwritten by the next replay
@@ -229,13 +235,13 @@ class AREngine:
         done.record()
         return _InFlight(seqs, codes, code0, done)
 
-    def _decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], sampling: StepSampling) -> torch.Tensor:
         meta = self.runner.decode_meta(seqs)
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
-            return self.graphs.decode(meta)
+            return self.graphs.decode(meta, sampling)
         width = math.ceil(int(meta[:, 2].max()) / self.config.block_size)
         cache = self.runner.model.new_frame_cache(len(seqs))
-        return self.runner.decode(self.runner.upload_meta(meta), cache, width)
+        return self.runner.decode(self.runner.upload_meta(meta), cache, width, sampling)
 
     def _resolve(self, step: _InFlight) -> list[StepOutput]:
         if step.done is not None:

@@ -18,7 +18,6 @@ so the same code runs eagerly or replayed from a CUDA graph
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,11 +28,36 @@ import torch
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
 from omnistage.engine.kv_cache import PagedKVCache
 from omnistage.engine.paged_attention import DecodeAttention, PagedAttention
-from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
+from omnistage.engine.sampler import (
+    SamplerFeatures,
+    SamplingBatch,
+    SamplingParams,
+    gumbel_noise,
+    sample,
+)
 from omnistage.engine.sequence import Sequence
 
 # sample_fn(group_index, logits [B, V_code]) -> [B] int64; group_index in 1..G-1
 SampleFn = Callable[[int, torch.Tensor], torch.Tensor]
+GREEDY = SamplingParams(temperature=0.0)  # the predictor's sampling when a request gives none
+
+
+@dataclass(frozen=True)
+class StepSampling:
+    """What a step's two samplers (code 0, code predictor) need, decided on the host from
+    its requests' params (:meth:`of`); the default (everything) serves any batch. The
+    CUDA-graph runner captures a graph per value: a captured graph holds only the sampler
+    work its batches need."""
+
+    code0: SamplerFeatures = SamplerFeatures()
+    predictor: SamplerFeatures = SamplerFeatures()
+
+    @classmethod
+    def of(cls, seqs: list[Sequence]) -> StepSampling:
+        return cls(
+            SamplerFeatures.of([s.inputs.sampling for s in seqs]),
+            SamplerFeatures.of([s.inputs.predictor_sampling or GREEDY for s in seqs]),
+        )
 
 
 @dataclass(frozen=True)
@@ -133,7 +157,7 @@ class ModelRunner:
         inputs, device = seq.inputs, self.spec.device
         self.sampling.set_row(seq.slot, inputs.sampling)
         if self.predictor_sampling is not None:
-            self.predictor_sampling.set_row(seq.slot, inputs.predictor_sampling or SamplingParams(temperature=0.0))
+            self.predictor_sampling.set_row(seq.slot, inputs.predictor_sampling or GREEDY)
         table = torch.tensor(seq.block_table, dtype=torch.int64)
         self.block_tables[seq.slot].fill_(self.cache.scratch_block)
         self.block_tables[seq.slot, : len(table)] = table.to(device)
@@ -176,10 +200,14 @@ class ModelRunner:
         hidden = self.model.forward(embeds, positions_d, self.attn)
         return hidden[last], slot_ids, row_ids
 
-    def decode(self, meta: torch.Tensor, cache: DenseKVCache | None, width: int | None = None) -> torch.Tensor:
+    def decode(
+        self, meta: torch.Tensor, cache: DenseKVCache | None, width: int | None = None,
+        sampling: StepSampling = StepSampling(),
+    ) -> torch.Tensor:
         """One decode step of the requests in ``meta`` (``[B, 3] int64`` on the device, see
         :meth:`decode_meta`); ``width``: block-table columns to use (None: all, as in a
-        captured graph). Returns the frames ``[B, G] int64``."""
+        captured graph); ``sampling``: :meth:`StepSampling.of` the requests (or more).
+        Returns the frames ``[B, G] int64``."""
         slot_ids, row_ids, context_lens = meta[:, 0], meta[:, 1], meta[:, 2]
         positions = context_lens - 1
         tables = self.block_tables.index_select(0, slot_ids)[:, :width]
@@ -187,7 +215,7 @@ class ModelRunner:
         kv_slots = tables.gather(1, (positions // size)[:, None])[:, 0] * size + positions % size
         self.attn.prepare_decode(kv_slots, tables, context_lens)
         hidden = self.model.forward(self.next_embeds.index_select(0, slot_ids), positions, self.attn)
-        return self.frame_tail(hidden, slot_ids, row_ids, cache)
+        return self.frame_tail(hidden, slot_ids, row_ids, cache, sampling)
 
     def upload_meta(self, meta: torch.Tensor) -> torch.Tensor:
         return _upload(meta, self.spec.device)
@@ -199,29 +227,38 @@ class ModelRunner:
         return prompt.to(self.spec.dtype)
 
     def frame_tail(
-        self, hidden: torch.Tensor, slot_ids: torch.Tensor, row_ids: torch.Tensor, cache: DenseKVCache | None
+        self, hidden: torch.Tensor, slot_ids: torch.Tensor, row_ids: torch.Tensor, cache: DenseKVCache | None,
+        sampling: StepSampling = StepSampling(),
     ) -> torch.Tensor:
         """From the last hidden ``[B, H]`` to the frame ``[B, G] int64``: sample code 0,
         complete the frame, record the draws and store the next input embedding in each
-        request's slot (``slot_ids``, ``row_ids``: ``[B] int64``)."""
+        request's slot (``slot_ids``, ``row_ids``: ``[B] int64``; ``sampling``: see
+        :meth:`decode`)."""
         batch = self.sampling.select(slot_ids)
-        code0 = sample(self.model.head_logits(hidden), batch)
+        code0 = sample(self.model.head_logits(hidden), batch, sampling.code0)
         self.sampling.record(code0, slot_ids)
-        sample_fn = self._predictor_sampler(slot_ids, batch.num_generated)
+        sample_fn = self._predictor_sampler(slot_ids, batch.num_generated, sampling.predictor)
         codes = self.model.complete_frame(hidden, code0, sample_fn, cache)
         embeds = self.model.next_input_embeds(codes, self.step_rows.index_select(0, row_ids))
         self.next_embeds.index_copy_(0, slot_ids, embeds.to(self.spec.dtype))
         return codes
 
-    def _predictor_sampler(self, slot_ids: torch.Tensor, frame_index: torch.Tensor) -> SampleFn:
+    def _predictor_sampler(
+        self, slot_ids: torch.Tensor, frame_index: torch.Tensor, features: SamplerFeatures
+    ) -> SampleFn:
         if self.predictor_sampling is None:
             return _no_sub_codes
         batch = self.predictor_sampling.select(slot_ids)
         groups = self.spec.num_code_groups
+        # the seeded draw of (frame k, group g) uses hash step k * G + g: unique per draw.
+        # The noise of the frame's G-1 draws is made at once: the kernels of one draw.
+        gumbel = None
+        if features.draws:
+            steps = frame_index[:, None] * groups + torch.arange(1, groups, device=frame_index.device)
+            gumbel = gumbel_noise(batch.seed, steps, self.spec.code_vocab_size)
 
         def sample_fn(group: int, logits: torch.Tensor) -> torch.Tensor:
-            # the seeded draw of (frame k, group g) uses hash step k * G + g: unique per draw
-            return sample(logits, dataclasses.replace(batch, num_generated=frame_index * groups + group))
+            return sample(logits, batch, features, None if gumbel is None else gumbel[:, group - 1])
 
         return sample_fn
 

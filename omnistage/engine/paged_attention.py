@@ -124,7 +124,10 @@ class PagedAttention:
     def prepare_decode(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """A decode forward of ``B`` tokens, one per sequence: ``slot_mapping [B]``,
         ``block_tables [B, MB]``, ``context_lens [B]`` (all int64, the new token counted)."""
-        self._slots, self._block_tables, self._context_lens = slot_mapping, block_tables, context_lens
+        # contiguous once per forward, not once per layer in the Triton kernel's wrapper
+        # (the runner passes a column of its [B, 3] step index)
+        self._slots, self._block_tables = slot_mapping, block_tables.contiguous()
+        self._context_lens = context_lens.contiguous()
         self._mask = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

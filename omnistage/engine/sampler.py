@@ -25,6 +25,9 @@ from dataclasses import dataclass, fields
 import torch
 
 _MASK32 = 0xFFFFFFFF
+# rows with 0 < top_k <= TOP_K_MAX (and top_p 1) draw among torch.topk's survivors instead
+# of sorting the whole vocabulary (Qwen3-TTS samples with top-k 50)
+TOP_K_MAX = 64
 # Multipliers below 2**31 keep every product of two 32-bit values inside int64.
 _MIX1, _MIX2, _MIX3 = 0x7FEB352D, 0x46B5B1E3, 0x2C1B3C6D
 
@@ -61,6 +64,36 @@ class SamplingParams:
             raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
         if self.repetition_penalty <= 0 or self.min_new_tokens < 0 or not 0 <= self.seed < 2**31:
             raise ValueError("need repetition_penalty > 0, min_new_tokens >= 0, 0 <= seed < 2**31")
+
+
+@dataclass(frozen=True)
+class SamplerFeatures:
+    """Which parts of :func:`sample` a batch needs; the others are skipped (each is several
+    kernels per draw over ``[B, V]``). Decided on the host from the requests' params, so a
+    CUDA graph is captured per value (see :meth:`of`).
+
+    Attributes:
+        repetition_penalty: some row has a penalty != 1.
+        masks: some row suppresses ids or has stop ids masked by ``min_new_tokens``.
+        draws: some row samples (temperature > 0); else the batch is greedy (argmax only).
+        full_sort: some sampled row needs the whole sorted vocabulary (top-p < 1, or top-k
+            0 or above :data:`TOP_K_MAX`); else a draw runs on ``torch.topk``'s survivors.
+            Both give a row the same token (same survivors, values and noise).
+    """
+
+    repetition_penalty: bool = True
+    masks: bool = True
+    draws: bool = True
+    full_sort: bool = True
+
+    @classmethod
+    def of(cls, params: Sequence[SamplingParams]) -> SamplerFeatures:
+        return cls(
+            repetition_penalty=any(p.repetition_penalty != 1 for p in params),
+            masks=any(p.suppress_ranges or (p.stop_token_ids and p.min_new_tokens > 0) for p in params),
+            draws=any(p.temperature > 0 for p in params),
+            full_sort=any(p.temperature > 0 and (p.top_p < 1 or not 0 < p.top_k <= TOP_K_MAX) for p in params),
+        )
 
 
 @dataclass
@@ -158,37 +191,73 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``[B, V] float32`` in (0, 1), a pure function of (seed, step, id)."""
+    """``[B, V]`` (``step [B]``) or ``[B, S, V]`` (``step [B, S]``) float32 in (0, 1), a pure
+    function of (seed, step, id); ``seed [B] int64``."""
     ids = torch.arange(vocab_size, device=seed.device, dtype=torch.int64)
-    key = _hash32(_hash32(seed[:, None] * 0x9E37 + step[:, None]) + ids[None, :])
+    seed = seed.view(-1, *([1] * (step.dim() - 1)))
+    key = _hash32(_hash32(seed * 0x9E37 + step)[..., None] + ids)
     return (key.to(torch.float64) + 0.5).div(2.0**32).to(torch.float32).clamp_(1e-7, 1 - 1e-7)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise ``-log(-log U)`` of :func:`uniform_noise` (same shapes). Computing
+    it for several steps at once (the code predictor's 15 draws of a frame) costs the
+    kernels of one."""
+    return -torch.log(-torch.log(uniform_noise(seed, step, vocab_size)))
+
+
+def sample(
+    logits: torch.Tensor,
+    batch: SamplingBatch,
+    features: SamplerFeatures = SamplerFeatures(),
+    gumbel: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Next token of every request. ``logits``: ``[B, V]`` (any float dtype, computed in
-    fp32). Returns ``[B] int64`` on the logits' device; does not update ``batch`` (call
+    fp32). ``features``: the parts the batch needs (default: all). ``gumbel``: this draw's
+    :func:`gumbel_noise` ``[B, V]`` (None: computed from ``batch.num_generated``).
+    Returns ``[B] int64`` on the logits' device; does not update ``batch`` (call
     :meth:`SamplingBatch.record`)."""
     x = logits.float()
-    penalty = batch.repetition_penalty[:, None]
-    penalized = torch.where(x > 0, x / penalty, x * penalty)
-    x = torch.where(batch.generated, penalized, x)
-    early = (batch.num_generated < batch.min_new_tokens)[:, None]
-    x = x.masked_fill(batch.banned | (batch.stop & early), float("-inf"))
+    if features.repetition_penalty:
+        penalty = batch.repetition_penalty[:, None]
+        penalized = torch.where(x > 0, x / penalty, x * penalty)
+        x = torch.where(batch.generated, penalized, x)
+    if features.masks:
+        early = (batch.num_generated < batch.min_new_tokens)[:, None]
+        x = x.masked_fill(batch.banned | (batch.stop & early), float("-inf"))
     greedy = x.argmax(dim=-1)
-    temperature = batch.temperature.clamp_min(1e-6)[:, None]
-    x = _top_k_top_p(x / temperature, batch.top_k, batch.top_p)
-    gumbel = -torch.log(-torch.log(uniform_noise(batch.seed, batch.num_generated, x.shape[-1])))
-    drawn = (x + gumbel).argmax(dim=-1)
+    if not features.draws:
+        return greedy
+    if gumbel is None:
+        gumbel = gumbel_noise(batch.seed, batch.num_generated, x.shape[-1])
+    x = x / batch.temperature.clamp_min(1e-6)[:, None]
+    if features.full_sort:
+        drawn = (_top_k_top_p(x, batch.top_k, batch.top_p) + gumbel).argmax(dim=-1)
+    else:
+        drawn = _top_k_draw(x, batch.top_k, gumbel)
     return torch.where(batch.temperature > 0, drawn, greedy)
 
 
+def _top_k_draw(x: torch.Tensor, top_k: torch.Tensor, gumbel: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max over each row's ``top_k`` best ids (``0 < top_k <= TOP_K_MAX``), found
+    with ``torch.topk``: the same survivors, values and noise as masking the sorted row, so
+    the same token; ``[B, V]`` fp32 -> ``[B] int64``."""
+    values, ids = x.topk(min(TOP_K_MAX, x.shape[-1]), dim=-1)
+    rank = torch.arange(values.shape[-1], device=x.device)[None, :]
+    values = values.masked_fill(rank >= top_k[:, None], float("-inf"))
+    best = (values + gumbel.gather(1, ids)).argmax(dim=-1, keepdim=True)
+    return ids.gather(1, best)[:, 0]
+
+
 def _top_k_top_p(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Mask (``-inf``) ids outside each row's top-k and top-p sets; ``[B, V]`` fp32."""
+    """Mask (``-inf``) ids outside each row's top-k and top-p sets; ``[B, V]`` fp32. A
+    ``top_p`` of 1 is off (a cumulative sum that rounds up to 1 must not drop the tail: the
+    top-k-only path keeps it)."""
     sorted_x, order = x.sort(dim=-1, descending=True)
     rank = torch.arange(x.shape[-1], device=x.device)[None, :]
     k = torch.where(top_k > 0, top_k, x.shape[-1])[:, None]
     probs = sorted_x.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
-    drop = (rank >= k) | ((mass_before >= top_p[:, None]) & (rank > 0))
+    drop = (rank >= k) | ((mass_before >= top_p[:, None]) & (rank > 0) & (top_p < 1)[:, None])
     sorted_x = sorted_x.masked_fill(drop, float("-inf"))
     return torch.empty_like(x).scatter_(-1, order, sorted_x)

@@ -73,8 +73,10 @@ def paged_decode_triton(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    # the kernel indexes q, the tables' rows and the lengths with unit inner strides
-    q, block_tables, context_lens = q.contiguous(), block_tables.contiguous(), context_lens.contiguous()
+    # the kernel indexes q, the tables' rows and the lengths with unit inner strides; q may
+    # be a view of the fused q/k/v heads (strided rows and heads are fine, no copy)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(q)
     _paged_decode_kernel[(batch, num_kv_heads)](
         q, k_cache, v_cache, block_tables, context_lens, out, head_dim**-0.5,

@@ -1,9 +1,10 @@
-"""A tiny random multi-codebook AR model with the Qwen3-TTS talker's structure, and the
-unbatched reference generation loop that is the engine's oracle.
+"""A tiny random multi-codebook AR model built from the Qwen3-TTS talker's own layers, and
+the unbatched reference generation loop that is the engine's oracle.
 
-:class:`ToyTalker` implements :class:`~omnistage.engine.model_runner.ARModel`: Qwen3
-decoder layers (pre-RMSNorm, GQA with per-head q/k RMSNorm, RoPE, SwiGLU) that call the
-attention contract, a code-0 head, and a code predictor (its own Qwen3 layers and a
+:class:`ToyTalker` implements :class:`~omnistage.engine.model_runner.ARModel` with the real
+talker's modules (:mod:`omnistage.models.qwen3_tts.modeling.talker`, projections fused as the
+engine runs them): a Qwen3 :class:`Decoder` calling the attention contract, a code-0 head,
+and a :class:`CodePredictor` (its own Qwen3 layers and a
 :class:`~omnistage.engine.attention.DenseKVCache` per frame: prefill of [talker hidden,
 C(code 0)], then G-2 single-token steps); the feedback embedding is the sum of the G
 codebook embeddings plus the request's step row (shared/reference/qwen3-tts.md, sections
@@ -17,13 +18,14 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
 from omnistage.engine.model_runner import ARModelSpec, SampleFn
 from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
 from omnistage.engine.sequence import GenerationInput
+from omnistage.models.qwen3_tts.modeling.config import CodePredictorConfig, DecoderConfig
+from omnistage.models.qwen3_tts.modeling.talker import CodePredictor, Decoder
 from omnistage.pipeline.messages import FinishReason
 
 
@@ -43,91 +45,16 @@ class ToyARConfig:
     predictor_layers: int = 1
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
+    max_positions: int = 4096
 
     @classmethod
     def qwen3_tts_0b6(cls) -> ToyARConfig:
         """Talker and code predictor sizes of Qwen3-TTS-12Hz-0.6B (qwen3-tts.md, section 1)."""
         return cls(1024, 28, 16, 8, 128, 3072, 3072, 16, 2048, 5, 1e6, 1e-6)
 
-
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (rotate-half form, as in Qwen3) of ``x [N, heads, D]``."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
-    angles = positions.to(torch.float32)[:, None] * freqs[None, :]
-    cos, sin = angles.cos().to(x.dtype)[:, None, :], angles.sin().to(x.dtype)[:, None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
-class Qwen3Layer(nn.Module):
-    def __init__(self, c: ToyARConfig, index: int) -> None:
-        super().__init__()
-        self.c, self.index = c, index
-        h, d = c.hidden_size, c.head_dim
-        self.input_norm = nn.RMSNorm(h, eps=c.rms_eps)
-        self.q_proj = nn.Linear(h, c.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False)
-        self.q_norm = nn.RMSNorm(d, eps=c.rms_eps)
-        self.k_norm = nn.RMSNorm(d, eps=c.rms_eps)
-        self.post_norm = nn.RMSNorm(h, eps=c.rms_eps)
-        self.gate_up = nn.Linear(h, 2 * c.intermediate_size, bias=False)
-        self.down = nn.Linear(c.intermediate_size, h, bias=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        c, n = self.c, x.shape[0]
-        y = self.input_norm(x)
-        q = self.q_norm(self.q_proj(y).view(n, c.num_heads, c.head_dim))
-        k = self.k_norm(self.k_proj(y).view(n, c.num_kv_heads, c.head_dim))
-        v = self.v_proj(y).view(n, c.num_kv_heads, c.head_dim)
-        q, k = _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta)
-        x = x + self.o_proj(attn(self.index, q, k, v).reshape(n, -1))
-        gate, up = self.gate_up(self.post_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
-
-
-class Backbone(nn.Module):
-    def __init__(self, c: ToyARConfig, num_layers: int) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(Qwen3Layer(c, i) for i in range(num_layers))
-        self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_eps)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x, positions, attn)
-        return self.norm(x)
-
-
-class ToyCodePredictor(nn.Module):
-    """Codes 1..G-1 of a frame from the talker's hidden state and code 0."""
-
-    def __init__(self, c: ToyARConfig) -> None:
-        super().__init__()
-        self.c = c
-        self.backbone = Backbone(c, c.predictor_layers)
-        groups = c.num_code_groups - 1
-        self.codec_embeddings = nn.ModuleList(nn.Embedding(c.code_vocab_size, c.hidden_size) for _ in range(groups))
-        self.heads = nn.ModuleList(nn.Linear(c.hidden_size, c.code_vocab_size, bias=False) for _ in range(groups))
-
-    def complete_frame(
-        self, hidden: torch.Tensor, code0_embed: torch.Tensor, sample_fn: SampleFn, cache: DenseKVCache
-    ) -> list[torch.Tensor]:
-        """``[B] int64`` codes 1..G-1 (prefill [hidden, C(code 0)], then one step per code)."""
-        b = hidden.shape[0]
-        cache.reset()
-        cache.prepare(2)
-        x = torch.stack([hidden, code0_embed], dim=1).reshape(2 * b, -1)
-        positions = torch.arange(2, device=hidden.device).repeat(b)
-        h = self.backbone(x, positions, cache).view(b, 2, -1)[:, 1]
-        codes = [sample_fn(1, self.heads[0](h))]
-        for group in range(2, self.c.num_code_groups):
-            cache.prepare(1)
-            positions = torch.full((b,), group, dtype=torch.int64, device=hidden.device)
-            h = self.backbone(self.codec_embeddings[group - 2](codes[-1]), positions, cache)
-            codes.append(sample_fn(group, self.heads[group - 1](h)))
-        return codes
+    def decoder(self, num_layers: int, vocab_size: int) -> DecoderConfig:
+        return DecoderConfig(self.hidden_size, self.intermediate_size, num_layers, self.num_heads, self.num_kv_heads,
+                             self.head_dim, self.rms_eps, self.rope_theta, vocab_size, attention_bias=False)
 
 
 class ToyTalker(nn.Module):
@@ -141,10 +68,16 @@ class ToyTalker(nn.Module):
         with torch.random.fork_rng(devices=[]), torch.device(device):
             torch.manual_seed(seed)
             self.codec_embedding = nn.Embedding(c.vocab_size, c.hidden_size)
-            self.backbone = Backbone(c, c.num_layers)
+            self.backbone = Decoder(c.decoder(c.num_layers, c.vocab_size), c.max_positions)
             self.codec_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
-            self.predictor = ToyCodePredictor(c) if c.num_code_groups > 1 else None
+            self.predictor = None
+            if c.num_code_groups > 1:
+                predictor = CodePredictorConfig(c.decoder(c.predictor_layers, c.code_vocab_size), c.num_code_groups)
+                self.predictor = CodePredictor(predictor, c.hidden_size)
         self.to(device=device, dtype=dtype).eval().requires_grad_(False)
+        self.backbone.fuse_projections()
+        if self.predictor is not None:
+            self.predictor.model.fuse_projections()
         self.spec = ARModelSpec(
             c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, c.vocab_size,
             c.num_code_groups, c.code_vocab_size, dtype, torch.device(device),
@@ -162,22 +95,20 @@ class ToyTalker(nn.Module):
     def new_frame_cache(self, batch: int) -> DenseKVCache | None:
         if self.predictor is None:
             return None
-        c, spec = self.c, self.spec
-        return DenseKVCache(c.predictor_layers, batch, c.num_code_groups, c.num_kv_heads, c.head_dim, spec.dtype,
-                            spec.device)
+        return self.predictor.new_cache(batch, self.spec.dtype, self.spec.device)
 
     def complete_frame(
         self, hidden: torch.Tensor, code0: torch.Tensor, sample_fn: SampleFn, cache: DenseKVCache | None
     ) -> torch.Tensor:
         if self.predictor is None or cache is None:
             return code0[:, None]
-        rest = self.predictor.complete_frame(hidden, self.codec_embedding(code0), sample_fn, cache)
-        return torch.stack([code0, *rest], dim=1)
+        rest = self.predictor.predict(hidden, self.codec_embedding(code0), sample_fn, cache)
+        return torch.cat((code0[:, None], rest), dim=1)
 
     def next_input_embeds(self, codes: torch.Tensor, step_rows: torch.Tensor) -> torch.Tensor:
         x = self.codec_embedding(codes[:, 0]) + step_rows
         if self.predictor is not None:
-            for group, embedding in enumerate(self.predictor.codec_embeddings, start=1):
+            for group, embedding in enumerate(self.predictor.model.codec_embedding, start=1):
                 x = x + embedding(codes[:, group])
         return x
 

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample, uniform_noise
+from omnistage.engine.sampler import (
+    SamplerFeatures,
+    SamplingBatch,
+    SamplingParams,
+    sample,
+    uniform_noise,
+)
 
 V = 8
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.2])
@@ -97,3 +103,23 @@ def test_cuda_samples_the_same_tokens_as_the_cpu():
             steps.append(tokens.cpu())
         results.append(torch.stack(steps))
     assert torch.equal(results[0], results[1])
+
+
+def test_a_batch_sampled_with_only_the_features_it_needs_gets_the_general_tokens():
+    params = [SamplingParams(temperature=0.9, top_k=50, seed=s) for s in range(3)] + [SamplingParams(temperature=0.0)]
+    features = SamplerFeatures.of(params)
+    assert features == SamplerFeatures(repetition_penalty=False, masks=False, draws=True, full_sort=False)
+    logits = torch.randn(4, 2048, generator=torch.Generator().manual_seed(0))
+    general, reduced = SamplingBatch.build(params, 2048, "cpu"), SamplingBatch.build(params, 2048, "cpu")
+    for _ in range(20):
+        tokens = sample(logits, general)
+        assert torch.equal(sample(logits, reduced, features), tokens)
+        general.record(tokens)
+        reduced.record(tokens)
+
+
+def test_noise_of_several_steps_at_once_equals_step_by_step():
+    seeds, steps = torch.tensor([3, 9]), torch.tensor([[16, 17, 18], [0, 1, 2]])
+    at_once = uniform_noise(seeds, steps, 64)
+    for s in range(3):
+        assert torch.equal(at_once[:, s], uniform_noise(seeds, steps[:, s], 64))

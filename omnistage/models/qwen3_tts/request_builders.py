@@ -299,7 +299,22 @@ def resolve_sampling(
     - both samplers get ``request.seed``; the engine's draws are keyed by (seed, step,
       id), so it must give the code predictor's 15 draws per frame their own steps.
     """
-    o = request.sampling
+    talker, code_predictor = sampling_params(request.sampling, request.seed, request.min_new_tokens, defaults, facts)
+    if request.max_new_tokens is not None:
+        max_new_tokens = request.max_new_tokens
+    else:
+        max_new_tokens = min(request.frame_cap, defaults.max_new_tokens)
+    return Qwen3TTSSampling(
+        talker=talker, code_predictor=code_predictor, max_new_tokens=max_new_tokens
+    )
+
+
+def sampling_params(
+    overrides: SamplingOverrides, seed: int, min_new_tokens: int, defaults: GenerationDefaults, facts: Qwen3TTSModelFacts
+) -> tuple[SamplingParams, SamplingParams]:
+    """(talker, code predictor) :class:`SamplingParams`: ``overrides`` over
+    generation_config.json, as :func:`resolve_sampling` describes."""
+    o = overrides
 
     def pick(value, default):
         return default if value is None else value
@@ -315,21 +330,15 @@ def resolve_sampling(
         top_k=pick(o.top_k, defaults.top_k),
         top_p=pick(o.top_p, defaults.top_p),
         repetition_penalty=pick(o.repetition_penalty, defaults.repetition_penalty),
-        min_new_tokens=request.min_new_tokens,
+        min_new_tokens=min_new_tokens,
         stop_token_ids=(eos,),
         suppress_ranges=((control_start, eos), (eos + 1, facts.codec_vocab_size)),
-        seed=request.seed,
+        seed=seed,
     )
     code_predictor = SamplingParams(
         temperature=pick(o.temperature, predictor_temperature),
         top_k=pick(o.top_k, defaults.subtalker_top_k),
         top_p=pick(o.top_p, defaults.subtalker_top_p),
-        seed=request.seed,
+        seed=seed,
     )
-    if request.max_new_tokens is not None:
-        max_new_tokens = request.max_new_tokens
-    else:
-        max_new_tokens = min(request.frame_cap, defaults.max_new_tokens)
-    return Qwen3TTSSampling(
-        talker=talker, code_predictor=code_predictor, max_new_tokens=max_new_tokens
-    )
+    return talker, code_predictor

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.model_runner import StepSampling
+from omnistage.engine.sampler import SamplerFeatures
 from omnistage.engine.sequence import GenerationInput
 from omnistage.models.qwen3_tts.capabilities import (
     SAMPLE_RATE,
@@ -51,8 +53,12 @@ from omnistage.models.qwen3_tts.modeling.weights import (
     default_dtype,
     load_checkpoint,
 )
-from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest
-from omnistage.models.qwen3_tts.request_builders import resolve_sampling
+from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest, SamplingOverrides
+from omnistage.models.qwen3_tts.request_builders import (
+    REFERENCE_MIN_NEW_TOKENS,
+    resolve_sampling,
+    sampling_params,
+)
 from omnistage.pipeline.messages import StagePayload
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import ThreadedScheduler
@@ -268,7 +274,9 @@ def create_tts_engine_stage(
     ``max_model_len``: prompt + frames per request at most (8192 frames + a long prompt).
     """
     where = resolve_device(device)
-    checkpoint = loaded_checkpoint(_model_path(ctx), where)
+    model_path = _model_path(ctx)
+    checkpoint = loaded_checkpoint(model_path, where)
+    checkpoint.model.talker.fuse_projections()  # same values, ~30 kernels fewer per layer
     if kv_cache_bytes is None and where.type == "cpu":
         kv_cache_bytes = CPU_KV_CACHE_BYTES
     config = EngineConfig(
@@ -279,8 +287,20 @@ def create_tts_engine_stage(
         max_model_len=max_model_len,
         prefill_hold_ms=prefill_hold_ms,
         cuda_graph_batch_sizes=None if cuda_graphs else (),
+        graph_sampling=_default_step_sampling(model_path),
     )
     return ARScheduler(AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config))
+
+
+def _default_step_sampling(model_path: str) -> tuple[StepSampling, ...]:
+    """The graph variants of the checkpoint's default sampling and of greedy requests
+    (``temperature: 0``): captured at start-up, so neither pauses a live request."""
+    facts, defaults = Qwen3TTSModelFacts.from_checkpoint(model_path), GenerationDefaults.from_checkpoint(model_path)
+    variants = []
+    for overrides in (SamplingOverrides(), SamplingOverrides(temperature=0.0)):
+        talker, predictor = sampling_params(overrides, 0, REFERENCE_MIN_NEW_TOKENS, defaults, facts)
+        variants.append(StepSampling(SamplerFeatures.of([talker]), SamplerFeatures.of([predictor])))
+    return tuple(variants)
 
 
 # --------------------------------------------------------------------------- vocoder

@@ -102,5 +102,5 @@ def test_custom_voice_has_no_speaker_encoder_and_loads_in_requested_dtype(tiny_c
     loaded = load_checkpoint(tiny_checkpoints["custom_voice"], dtype=torch.bfloat16)
     assert loaded.model.speaker_encoder is None
     assert loaded.model.talker.codec_head.weight.dtype == torch.bfloat16
-    # RoPE frequencies stay fp32 whatever the weights' dtype
-    assert loaded.model.talker.model.rotary.inv_freq.dtype == torch.float32
+    # the RoPE table stays fp32 whatever the weights' dtype
+    assert loaded.model.talker.model.rotary.table.dtype == torch.float32

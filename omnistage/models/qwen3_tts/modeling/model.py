@@ -1,7 +1,7 @@
 """The Qwen3-TTS checkpoint's module tree: ``talker`` and, for Base, ``speaker_encoder``.
 
 Its ``state_dict`` names are exactly the checkpoint's tensor names (the speech tokenizer
-lives in its own folder and module). Non-persistent buffers (RoPE frequencies, the mel
+lives in its own folder and module). Non-persistent buffers (RoPE tables, the mel
 filterbank and window) are fp32 and not in checkpoints: after building on the meta device
 or casting the model, call :meth:`Qwen3TTSModel.reset_buffers`.
 """

@@ -1,0 +1,416 @@
+"""The Qwen3-TTS pipeline end to end over HTTP: tiny random checkpoints of each model type
+(written once per session, as ``omnistage init-random --size tiny`` does) served on CPU by
+a real uvicorn in this process (one server per model type for the module).
+
+Audio is 24 kHz, 1920 samples per codec frame (12.5 Hz). Requests keep ``max_new_tokens``
+small so the whole module runs in seconds on 2 cores.
+
+The tiny random speech-tokenizer decoder barely hears its codes: its output is a
+bias-driven waveform of peak ~0.013 on which the codes move samples by < 1e-5, under one
+int16 step (3e-5). Audio compared within 1 LSB therefore checks lengths and the vocoder
+path, not which codes were generated. So the tests also compare the codes themselves:
+the vocoder stage's result of each request (the engine's
+:class:`~omnistage.engine.sequence.GenerationResult`) is recorded in the server process
+under its request id (the ``X-Request-Id`` header), see :func:`record_engine_codes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import re
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from omnistage.engine.sequence import GenerationResult
+from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
+from omnistage.models.qwen3_tts.modeling.generate import TalkerSampling, generate
+from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
+from omnistage.models.qwen3_tts.modeling.weights import load_checkpoint
+from omnistage.serve.app import ServerSettings, create_app
+from omnistage.serve.audio import float_to_s16
+from omnistage.testing.leaks import assert_no_request_state
+from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
+
+SAMPLE_RATE = 24_000
+SAMPLES_PER_FRAME = 1920
+FRAMES = 8  # max_new_tokens of most requests
+TEXT = "Hello there."
+REF_TEXT = "A short reference clip."
+
+
+# ------------------------------------------------------------------ reference clips
+def tone_clip(seconds: float, rate: int = 16_000, channels: int = 2, seed: int = 0) -> np.ndarray:
+    """A harmonic 150 Hz tone (4 partials, slow vibrato) plus a little noise, ``[S, channels]``."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    phase = 2 * np.pi * 150 * t + 0.5 * np.sin(2 * np.pi * 5 * t)
+    voice = sum(np.sin(k * phase) / k for k in range(1, 5))
+    mono = 0.25 * voice / np.abs(voice).max() + 0.01 * rng.standard_normal(len(t))
+    return np.stack([mono * (1 - 0.1 * c) for c in range(channels)], axis=1).astype(np.float32)
+
+
+def wav_data_uri(samples: np.ndarray, rate: int = 16_000) -> str:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format="WAV", subtype="PCM_16")
+    return "data:audio/wav;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+REF_AUDIO = wav_data_uri(tone_clip(1.5))  # 1.5 s, 16 kHz stereo
+
+# model type of the server, and the fields that pick the voice, per request case
+CASES: dict[str, tuple[str, dict]] = {
+    "base_icl": ("base", {"ref_audio": REF_AUDIO, "ref_text": REF_TEXT}),
+    "base_x_vector": ("base", {"ref_audio": REF_AUDIO, "x_vector_only_mode": True}),
+    "custom_voice": ("custom_voice", {"voice": "aiden"}),
+    "voice_design": ("voice_design", {"instructions": "A calm, low voice."}),
+}
+
+
+# ------------------------------------------------------------------ servers
+ENGINE_CODES: dict[str, torch.Tensor] = {}
+"""request id -> the codes ``[T, 16]`` the vocoder got as the engine's result (all servers)."""
+
+
+def record_engine_codes(server: RunningServer) -> None:
+    """Record, in :data:`ENGINE_CODES`, the engine's codes of every request the server's
+    vocoder stage completes (its payload is the engine's GenerationResult)."""
+    scheduler = server.speech.pipeline.host.stages["vocoder"].scheduler
+    complete = scheduler.complete
+
+    def recording_complete(state, data, finish_reason="stop"):
+        result = state.payload.data if state.payload is not None else None
+        if isinstance(result, GenerationResult):
+            ENGINE_CODES[state.request_id] = result.codes.cpu()
+        complete(state, data, finish_reason)
+
+    scheduler.complete = recording_complete
+
+
+def codes_of(response: httpx.Response) -> torch.Tensor:
+    return ENGINE_CODES[response.headers["x-request-id"]]
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_servable_checkpoints: dict[str, Path]) -> Iterator[dict[str, RunningServer]]:
+    """model type -> a running server of that tiny checkpoint (warm-up on, playground off),
+    recording its engine codes."""
+    running: dict[str, RunningServer] = {}
+    generators = []
+    try:
+        for model_type, path in tiny_servable_checkpoints.items():
+            config = Qwen3TTSPipelineConfig.for_model_path(str(path))
+            generator = run_uvicorn(create_app(config, ServerSettings(playground=False)))
+            generators.append(generator)
+            server = next(generator)
+            health = wait_health(server.base_url)
+            assert health.status_code == 200, health.text
+            record_engine_codes(server)
+            running[model_type] = server
+        yield running
+    finally:
+        for generator in generators:
+            generator.close()
+
+
+def post(server: RunningServer, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/audio/speech", json=body, timeout=60)
+
+
+def request_body(case: str, **fields) -> dict:
+    _, voice = CASES[case]
+    return {"input": TEXT, "seed": 7, "max_new_tokens": FRAMES, **voice, **fields}
+
+
+def server_of(servers: dict[str, RunningServer], case: str) -> RunningServer:
+    return servers[CASES[case][0]]
+
+
+def pcm(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    return np.frombuffer(response.content, dtype="<i2")
+
+
+def wav(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    samples, rate = soundfile.read(io.BytesIO(response.content), dtype="int16")
+    assert rate == SAMPLE_RATE and samples.ndim == 1
+    return samples
+
+
+def sse_events(response: httpx.Response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    return [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+def delta_samples(events: list[dict]) -> list[np.ndarray]:
+    """The int16 samples of each ``speech.audio.delta`` event."""
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    return [np.frombuffer(base64.b64decode(e["audio"]), dtype="<i2") for e in deltas]
+
+
+def run_on_server_loop(server: RunningServer, coroutine) -> None:
+    """Run ``coroutine`` on the server's event loop (the pipeline lives there) and wait."""
+    loop = server.speech.pipeline.coordinator.loop
+    asyncio.run_coroutine_threadsafe(coroutine, loop).result(timeout=30)
+
+
+def kv_blocks(server: RunningServer):
+    return server.speech.pipeline.host.stages["tts_engine"].scheduler.engine.kv_blocks
+
+
+def metric(server: RunningServer, sample: str) -> float:
+    """The value of one Prometheus sample line (``name{labels}``) of /metrics; 0 if absent."""
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    match = re.search(rf"^{re.escape(sample)} (\S+)$", metrics, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def abort_count(server: RunningServer) -> float:
+    return metric(server, 'omnistage_requests_total{finish_reason="abort",status="499"}')
+
+
+def engine_batches(server: RunningServer) -> tuple[float, float]:
+    """(batches the tts_engine stage computed, requests in them), so far."""
+    return (
+        metric(server, 'omnistage_stage_batch_size_count{stage="tts_engine"}'),
+        metric(server, 'omnistage_stage_batch_size_sum{stage="tts_engine"}'),
+    )
+
+
+# ------------------------------------------------------------------ 1. streaming == whole
+@pytest.mark.parametrize("case", list(CASES))
+def test_streamed_pcm_equals_whole_wav_within_one_lsb(servers, case):
+    """Non-streaming WAV and streaming PCM of the same request and seed are the same audio
+    from the same codes: FRAMES x 1920 samples each (finish_reason "length": the frame cap
+    was reached), equal within 1 LSB of int16. Not bit-exact: the whole-utterance decode
+    and the chunked streaming decode sum in a different fp32 order (the float audio
+    differs by < 1e-5), which can flip the rounding of a sample to int16."""
+    server = server_of(servers, case)
+    whole_response = post(server, request_body(case, response_format="wav"))
+    whole = wav(whole_response)
+    assert whole_response.headers["x-finish-reason"] == "length"
+    assert int(whole_response.headers["x-audio-frames"]) == FRAMES
+    assert int(whole_response.headers["x-audio-samples"]) == len(whole) == FRAMES * SAMPLES_PER_FRAME
+    streamed_response = post(server, request_body(case, response_format="pcm", stream=True))
+    streamed = pcm(streamed_response)
+    assert codes_of(whole_response).shape == (FRAMES, 16)
+    assert torch.equal(codes_of(streamed_response), codes_of(whole_response))
+    assert len(streamed) == len(whole)
+    assert np.abs(streamed.astype(np.int32) - whole.astype(np.int32)).max() <= 1
+    assert np.abs(whole).max() > 0  # not silence
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_same_request_and_seed_twice_gives_identical_bytes(servers, case):
+    server = server_of(servers, case)
+    body = request_body(case, response_format="pcm")
+    first, second = post(server, body), post(server, body)
+    assert first.status_code == second.status_code == 200
+    assert first.content == second.content
+    assert torch.equal(codes_of(first), codes_of(second))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_different_seed_gives_different_codes(servers, case):
+    """Compared as codes: the tiny vocoder maps different codes to audio within about
+    1 LSB (module docstring), so different audio would prove little here."""
+    server = server_of(servers, case)
+    one = post(server, request_body(case, response_format="pcm", seed=7))
+    other = post(server, request_body(case, response_format="pcm", seed=8))
+    assert len(pcm(one)) == len(pcm(other)) == FRAMES * SAMPLES_PER_FRAME
+    assert codes_of(one).shape == codes_of(other).shape == (FRAMES, 16)
+    assert not torch.equal(codes_of(one), codes_of(other))
+
+
+# ------------------------------------------------------------------ 2. greedy == reference loop
+def test_greedy_custom_voice_equals_reference_loop_decoded_offline(servers, tiny_servable_checkpoints):
+    """``temperature: 0`` over HTTP equals the unbatched reference loop's greedy codes on
+    the same prompt, decoded by the offline speech-tokenizer decoder: the same codes, the
+    same frame count, audio within 1 LSB. Both sides: argmax for code 0 and codes 1..15,
+    repetition penalty 1.05 (generation_config.json) on code 0, EOS masked for the first
+    2 frames, whole text in the prompt (CustomVoice's default non_streaming_mode). The
+    speaker is one whose unpenalized greedy codes repeat within the frames, so the penalty
+    changes them: a server that dropped it would fail here."""
+    frames, speaker = 10, "sohee"
+    body = {"input": TEXT, "voice": speaker, "temperature": 0, "max_new_tokens": frames, "response_format": "pcm"}
+    response = post(servers["custom_voice"], body)
+    served = pcm(response)
+
+    path = tiny_servable_checkpoints["custom_voice"]
+    checkpoint = load_checkpoint(path, "cpu")
+    talker = checkpoint.model.talker
+    prompt = PromptBuilder(talker, checkpoint.config, checkpoint.tokenizer).custom_voice(
+        TEXT, speaker, "auto", None, non_streaming_text=True
+    )
+    penalty = checkpoint.generation.repetition_penalty
+    assert penalty == 1.05
+    result = generate(talker, prompt, TalkerSampling.greedy(repetition_penalty=penalty), max_new_frames=frames)
+    unpenalized = generate(talker, prompt, TalkerSampling.greedy(repetition_penalty=1.0), max_new_frames=frames)
+    assert not torch.equal(result.codes, unpenalized.codes)  # the premise: the penalty matters
+    with torch.inference_mode():
+        audio = load_decoder(path / "speech_tokenizer", "cpu")(result.codes[None])[0]
+    expected = float_to_s16(audio.numpy())
+
+    assert torch.equal(codes_of(response), result.codes)
+    assert response.headers["x-finish-reason"] == result.finish_reason
+    assert int(response.headers["x-audio-frames"]) == result.codes.shape[0]
+    assert len(served) == len(expected) == result.codes.shape[0] * SAMPLES_PER_FRAME
+    assert np.abs(served.astype(np.int32) - expected.astype(np.int32)).max() <= 1
+
+
+# ------------------------------------------------------------------ 3. finish_reason
+def test_frame_cap_reports_length_in_the_header(servers):
+    response = post(servers["custom_voice"], request_body("custom_voice", max_new_tokens=3, response_format="pcm"))
+    assert response.status_code == 200
+    assert response.headers["x-finish-reason"] == "length"
+    assert len(response.content) // 2 == 3 * SAMPLES_PER_FRAME
+
+
+def test_frame_cap_reports_length_in_the_sse_done_event(servers):
+    body = request_body("custom_voice", max_new_tokens=3, stream=True, stream_format="sse")
+    events = sse_events(post(servers["custom_voice"], body))
+    assert events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["finish_reason"] == "length"
+    assert sum(len(d) for d in delta_samples(events)) == 3 * SAMPLES_PER_FRAME
+
+
+# ------------------------------------------------------------------ 4. concurrency
+def test_concurrent_streams_each_get_their_single_request_codes_and_audio(servers):
+    """Six streaming CustomVoice requests (different speakers, seeds, languages, lengths)
+    run at once and each gets exactly the codes, and the audio (within 1 LSB), it gets
+    alone: batching in the engine and the vocoder does not change any request's result.
+    Afterwards no request state is left and every KV block is back in the pool."""
+    server = servers["custom_voice"]
+    speakers = ["aiden", "sohee", "ryan", "vivian", "serena", "uncle_fu"]
+    languages = ["auto", "english", "auto", "chinese", "auto", "german"]
+    bodies = [
+        {"input": TEXT, "voice": speaker, "language": language, "seed": 100 + i,
+         "max_new_tokens": 6 + i, "response_format": "pcm", "stream": True}
+        for i, (speaker, language) in enumerate(zip(speakers, languages, strict=True))
+    ]
+    alone = [post(server, body) for body in bodies]
+    batches_before, requests_before = engine_batches(server)
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        together = list(pool.map(lambda body: post(server, body), bodies))
+    batches_after, requests_after = engine_batches(server)
+    # the engine did batch requests together (some step held more than one)
+    assert requests_after - requests_before > batches_after - batches_before
+    for i, (single, batched) in enumerate(zip(alone, together, strict=True)):
+        assert torch.equal(codes_of(batched), codes_of(single)), i
+        single_audio, batched_audio = pcm(single), pcm(batched)
+        assert len(batched_audio) == len(single_audio) == (6 + i) * SAMPLES_PER_FRAME, i
+        assert np.abs(batched_audio.astype(np.int32) - single_audio.astype(np.int32)).max() <= 1, i
+    run_on_server_loop(server, assert_no_request_state(server.speech.pipeline))
+    blocks = kv_blocks(server)
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+# ------------------------------------------------------------------ 5. bad inputs
+NOT_AUDIO = "data:audio/wav;base64," + base64.b64encode(b"this is not audio" * 20).decode()
+X_VECTOR = {"x_vector_only_mode": True}
+# (model type, fields, status, param, a word the message must contain)
+BAD_INPUTS = [
+    pytest.param("custom_voice", {"voice": "nobody"}, 400, "voice", "aiden", id="unknown_speaker"),
+    pytest.param("voice_design", {}, 400, "instructions", "instructions", id="voice_design_without_instructions"),
+    pytest.param("base", {"ref_audio": NOT_AUDIO, **X_VECTOR}, 400, "ref_audio", "ref_audio", id="undecodable_ref_audio"),
+    # MAX_REF_SECONDS is applied as the media policy's duration cap: PayloadTooLargeError
+    pytest.param(
+        "base", {"ref_audio": wav_data_uri(tone_clip(31.0, channels=1)), **X_VECTOR}, 413, "ref_audio", "30",
+        id="ref_audio_longer_than_30_s",
+    ),
+    pytest.param(
+        "custom_voice", {"voice": "aiden", "language": "klingon"}, 400, "language", "english", id="unsupported_language"
+    ),
+    pytest.param(
+        "base", {"ref_audio": REF_AUDIO, **X_VECTOR, "instructions": "Whisper."}, 400, "instructions", "instructions",
+        id="instructions_on_base",
+    ),
+    pytest.param(
+        "custom_voice", {"voice": "aiden", "ref_audio": REF_AUDIO}, 400, "ref_audio", "ref_audio",
+        id="ref_audio_on_custom_voice",
+    ),
+    pytest.param(
+        "custom_voice", {"voice": "aiden", "initial_codec_chunk_frames": -1}, 400, "initial_codec_chunk_frames",
+        "initial_codec_chunk_frames", id="negative_initial_codec_chunk_frames",
+    ),
+    pytest.param(
+        "base", {"ref_audio": REF_AUDIO}, 400, "ref_text", "x_vector_only_mode",
+        id="base_without_ref_text_or_x_vector_only_mode",
+    ),
+]
+GOOD_VOICE = {model_type: fields for model_type, fields in CASES.values() if "ref_text" not in fields}
+
+
+@pytest.mark.parametrize(("model_type", "fields", "status", "param", "mentioned"), BAD_INPUTS)
+def test_bad_input_is_a_4xx_naming_the_field_and_serving_goes_on(
+    servers, model_type, fields, status, param, mentioned
+):
+    server = servers[model_type]
+    response = post(server, {"input": TEXT, "max_new_tokens": 2, **fields})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert mentioned in error["message"]
+    after = post(server, {"input": TEXT, "max_new_tokens": 2, "response_format": "pcm", **GOOD_VOICE[model_type]})
+    assert len(pcm(after)) == 2 * SAMPLES_PER_FRAME
+
+
+def test_unknown_speaker_error_lists_every_speaker(servers):
+    message = post(servers["custom_voice"], {"input": TEXT, "voice": "nobody"}).json()["error"]["message"]
+    voices = httpx.get(f"{servers['custom_voice'].base_url}/v1/audio/voices").json()["voices"]
+    assert len(voices) == 9 and all(v in message for v in voices)
+
+
+def test_unsupported_language_error_lists_every_language(servers):
+    body = {"input": TEXT, "voice": "aiden", "language": "klingon"}
+    message = post(servers["custom_voice"], body).json()["error"]["message"]
+    languages = httpx.get(f"{servers['custom_voice'].base_url}/v1/audio/voices").json()["languages"]
+    assert "auto" in languages and all(language in message for language in languages)
+
+
+# ------------------------------------------------------------------ 6. abort
+def test_client_disconnect_after_first_chunk_leaves_no_state_and_frees_kv_blocks(servers):
+    """A streaming client that leaves after its first chunk of a 2000-frame request: the
+    request is aborted (counted as 499 "abort"), no stage, relay or coordinator holds it,
+    every KV block is free again, and the server goes on serving."""
+    server = servers["custom_voice"]
+    aborts = abort_count(server)
+    body = request_body("custom_voice", max_new_tokens=2000, response_format="pcm", stream=True)
+    with httpx.stream("POST", f"{server.base_url}/v1/audio/speech", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        first = next(response.iter_bytes())
+        assert len(first) > 0
+    run_on_server_loop(server, assert_no_request_state(server.speech.pipeline))
+    blocks = kv_blocks(server)
+    assert blocks.num_free_blocks == blocks.num_blocks
+    assert abort_count(server) == aborts + 1  # aborted, not run to its 2000 frames
+    after = post(server, request_body("custom_voice", max_new_tokens=2, response_format="pcm"))
+    assert len(pcm(after)) == 2 * SAMPLES_PER_FRAME
+
+
+# ------------------------------------------------------------------ 7. first chunk size
+def test_default_chunk_plan_sends_one_frame_first(servers):
+    """Each SSE delta is one vocoder chunk; the default ramp is 1, 2, 4, then 8 frames."""
+    body = request_body("custom_voice", stream=True, stream_format="sse")
+    events = sse_events(post(servers["custom_voice"], body))
+    sizes = [len(d) for d in delta_samples(events)]
+    assert sizes[0] == SAMPLES_PER_FRAME
+    assert sizes == [n * SAMPLES_PER_FRAME for n in (1, 2, 4, FRAMES - 7)]
+
+
+def test_initial_codec_chunk_frames_sets_the_first_chunk(servers):
+    body = request_body("custom_voice", stream=True, stream_format="sse", initial_codec_chunk_frames=4)
+    sizes = [len(d) for d in delta_samples(sse_events(post(servers["custom_voice"], body)))]
+    assert sizes[0] == 4 * SAMPLES_PER_FRAME
+    assert sum(sizes) == FRAMES * SAMPLES_PER_FRAME
