@@ -187,16 +187,15 @@ class ModelRunner:
         device, size = self.spec.device, self.cache.block_size
         lengths = [s.prompt_len for s in seqs]
         positions = [t for n in lengths for t in range(n)]
-        seq_ids = [i for i, n in enumerate(lengths) for _ in range(n)]
         kv_slots = [s.kv_slot(t, size) for s in seqs for t in range(s.prompt_len)]
         ends = [end - 1 for end in itertools.accumulate(lengths)]
         per_seq = [s.slot for s in seqs] + [s.step_row(0) for s in seqs] + ends
-        flat = _upload(positions + seq_ids + kv_slots + per_seq, device)
+        flat = _upload(positions + kv_slots + per_seq, device)
         n, b = len(positions), len(seqs)
-        positions_d, seq_ids_d, kv_slots_d = flat[: 3 * n].view(3, n)
-        slot_ids, row_ids, last = flat[3 * n :].view(3, b)
+        positions_d, kv_slots_d = flat[: 2 * n].view(2, n)
+        slot_ids, row_ids, last = flat[2 * n :].view(3, b)
         embeds = torch.cat([self._prompt_embeds(s) for s in seqs])
-        self.attn.prepare_prefill(kv_slots_d, seq_ids_d, positions_d)
+        self.attn.prepare_prefill(kv_slots_d, lengths)
         hidden = self.model.forward(embeds, positions_d, self.attn)
         return hidden[last], slot_ids, row_ids
 

@@ -6,7 +6,10 @@ Two kinds of forward, announced by the runner before the first layer:
 - prefill (:meth:`PagedAttention.prepare_prefill`): whole prompts of several requests,
   concatenated (variable lengths); each new token attends causally within its own
   sequence. There is no cached prefix yet (no prefix caching), so attention needs only
-  the new tokens: one SDPA call with a block-diagonal causal mask.
+  the new tokens: one causal SDPA call per sequence. (One call with a block-diagonal
+  ``[N, N]`` mask was simpler, but a mask sends SDPA to its math path, which materializes
+  ``Hq x N x N`` scores: at 64 coalesced voice-clone prompts, ~6,400 tokens, that ran an
+  H200 out of memory.)
 - decode (:meth:`PagedAttention.prepare_decode`): one new token per sequence, attending to
   its whole cached context through its block table.
 
@@ -63,19 +66,17 @@ def paged_decode_reference(
     return out[:, :, 0, :]
 
 
-def varlen_prefill_mask(seq_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``[N, N] bool``: token i may attend to token j (same sequence, j not after i)."""
-    return (seq_ids[:, None] == seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
-
-
-def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
     """Causal attention of concatenated sequences: q ``[N, Hq, D]``, k/v ``[N, Hkv, D]``,
-    mask from :func:`varlen_prefill_mask`; returns ``[N, Hq, D]``."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-        attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1],
-    )
-    return out[0].transpose(0, 1)
+    ``seq_lens`` summing to ``N``; returns ``[N, Hq, D]``. Memory is linear in each
+    sequence's length (SDPA's fused kernels with ``is_causal``)."""
+    gqa = k.shape[1] != q.shape[1]
+    outs, start = [], 0
+    for n in seq_lens:
+        qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
 
 
 def triton_available() -> bool:
@@ -112,14 +113,14 @@ class PagedAttention:
         self.cache = cache
         self.decode_attention = decode_attention
         self._slots = torch.empty(0, dtype=torch.int64)
-        self._mask: torch.Tensor | None = None
+        self._seq_lens: list[int] | None = None  # set for a prefill forward
         self._block_tables = self._context_lens = self._slots
 
-    def prepare_prefill(self, slot_mapping: torch.Tensor, seq_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """A prefill forward of ``N`` tokens: ``slot_mapping``, ``seq_ids`` (which
-        sequence each token belongs to) and ``positions``, all ``[N] int64``."""
+    def prepare_prefill(self, slot_mapping: torch.Tensor, seq_lens: list[int]) -> None:
+        """A prefill forward of ``N`` tokens: ``slot_mapping [N] int64`` and the lengths of
+        its sequences (host ints summing to ``N``, in token order)."""
         self._slots = slot_mapping
-        self._mask = varlen_prefill_mask(seq_ids, positions)
+        self._seq_lens = list(seq_lens)
 
     def prepare_decode(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """A decode forward of ``B`` tokens, one per sequence: ``slot_mapping [B]``,
@@ -128,14 +129,14 @@ class PagedAttention:
         # (the runner passes a column of its [B, 3] step index)
         self._slots, self._block_tables = slot_mapping, block_tables.contiguous()
         self._context_lens = context_lens.contiguous()
-        self._mask = None
+        self._seq_lens = None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         k_cache.index_copy_(0, self._slots, k)
         v_cache.index_copy_(0, self._slots, v)
-        if self._mask is not None:
-            return varlen_prefill_attention(q, k, v, self._mask)
+        if self._seq_lens is not None:
+            return varlen_prefill_attention(q, k, v, self._seq_lens)
         return self.decode_attention(
             q, k_cache, v_cache, self._block_tables, self._context_lens, self.cache.block_size
         )

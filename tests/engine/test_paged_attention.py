@@ -13,7 +13,6 @@ from omnistage.engine.paged_attention import (
     paged_decode_reference,
     triton_available,
     varlen_prefill_attention,
-    varlen_prefill_mask,
 )
 
 
@@ -57,21 +56,19 @@ def test_reference_decode_matches_sdpa_over_each_sequence(block_size):
     torch.testing.assert_close(out, dense_decode(q, dense_k, dense_v), rtol=1e-5, atol=1e-5)
 
 
-def test_varlen_prefill_matches_causal_sdpa_per_sequence():
+def test_varlen_prefill_equals_one_block_diagonal_causal_sdpa():
+    """The oracle: every token attends to the tokens of its own sequence not after it, as
+    one SDPA over all tokens with a block-diagonal causal mask."""
     g = torch.Generator().manual_seed(2)
     lengths, hq, hkv, d = [3, 1, 6], 4, 2, 8
     q, k, v = (torch.randn(sum(lengths), h, d, generator=g) for h in (hq, hkv, hkv))
     seq_ids = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
     positions = torch.cat([torch.arange(n) for n in lengths])
-    out = varlen_prefill_attention(q, k, v, varlen_prefill_mask(seq_ids, positions))
-    start = 0
-    for n in lengths:
-        s = slice(start, start + n)
-        expected = F.scaled_dot_product_attention(
-            q[s].transpose(0, 1), k[s].transpose(0, 1), v[s].transpose(0, 1), is_causal=True, enable_gqa=True
-        ).transpose(0, 1)
-        torch.testing.assert_close(out[s], expected, rtol=1e-5, atol=1e-6)
-        start += n
+    mask = (seq_ids[:, None] == seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, enable_gqa=True
+    ).transpose(0, 1)
+    torch.testing.assert_close(varlen_prefill_attention(q, k, v, lengths), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_paged_backend_prefill_then_decode_equals_the_dense_cache():
@@ -92,8 +89,7 @@ def test_paged_backend_prefill_then_decode_equals_the_dense_cache():
     flat = [torch.cat([t[j] for t in tokens]) for j in range(3)]
     seq_ids = torch.tensor([0] * 5 + [1] * 2)
     positions = torch.tensor(list(range(5)) + list(range(2)))
-    attn.prepare_prefill(torch.tensor([slot(i, int(p)) for i, p in zip(seq_ids, positions, strict=True)]),
-                         seq_ids, positions)
+    attn.prepare_prefill(torch.tensor([slot(i, int(p)) for i, p in zip(seq_ids, positions, strict=True)]), [5, 2])
     out = attn(0, *flat)
     for i, (lo, hi) in enumerate([(0, 5), (5, 7)]):
         dense[i].prepare(hi - lo)
