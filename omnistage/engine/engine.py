@@ -140,7 +140,8 @@ class AREngine:
         self.overlap = is_cuda if config.overlap is None else config.overlap
         sizes = config.cuda_graph_batch_sizes
         sizes = default_batch_sizes(config.max_num_seqs) if sizes is None else list(sizes)
-        self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling) if is_cuda and sizes else None
+        with torch.no_grad():
+            self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling) if is_cuda and sizes else None
         self._in_flight: _InFlight | None = None
 
     # ------------------------------------------------------------------ requests
@@ -189,6 +190,10 @@ class AREngine:
         seqs = (batch.seqs if batch else []) + (self._in_flight.seqs if self._in_flight else [])
         return StepPlan(batch, tuple(dict.fromkeys(s.request_id for s in seqs)))
 
+    # Never autograd: a model with trainable parameters would otherwise chain every step's
+    # graph through the persistent input buffers and hold all activations (seen on an H200:
+    # serving ran out of memory after a few dozen requests).
+    @torch.no_grad()
     def execute(self, plan: StepPlan) -> list[StepOutput]:
         """Launch ``plan.batch`` and resolve the frames that are due.
 

@@ -61,6 +61,18 @@ def assert_nothing_held(engine):
     assert not engine.live_requests() and not engine.has_work()
 
 
+def test_steps_record_no_autograd_graph_even_for_trainable_weights():
+    """A model whose weights require grad (as ``nn.Module`` makes them) must not leave
+    autograd history in the engine's persistent buffers: it would chain every step's graph
+    and hold all activations alive."""
+    model = ToyTalker(ToyARConfig(), DTYPE).requires_grad_(True)
+    engine = engine_for(model)
+    run(engine, {0: [("a", request(5, 4)), ("b", request(3, 6, seed=1))]})
+    for buffer in (engine.runner.next_embeds, engine.runner.step_rows):
+        assert not buffer.requires_grad and buffer.grad_fn is None
+    assert_nothing_held(engine)
+
+
 @pytest.mark.parametrize("model", [MULTI, TOKEN_LM], ids=["16-codebook-like", "token-lm"])
 def test_greedy_output_equals_the_reference_loop_with_requests_joining_and_leaving(model):
     arrivals = {

@@ -129,4 +129,4 @@ def load_checkpoint(
     model.reset_buffers(device)
     # the class the reference's processor declares; AutoTokenizer would also parse config.json
     tokenizer = Qwen2Tokenizer.from_pretrained(str(root))
-    return LoadedCheckpoint(config=config, generation=generation, tokenizer=tokenizer, model=model.eval())
+    return LoadedCheckpoint(config=config, generation=generation, tokenizer=tokenizer, model=model.eval().requires_grad_(False))

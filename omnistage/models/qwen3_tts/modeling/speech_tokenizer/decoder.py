@@ -455,7 +455,7 @@ def build_decoder(
     with torch.device("meta"):
         decoder = SpeechTokenizerDecoder(config)
     decoder.load_state_dict(decoder_state_dict(checkpoint), strict=True, assign=True)
-    return decoder.to(device=device, dtype=dtype).eval()
+    return decoder.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
 def load_decoder(

@@ -141,4 +141,4 @@ def load_encoder(directory: str | Path, device: torch.device | str = "cpu") -> S
     encoder = SpeechTokenizerEncoder(config)
     weights = encoder_state_dict(load_file(Path(directory) / "model.safetensors"))
     encoder.load_state_dict(weights, strict=True)
-    return encoder.to(device).eval()
+    return encoder.to(device).eval().requires_grad_(False)
