@@ -21,7 +21,6 @@ import asyncio
 import base64
 import io
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -108,7 +107,9 @@ def start_server(model_dir: Path, port: int, max_conc: int, log: Path) -> tuple[
 
 def bench_level(port: int, conc: int, frames: int, ref: Path, out: Path) -> dict:
     """One ``omnistage bench speed`` level; ``ref`` is a WAV under the server's allowed
-    local media directory (a 3 s data URI is longer than one command-line argument may be)."""
+    local media directory (a 3 s data URI is longer than one command-line argument may be).
+    A level that fails is recorded (``{"concurrency": c, "error": ...}``), not raised, so
+    the levels after it still run."""
     n = max(8, 2 * conc)
     fields = {"ref_audio": str(ref), "ref_text": REF_TEXT, "max_new_tokens": frames, "min_new_tokens": frames, "language": "english"}
     cmd = [
@@ -120,7 +121,10 @@ def bench_level(port: int, conc: int, frames: int, ref: Path, out: Path) -> dict
     meta = out.with_suffix(".lst")
     meta.write_text(f"s0|{REF_TEXT}||{TEXT}\n", encoding="utf-8")
     cmd += ["--meta-lst", str(meta)]
-    subprocess.run(cmd, check=True)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    print(done.stdout[-3000:], flush=True)
+    if done.returncode != 0:
+        return {"concurrency": conc, "error": (done.stdout + done.stderr)[-1500:]}
     return json.loads(out.read_text())["levels"][0]
 
 
@@ -138,7 +142,9 @@ async def fresh_reference_ttfa(port: int, frames: int, count: int) -> list[float
     return ttfa
 
 
-def run_size(size: str, args: argparse.Namespace, out_dir: Path) -> dict:
+def run_size(size: str, args: argparse.Namespace, record: dict, save) -> None:
+    """Fill ``record`` for one size, calling ``save()`` after every step (a later failure
+    or the device's time limit keeps what was measured)."""
     model_dir = Path(args.work_dir) / f"qwen3_tts_{size}_base"
     t0 = time.perf_counter()
     subprocess.run(
@@ -146,45 +152,46 @@ def run_size(size: str, args: argparse.Namespace, out_dir: Path) -> dict:
          "--size", size, "--type", "base", "--device", "cuda", str(model_dir)],
         check=True,
     )  # fmt: skip
-    init_s = time.perf_counter() - t0
-    idle_before = gpu_memory_mib()
+    record |= {"size": size, "init_random_s": round(time.perf_counter() - t0, 1), "gpu_mib": {"before_server": gpu_memory_mib()}}
     port = 8100
-    proc, startup_s = start_server(model_dir, port, max(args.concurrency), out_dir / f"server_{size}.log")
+    proc, startup_s = start_server(model_dir, port, max(args.concurrency), Path(args.out_dir) / f"server_{size}.log")
+    record["server_startup_s"] = round(startup_s, 1)
+    record["gpu_mib"]["after_startup"] = gpu_memory_mib()
+    save()
     try:
-        after_start = gpu_memory_mib()
         ref = model_dir.parent / f"reference_{size}.wav"
         ref.write_bytes(reference_wav(7))
-        levels, peak = [], MemoryPeak()
+        record["levels"], peak = [], MemoryPeak()
         peak.start()
         for conc in args.concurrency:
-            levels.append(bench_level(port, conc, args.frames, ref, Path(args.work_dir) / f"bench_{size}_c{conc}.json"))
-        peak_mib = peak.stop()
+            level = bench_level(port, conc, args.frames, ref, Path(args.work_dir) / f"bench_{size}_c{conc}.json")
+            record["levels"].append(level)
+            save()
+        record["gpu_mib"] |= {"peak_during_bench": peak.stop()}
         fresh = asyncio.run(fresh_reference_ttfa(port, args.frames, 8))
+        record["fresh_reference_ttfa_ms"] = {"p50": float(np.median(fresh)), "all": [round(x, 1) for x in fresh]}
+        save()
     finally:
         proc.terminate()
         proc.wait(30)
-    return {
-        "size": size,
-        "init_random_s": round(init_s, 1),
-        "server_startup_s": round(startup_s, 1),
-        "gpu_mib": {"before_server": idle_before, "after_startup": after_start, "peak_during_bench": peak_mib},
-        "levels": levels,
-        "fresh_reference_ttfa_ms": {"p50": float(np.median(fresh)), "all": [round(x, 1) for x in fresh]},
-    }
 
 
 def print_table(results: list[dict], frames: int) -> None:
     print(f"\n{'size':6} {'conc':>5} {'TTFA p50':>9} {'TTFA p99':>9} {'RTF p50':>8} {'RTF p99':>8} {'audio s/s':>10} {'ms/frame':>9} {'fail':>5}")
     for r in results:
-        for lv in r["levels"]:
+        for lv in r.get("levels", []):
+            if "error" in lv:
+                print(f"{r['size']:6} {lv['concurrency']:>5} FAILED: {lv['error'][-200:]}")
+                continue
             ttfa, rtf = lv["ttfa_ms"], lv["rtf"]
             per_frame = lv["latency_ms"]["p50"] / frames
             print(
                 f"{r['size']:6} {lv['concurrency']:>5} {ttfa['p50']:>9.1f} {ttfa['p99']:>9.1f} {rtf['p50']:>8.3f} "
                 f"{rtf['p99']:>8.3f} {lv['audio_throughput']:>10.1f} {per_frame:>9.2f} {lv['num_failed']:>5}"
             )
-        print(f"{r['size']:6} fresh 3 s reference, concurrency 1: TTFA p50 {r['fresh_reference_ttfa_ms']['p50']:.1f} ms")
-        print(f"{r['size']:6} startup {r['server_startup_s']} s; GPU MiB {r['gpu_mib']}")
+        if "fresh_reference_ttfa_ms" in r:
+            print(f"{r['size']:6} fresh 3 s reference, concurrency 1: TTFA p50 {r['fresh_reference_ttfa_ms']['p50']:.1f} ms")
+        print(f"{r['size']:6} startup {r.get('server_startup_s')} s; GPU MiB {r.get('gpu_mib')}")
 
 
 def main() -> None:
@@ -197,12 +204,15 @@ def main() -> None:
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
-    for size in args.sizes:
-        results.append(run_size(size, args, out_dir))
+    results: list[dict] = []
+
+    def save() -> None:
         (out_dir / "qwen3_tts_gpu.json").write_text(json.dumps({"frames": args.frames, "results": results}, indent=2))
+
+    for size in args.sizes:
+        results.append({})
+        run_size(size, args, results[-1], save)
     print_table(results, args.frames)
-    print(json.dumps({"env": {"cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}}))
 
 
 if __name__ == "__main__":
