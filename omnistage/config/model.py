@@ -30,13 +30,11 @@ class AudioResult:
         sample_rate: Hz.
         num_frames: codec frames / synthesis units generated (model-defined; e.g. 12.5 Hz
             frames for Qwen3-TTS, sentences for Piper).
-        num_tokens: tokens generated, when the model has tokens.
     """
 
     num_samples: int
     sample_rate: int
     num_frames: int = 0
-    num_tokens: int = 0
 
 
 class SpeechModelConfig(PipelineConfig):

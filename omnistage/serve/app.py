@@ -458,6 +458,5 @@ class _SpeechCall:
         results = [r for r in outputs.values() if isinstance(r, AudioResult)]
         if results:
             headers["X-Audio-Frames"] = str(sum(r.num_frames for r in results))
-            headers["X-Generated-Tokens"] = str(sum(r.num_tokens for r in results))
         return headers
 
