@@ -25,6 +25,7 @@ from dataclasses import dataclass, fields
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 # rows with 0 < top_k <= TOP_K_MAX (and top_p 1) draw among torch.topk's survivors instead
 # of sorting the whole vocabulary (Qwen3-TTS samples with top-k 50)
 TOP_K_MAX = 64
@@ -47,7 +48,7 @@ class SamplingParams:
         seed: makes the request reproducible (any int in [0, 2**31)).
 
     Raises:
-        ValueError: on out-of-range values.
+        ValueError: on out-of-range values (also a float above float32's maximum).
     """
 
     temperature: float = 1.0
@@ -64,6 +65,10 @@ class SamplingParams:
             raise ValueError("need temperature >= 0, top_k >= 0 and 0 < top_p <= 1")
         if self.repetition_penalty <= 0 or self.min_new_tokens < 0 or not 0 <= self.seed < 2**31:
             raise ValueError("need repetition_penalty > 0, min_new_tokens >= 0, 0 <= seed < 2**31")
+        # held as float32 on the device: a value that overflows there would raise in the
+        # engine's step and fail every request batched with this one
+        if max(self.temperature, self.top_p, self.repetition_penalty) > _FLOAT32_MAX:
+            raise ValueError("temperature, top_p and repetition_penalty must fit in float32")
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,12 @@ def test_bad_params_are_rejected():
             SamplingParams(**bad)
 
 
+def test_params_beyond_float32_are_rejected_before_they_reach_a_batch():
+    for bad in ({"temperature": 1e300}, {"repetition_penalty": 1e39}):
+        with pytest.raises(ValueError, match="float32"):
+            SamplingParams(**bad)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_samples_the_same_tokens_as_the_cpu():

@@ -23,7 +23,10 @@ initial_codec_chunk_frames >= 0). This builder adds the rules that need the mode
 - Reference audio: any format FFmpeg decodes, any rate and channel count (media policy of
   the server for data URI / base64 / URL / path); mono by channel average, resampled to
   24 kHz; 0.5..30 s (:data:`MIN_REF_SECONDS`, :data:`MAX_REF_SECONDS`); not silent.
-- ``seed`` 0..2**31-1 (the sampler's hash seed), ``max_new_tokens`` 1..8192.
+- ``seed`` 0..2**31-1 (the sampler's hash seed), ``max_new_tokens`` 1..8192,
+  ``min_new_tokens`` at most ``max_new_tokens`` when both are given; ``temperature``,
+  ``top_p`` and ``repetition_penalty`` 0 or within float32's normal range (the sampler's
+  dtype).
 """
 
 from __future__ import annotations
@@ -65,6 +68,12 @@ long before 30 s. Applied as the media policy's duration cap (decoding stops the
 SILENT_PEAK = 1e-4
 """A reference whose peak is below -80 dBFS is digital silence: no voice to clone."""
 MAX_SEED = 2**31 - 1
+FLOAT32_FIELDS = ("temperature", "top_p", "repetition_penalty")
+"""Sampling fields the engine holds as float32 tensors: a value that overflows to inf or
+flushes to 0 there (temperature 1e300 raised in the engine's prefill and failed every
+request coalesced with it) is refused here, naming the field."""
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 # Seconds of speech per text unit at a slow reading pace (see max_frames_for_text).
 LEAD_SECONDS = 2.0
@@ -171,6 +180,14 @@ def build_qwen3_tts_request(
 
 
 def _check_generation_limits(request: SpeechRequest) -> None:
+    for name in FLOAT32_FIELDS:
+        value = getattr(request, name)
+        if value is not None and value != 0 and not FLOAT32_TINY <= value <= FLOAT32_MAX:
+            raise RequestValidationError(
+                f"{name} {value:g} is outside the sampler's float32 range "
+                f"{FLOAT32_TINY:.3g}..{FLOAT32_MAX:.3g}",
+                param=name,
+            )
     if request.seed is not None and request.seed > MAX_SEED:
         raise RequestValidationError(f"seed must be 0..{MAX_SEED}", param="seed")
     if request.max_new_tokens is not None and request.max_new_tokens > MAX_NEW_TOKENS_LIMIT:
@@ -186,6 +203,11 @@ def _min_new_tokens(request: SpeechRequest) -> int:
     value = request.extra_params.get("min_new_tokens", REFERENCE_MIN_NEW_TOKENS)
     if value != int(value):
         raise RequestValidationError("min_new_tokens must be an integer", param="min_new_tokens")
+    if request.max_new_tokens is not None and value > request.max_new_tokens:
+        raise RequestValidationError(
+            f"min_new_tokens ({int(value)}) exceeds max_new_tokens ({request.max_new_tokens})",
+            param="min_new_tokens",
+        )
     return max(REFERENCE_MIN_NEW_TOKENS, int(value))
 
 

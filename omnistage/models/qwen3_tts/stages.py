@@ -166,13 +166,31 @@ class ReferenceEncoder:
         return job.result
 
     def _lead(self) -> None:
-        while True:
-            with self._lock:
-                jobs, self._pending = self._pending, []
-                if not jobs:
-                    self._leading = False
-                    return
-            self._run(jobs)
+        jobs: list[_ReferenceJob] = []
+        try:
+            while True:
+                with self._lock:
+                    jobs, self._pending = self._pending, []
+                    if not jobs:
+                        self._leading = False
+                        return
+                self._run(jobs)
+        finally:
+            if any(not job.done.is_set() for job in jobs):
+                self._abandon(jobs)
+
+    def _abandon(self, jobs: list[_ReferenceJob]) -> None:
+        """``_run`` raised something other than the encoders' errors (it propagates to the
+        leader's request): fail its jobs and the pending ones, and give up the lead, so no
+        worker waits forever for a leader that is gone and the next clip leads again."""
+        with self._lock:
+            jobs, self._pending = jobs + self._pending, []
+            self._leading = False
+        error = RuntimeError("reference encoding failed in a batch shared with this clip")
+        for job in jobs:
+            if not job.done.is_set():
+                job.error = error
+                job.done.set()
 
     def _run(self, jobs: list[_ReferenceJob]) -> None:
         try:

@@ -97,3 +97,21 @@ def test_a_failing_batch_fails_every_waiting_request_and_none_hangs():
     assert all(isinstance(e, RuntimeError) and "encoder broke" in str(e) for e in errors)
     with pytest.raises(RuntimeError, match="encoder broke"):  # and the next one still runs
         encoder.encode(clip(9))
+
+
+class UnexpectedlyFailingCodecEncoder(FakeCodecEncoder):
+    """Fails its first batch with an error the encoder does not expect (not Runtime/Value)."""
+
+    def encode_batch(self, clips):
+        if not self.batches:
+            self.batches.append(len(clips))
+            raise IndexError("a bug in the encoder")
+        return super().encode_batch(clips)
+
+
+def test_an_unexpected_error_gives_up_the_lead_so_later_clips_do_not_hang():
+    encoder = ReferenceEncoder(FakeSpeakerEncoder(), UnexpectedlyFailingCodecEncoder(), hold_ms=0.0)
+    with pytest.raises(IndexError):  # the leader's own request sees the real error
+        encoder.encode(clip(1))
+    results, errors = encode_concurrently(encoder, [clip(2)])  # before: waited for a gone leader
+    assert errors == [None] and results[0] is not None

@@ -348,10 +348,23 @@ def test_speed_is_refused(checkpoint):
     [("temperature", -0.1), ("top_k", -2), ("top_p", 0), ("top_p", 1.01),
      ("repetition_penalty", 0), ("seed", -1), ("seed", 2**31), ("max_new_tokens", 0),
      ("max_new_tokens", 8193), ("initial_codec_chunk_frames", -1),
-     ("non_streaming_mode", 1), ("initial_codec_chunk_frames", 1.5)],
+     ("non_streaming_mode", 1), ("initial_codec_chunk_frames", 1.5),
+     # beyond float32, the sampler's dtype: overflow used to fail the engine's whole prefill
+     ("temperature", 1e300), ("repetition_penalty", 1e300), ("top_p", 1e-300),
+     ("repetition_penalty", 1e-300)],
 )  # fmt: skip
 def test_out_of_range_generation_params_are_refused(checkpoint, field, value):
     rejects(field, checkpoint("custom_voice"), {"input": "Hi.", "voice": "ryan", field: value})
+
+
+def test_min_new_tokens_above_max_new_tokens_is_refused(checkpoint):
+    body = {"input": "Hi.", "voice": "ryan", "min_new_tokens": 50, "max_new_tokens": 8}
+    assert "exceeds max_new_tokens" in str(rejects("min_new_tokens", checkpoint("custom_voice"), body))
+
+
+def test_min_new_tokens_equal_to_max_new_tokens_fixes_the_length(checkpoint):
+    body = {"input": "Hi.", "voice": "ryan", "min_new_tokens": 8, "max_new_tokens": 8}
+    assert build(checkpoint("custom_voice"), body).min_new_tokens == 8
 
 
 def test_unset_sampling_stays_unset(checkpoint):
