@@ -81,8 +81,9 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
         return build_qwen3_tts_request(request, self._facts(), media)
 
     def warmup_request(self) -> SpeechRequest:
-        """A 4-frame request valid for the checkpoint's type (Base: a 1 s synthetic
-        reference clip, x-vector only)."""
+        """A 4-frame request valid for the checkpoint's type (Base: an ICL clone of a 1 s
+        synthetic clip, so the reference encoders and the vocoder's left-context path are
+        warm before the first real clone)."""
         facts = self._facts()
         fields: dict = {"input": "Hello.", "max_new_tokens": 4}
         if facts.model_type == "custom_voice":
@@ -91,7 +92,7 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
             fields["instructions"] = "A calm, clear voice."
         else:
             fields["ref_audio"] = _warmup_clip()
-            fields["x_vector_only_mode"] = True
+            fields["ref_text"] = "Hello."
         return SpeechRequest(**fields)
 
 

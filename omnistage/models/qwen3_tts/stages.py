@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -65,7 +66,7 @@ from omnistage.scheduling import ThreadedScheduler
 from omnistage.scheduling.ar import ARScheduler
 from omnistage.scheduling.vocoder import SETUP_MODALITY, ChunkPlan, VocoderInput, VocoderScheduler
 
-CPU_KV_CACHE_BYTES = 256 * 1024 * 1024  # CPU has no free-memory query worth trusting: a fixed pool
+CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
 # The code predictor draws with its own seed: the sampler's noise is keyed by (seed, step,
 # id), and sharing the talker's seed would correlate its draws with code 0's.
 PREDICTOR_SEED_SALT = 0x5BD1E995
@@ -281,22 +282,25 @@ def create_tts_engine_stage(
     kv_cache_bytes: int | None = None,
     block_size: int = 16,
     prefill_hold_ms: float = 5.0,
-    max_model_len: int = 10240,
+    max_model_len: int = 16384,
     cuda_graphs: bool = True,
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine.
 
     KV pool: ``kv_cache_bytes`` when given, else ``mem_fraction_static`` of the device
     memory free once every stage before this one (the vocoder) is built; on CPU
-    (no free-memory figure) :data:`CPU_KV_CACHE_BYTES` unless ``kv_cache_bytes`` is set.
-    ``max_model_len``: prompt + frames per request at most (8192 frames + a long prompt).
+    (no free-memory figure) :func:`cpu_kv_cache_bytes` unless ``kv_cache_bytes`` is set.
+    ``max_model_len``: prompt + frames per request at most: 8192 frames plus the longest
+    prompt (2,000 CJK characters are about 6,000 tokens; a 30 s ICL reference adds 375
+    frames). Only a request's own prompt + ``max_new_tokens`` is reserved, so a large
+    value costs nothing but block-table width.
     """
     where = resolve_device(device)
     model_path = _model_path(ctx)
     checkpoint = loaded_checkpoint(model_path, where)
     checkpoint.model.talker.fuse_projections()  # same values, ~30 kernels fewer per layer
     if kv_cache_bytes is None and where.type == "cpu":
-        kv_cache_bytes = CPU_KV_CACHE_BYTES
+        kv_cache_bytes = cpu_kv_cache_bytes()
     config = EngineConfig(
         kv_cache_bytes=kv_cache_bytes,
         mem_fraction_static=None if kv_cache_bytes is not None else mem_fraction_static,
@@ -308,6 +312,14 @@ def create_tts_engine_stage(
         graph_sampling=_default_step_sampling(model_path),
     )
     return ARScheduler(AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config))
+
+
+def cpu_kv_cache_bytes() -> int:
+    """The CPU KV pool: an eighth of physical memory, at most 4 GiB (a real 0.6B talker in
+    fp32 keeps 229 KB per token, so 4 GiB holds about 18,000 tokens: a few long requests,
+    which is what a CPU serves at once anyway)."""
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(CPU_KV_CACHE_MAX_BYTES, physical // 8)
 
 
 def _default_step_sampling(model_path: str) -> tuple[StepSampling, ...]:
