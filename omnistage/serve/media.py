@@ -240,7 +240,9 @@ def _read_regular_file(real: Path, text: str, policy: MediaPolicy, param: str) -
         fd = os.open(real, flags)
     except OSError as exc:
         raise RequestValidationError(
-            f"{param}: cannot open local file {text!r}: {exc.strerror}", param=param
+            f"{param} is not a data URI, base64 audio or an http(s) URL, and it names no "
+            f"readable local file ({text!r}: {exc.strerror})",
+            param=param,
         ) from None
     try:
         info = os.fstat(fd)

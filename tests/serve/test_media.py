@@ -163,7 +163,10 @@ def test_symlink_escape_refused(media_dirs):
 
 def test_missing_file_directory_and_size(media_dirs):
     root, _, policy = media_dirs
-    assert "cannot open" in rejects("missing.wav", policy)
+    assert "names no readable local file" in rejects("missing.wav", policy)
+    # text that is neither base64 nor a file says both, not only "cannot open"
+    message = rejects("!!!not base64!!!", policy)
+    assert "base64" in message and "local file" in message
     assert "not a regular file" in rejects("sub", policy)
     small = MediaPolicy(allowed_local_media_path=root, max_bytes=100)
     rejects("ref.wav", small, status=413)
