@@ -5,9 +5,15 @@ reference loads it; 3.9 MB, < 1 s on CPU), ``0.6b`` / ``1.7b`` the real ones (bo
 share one tokenizer: 170.6 M parameters, 682 MB fp32). Every tensor is random, because
 the reference's defaults leave zero codebooks and zero SnakeBeta parameters that would let
 broken code pass: codebook usage in [0.5, 2], SnakeBeta log-parameters ~ N(0, 0.1), norm
-weights ~ 1 + N(0, 0.05), all other tensors ~ N(0, min(0.06, 1 / sqrt(fan_in))) (the
-waveform conv min(0.06, 1.5 / fan_in)) so the decoder's output clamp at +-1 stays inactive
-(fan-in scaling matters only at real dims: output std ~0.1 there, ~0.004 in tiny).
+weights ~ 1 + N(0, 0.05).
+
+The decoder's other tensors are scaled so that its output depends on the codes at every
+size (see :func:`_decoder_std`): weights ~ N(0, gain^2 / fan_in) with the fan-in a layer's
+output really sums over, small biases. Output for random codes: std ~0.07 (tiny) / ~0.08
+(0.6b), peak ~0.4, and two different code sequences differ by ~0.4 at most (std ~1.2x the
+output's): audio compared at 1 int16 step tells right codes from wrong ones, and the
+output clamp at +-1 stays inactive. The encoder's tensors keep the older rule
+N(0, min(0.06, 1 / sqrt(fan_in))).
 """
 
 from __future__ import annotations
@@ -34,8 +40,7 @@ from omnistage.models.qwen3_tts.modeling.speech_tokenizer.encoder import (
 )
 
 SIZES = ("tiny", "0.6b", "1.7b")
-BASE_STD = 0.06
-_TRANSPOSED_CONV = re.compile(r"^decoder\.(upsample\.\d+\.0|decoder\.\d+\.block\.1)\.conv\.weight$")
+ENCODER_BASE_STD = 0.06
 
 # Mimi's configuration as the released checkpoint states it (transformers 4.x names).
 _MIMI_REAL: dict[str, Any] = {
@@ -111,6 +116,60 @@ def _shapes(config: SpeechTokenizerConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# Decoder scaling (measured, seed 0, 100 random frames). The older rule, N(0, min(0.06,
+# 1 / sqrt(fan_in))) for every tensor, left the tiny decoder's output to its biases: with
+# fan-ins of 8..112 the 0.06 cap made every layer's gain 0.2..0.6 while each added a
+# bias of std 0.06, and the transposed convs were scaled by in * kernel although each
+# output sums only in * kernel / stride taps. The code-dependent part fell from 1.4x the
+# total std at the quantizer to 0.10x after the transformer's input projection, 0.01x
+# after the upsampling, 0.0003x at the waveform (max difference 6e-6, 1/5 of an int16
+# step; output peak 0.013). Now:
+# - codebook vectors ~ N(0, 1) (an embedding table), every weight ~ N(0, gain^2 / fan_in)
+#   (variance-preserving: LeCun), biases ~ N(0, 0.02): the code signal keeps its level
+#   through the quantizer, the convs and the transformer (its final RMSNorm rescales it);
+# - a transposed conv's fan-in is in_channels * kernel / stride (upsample: kernel =
+#   stride, vocoder blocks: kernel = 2 * stride);
+# - the vocoder's 12 residual units end in a 1x1 conv of gain 0.3 (Fixup-style residual
+#   down-scaling): at gain 1 every unit doubles the variance (x + branch, and SnakeBeta
+#   adds sin^2 offsets), 4 blocks grew the activations ~80x and clamped the output;
+#   at 0.3 the waveform conv's input has rms ~2.4 at both sizes;
+# - the waveform conv has gain 0.03: output std ~0.07 (tiny) / ~0.08 (0.6b), peak ~0.4
+#   (tiny's waveform conv sums only 14 weights, so the level varies with the seed: peak
+#   <= 0.75 over seeds 0..7).
+# LayerScale / ConvNeXt gamma stay ~ N(0, 0.06) (the released init is 0.01): the
+# transformer branches still move the tiny waveform by ~13% of its peak.
+DECODER_BIAS_STD = 0.02
+RESIDUAL_BRANCH_GAIN = 0.3
+WAVEFORM_GAIN = 0.03
+LAYER_SCALE_STD = 0.06
+# transposed convs, by checkpoint name -> taps each output sums per input channel
+_TRANSPOSED_TAPS = ((re.compile(r"^decoder\.upsample\.\d+\.0\.conv\.weight$"), 1),
+                    (re.compile(r"^decoder\.decoder\.\d+\.block\.1\.conv\.weight$"), 2))  # fmt: skip
+_RESIDUAL_OUT = re.compile(r"^decoder\.decoder\.\d+\.block\.\d+\.conv2\.conv\.weight$")
+
+
+def _decoder_std(name: str, shape: tuple[int, ...]) -> float:
+    """Standard deviation of a decoder tensor other than codebook usage, SnakeBeta and
+    norm weights (see the comment above)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "embedding_sum":
+        return 1.0
+    if leaf in ("scale", "gamma"):
+        return LAYER_SCALE_STD
+    if len(shape) == 1:
+        return DECODER_BIAS_STD
+    fan_in = math.prod(shape[1:])
+    for pattern, taps in _TRANSPOSED_TAPS:
+        if pattern.match(name):
+            fan_in = shape[0] * taps  # ConvTranspose1d stores [in, out, k]
+    gain = 1.0
+    if _RESIDUAL_OUT.match(name):
+        gain = RESIDUAL_BRANCH_GAIN
+    elif name.startswith("decoder.decoder.") and shape[0] == 1:
+        gain = WAVEFORM_GAIN
+    return gain / math.sqrt(fan_in)
+
+
 def _random(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "cluster_usage":
@@ -121,15 +180,10 @@ def _random(name: str, shape: tuple[int, ...], generator: torch.Generator) -> to
         return torch.randn(shape, generator=generator) * 0.1
     if "norm" in name and leaf == "weight":
         return 1.0 + torch.randn(shape, generator=generator) * 0.05
+    if name.startswith("decoder."):
+        return torch.randn(shape, generator=generator) * _decoder_std(name, shape)
     fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
-    if _TRANSPOSED_CONV.match(name):
-        fan_in = shape[0] * shape[2]  # ConvTranspose1d stores [in, out, k]
-    std = min(BASE_STD, 1.0 / math.sqrt(fan_in))
-    if name.startswith("decoder.decoder.") and leaf == "weight" and shape[0] == 1:
-        # the waveform conv's input carries SnakeBeta's accumulated offsets (std ~2 at real
-        # dims): 1/sqrt(fan_in) clamped half the samples, 1.5/fan_in gives std ~0.1
-        std = min(BASE_STD, 1.5 / fan_in)
-    return torch.randn(shape, generator=generator) * std
+    return torch.randn(shape, generator=generator) * min(ENCODER_BASE_STD, 1.0 / math.sqrt(fan_in))
 
 
 def random_speech_tokenizer_tensors(size: str, seed: int) -> dict[str, torch.Tensor]:
