@@ -111,7 +111,7 @@ class SpeechServer:
             stage.scheduler.batch_observer = functools.partial(self.metrics.observe_batch, name)
         if self.settings.warmup:
             warmup = self.model.warmup_request()
-            validate_speech_request(warmup, self.capabilities)
+            warmup = validate_speech_request(warmup, self.capabilities)
             handle = self.pipeline.submit(self.model.build_request(warmup, self.settings.media_policy))
             await handle.result()
         self.ready = True
@@ -247,7 +247,7 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
             _require_json(request)
             body = await _read_body(request, server.settings.max_body_bytes)
             speech_request = await run_in_threadpool(parse_speech_request, body, caps)
-            validate_speech_request(speech_request, caps)
+            speech_request = validate_speech_request(speech_request, caps)
             model_request = await run_in_threadpool(
                 server.model.build_request, speech_request, server.settings.media_policy
             )

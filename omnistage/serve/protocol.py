@@ -3,7 +3,7 @@
 Request flow for ``POST /v1/audio/speech``::
 
     req = parse_speech_request(raw_body, caps)   # shape: JSON, types, ranges, unknown fields
-    validate_speech_request(req, caps)           # semantics: what the served model accepts
+    req = validate_speech_request(req, caps)     # semantics: what the served model accepts
 
 Both raise only :class:`~omnistage.errors.RequestValidationError` (HTTP 400) whose ``param``
 names the offending field; :func:`error_envelope` turns any omnistage error into the OpenAI
@@ -29,6 +29,7 @@ import base64
 import json
 import math
 import re
+import unicodedata
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
@@ -359,30 +360,44 @@ def request_error_from_validation(exc: ValidationError) -> RequestValidationErro
 # --------------------------------------------------------------------------- validation
 
 
-def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> None:
-    """Check ``req`` against what the served model accepts. Pure: no I/O, no mutation.
+def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> SpeechRequest:
+    """Check ``req`` against what the served model accepts. Pure: no I/O; ``req`` itself is
+    not changed.
 
     A field counts as *set* when its value is not ``None``, not its default and not an
     empty list (so ``speed: 1.0`` or ``x_vector_only_mode: false`` are no-ops anywhere).
+    ``voice`` and ``language`` match the declared names case-insensitively (an exact match
+    first), as model cards spell them ("Vivian", "English") in any case.
+
+    Returns:
+        ``req`` with ``voice`` and ``language`` in the spelling ``caps`` declares, so the
+        model sees only declared names (``req`` itself when nothing changes).
 
     Raises:
         RequestValidationError: with ``param`` naming the field, when: ``model`` is not one
-            of ``caps.model_names``; ``input`` is empty/whitespace or longer than
-            ``caps.max_input_chars``; a set field is not supported (the message lists the
-            supported fields); a value is not among the declared choices (voice, language,
-            task_type, response_format; the message lists them); ``speed`` or an extra
-            parameter is out of its declared range; reference fields are inconsistent.
+            of ``caps.model_names``; ``input`` is blank (only whitespace and Unicode format
+            characters such as U+200B, U+FEFF) or longer than ``caps.max_input_chars``; a
+            set field is not supported (the message lists the supported fields); a value
+            is not among the declared choices (voice, language, task_type,
+            response_format; the message lists them); ``speed`` or an extra parameter is
+            out of its declared range; reference fields are inconsistent.
     """
     _check_model(req, caps)
     _check_text("input", req.input, caps.max_input_chars, required=True)
     _check_supported(req, caps)
     _check_formats(req, caps)
-    _check_voice(req, caps)
-    _check_choice("language", req.language, caps.languages)
-    _check_choice("task_type", req.task_type, caps.task_types)
+    voice = _check_voice(req, caps)
+    language = _choice("language", req.language, caps.languages, ignore_case=True)
+    _choice("task_type", req.task_type, caps.task_types)
     _check_speed(req, caps)
     _check_references(req, caps)
     _check_extra_params(req, caps)
+    changed = {
+        name: value
+        for name, value in (("voice", voice), ("language", language))
+        if value != getattr(req, name)
+    }
+    return req.model_copy(update=changed) if changed else req
 
 
 def _check_model(req: SpeechRequest, caps: SpeechCapabilities) -> None:
@@ -397,10 +412,16 @@ def _check_model(req: SpeechRequest, caps: SpeechCapabilities) -> None:
 _UNSPEAKABLE = re.compile("[\x00\ud800-\udfff]")
 
 
+def _is_blank(text: str) -> bool:
+    """Only whitespace and format characters (Unicode category Cf: zero-width space U+200B,
+    BOM U+FEFF, direction marks): nothing a model can speak."""
+    return all(char.isspace() or unicodedata.category(char) == "Cf" for char in text)
+
+
 def _check_text(name: str, text: str | None, max_chars: int, required: bool = False) -> None:
     if text is None:
         return
-    if required and not text.strip():
+    if required and _is_blank(text):
         raise RequestValidationError(f"{name} must not be empty", param=name)
     if len(text) > max_chars:
         raise RequestValidationError(
@@ -442,30 +463,44 @@ def _check_formats(req: SpeechRequest, caps: SpeechCapabilities) -> None:
         )
 
 
-def _check_voice(req: SpeechRequest, caps: SpeechCapabilities) -> None:
+def _check_voice(req: SpeechRequest, caps: SpeechCapabilities) -> str | None:
+    """-> the declared spelling of ``req.voice`` (None when the request names none)."""
     allowed = caps.voices or ((caps.default_voice,) if caps.default_voice else ())
     if req.voice is None:
         if caps.voices and caps.default_voice is None:
             raise RequestValidationError(
                 f"voice is required; available voices: {', '.join(caps.voices)}", param="voice"
             )
-        return
+        return None
     if not allowed:
         raise RequestValidationError(
             f"model {caps.model_name!r} does not accept a voice", param="voice"
         )
-    _check_choice("voice", req.voice, allowed)
+    return _choice("voice", req.voice, allowed, ignore_case=True)
 
 
 _PLURALS = {"voice": "voices", "language": "languages", "task_type": "task types"}
 
 
-def _check_choice(name: str, value: str | None, allowed: tuple[str, ...]) -> None:
-    if value is not None and value not in allowed:
-        raise RequestValidationError(
-            f"{name} {value!r} is not available; available {_PLURALS[name]}: {', '.join(allowed)}",
-            param=name,
-        )
+def _choice(
+    name: str, value: str | None, allowed: tuple[str, ...], ignore_case: bool = False
+) -> str | None:
+    """-> the entry of ``allowed`` that ``value`` names: equal, else (``ignore_case``) the one
+    equal after case folding. None stays None.
+
+    Raises:
+        RequestValidationError: no entry matches, or several match only after case folding.
+    """
+    if value is None or value in allowed:
+        return value
+    if ignore_case:
+        matches = [choice for choice in allowed if choice.casefold() == value.casefold()]
+        if len(matches) == 1:
+            return matches[0]
+    raise RequestValidationError(
+        f"{name} {value!r} is not available; available {_PLURALS[name]}: {', '.join(allowed)}",
+        param=name,
+    )
 
 
 def _check_speed(req: SpeechRequest, caps: SpeechCapabilities) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import unicodedata
 
 import pytest
 from hypothesis import given, settings
@@ -79,9 +80,7 @@ def rejects(param: str | None, fn, *args) -> RequestValidationError:
 
 
 def valid(body: dict, caps: SpeechCapabilities = QWEN) -> SpeechRequest:
-    req = parse_speech_request(body, caps)
-    validate_speech_request(req, caps)
-    return req
+    return validate_speech_request(parse_speech_request(body, caps), caps)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -252,6 +251,17 @@ def test_empty_input(text):
     rejects("input", valid, {"input": text})
 
 
+@pytest.mark.parametrize("text", ["\u200b", "\ufeff", " \u200b\n\u2060\ufeff "])
+def test_input_of_only_format_characters_is_blank(text):
+    """Zero-width space, BOM, word joiner (Unicode category Cf) are nothing to speak."""
+    err = rejects("input", valid, {"input": text})
+    assert str(err) == "input must not be empty"
+
+
+def test_format_characters_around_text_are_kept():
+    assert valid({"input": "\ufeffhi\u200b"}).input == "\ufeffhi\u200b"
+
+
 def test_input_length_cap():
     valid({"input": "x" * 50})
     err = rejects("input", valid, {"input": "x" * 51})
@@ -280,6 +290,25 @@ def test_default_valued_fields_are_no_ops_on_any_model():
 def test_voice_not_available_lists_voices():
     err = rejects("voice", valid, {"input": "hi", "voice": "bob"})
     assert str(err) == "voice 'bob' is not available; available voices: joe, amy"
+
+
+def test_voice_and_language_match_case_insensitively_in_the_declared_spelling():
+    req = valid({"input": "hi", "voice": "AMY", "language": "english"})
+    assert (req.voice, req.language) == ("amy", "English")
+    assert valid({"input": "hi", "voice": "Lessac"}, PIPER).voice == "lessac"
+
+
+def test_validation_returns_a_normalized_copy_and_leaves_the_request_alone():
+    req = parse_speech_request({"input": "hi", "voice": "Joe"}, QWEN)
+    assert validate_speech_request(req, QWEN).voice == "joe" and req.voice == "Joe"
+    exact = parse_speech_request({"input": "hi", "voice": "joe"}, QWEN)
+    assert validate_speech_request(exact, QWEN) is exact
+
+
+def test_voice_equal_to_two_declared_names_after_case_folding_is_ambiguous():
+    caps = SpeechCapabilities(model_names=("m",), model_type="t", voices=("Ann", "ANN"), sample_rate=1)
+    assert valid({"input": "hi", "voice": "ANN"}, caps).voice == "ANN"
+    rejects("voice", valid, {"input": "hi", "voice": "ann"}, caps)
 
 
 def test_default_only_voice():
@@ -626,7 +655,12 @@ speakable = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x
 
 
 @settings(max_examples=200, deadline=None)
-@given(input_=st.text(speakable, min_size=1, max_size=50).filter(str.strip), seed=st.integers(0, 2**63 - 1))
+@given(
+    input_=st.text(speakable, min_size=1, max_size=50).filter(
+        lambda text: any(not c.isspace() and unicodedata.category(c) != "Cf" for c in text)
+    ),
+    seed=st.integers(0, 2**63 - 1),
+)
 def test_fuzz_valid_requests_accepted(input_, seed):
     req = valid({"text": input_, "seed": seed, "voice": "amy"})
     assert (req.input, req.seed) == (input_, seed)

@@ -50,6 +50,12 @@ def test_openai_sdk_non_streaming_returns_exact_audio(tone_server):
     assert audio.content == expected_pcm("hello", "square")
 
 
+def test_voice_in_another_case_reaches_the_model_as_declared(tone_server):
+    client = openai.OpenAI(base_url=f"{tone_server.base_url}/v1", api_key="unused")
+    audio = client.audio.speech.create(model="tone-test", voice="Square", input="hello", response_format="pcm")
+    assert audio.content == expected_pcm("hello", "square")
+
+
 def test_openai_sdk_streaming_equals_non_streaming(tone_server):
     client = openai.OpenAI(base_url=f"{tone_server.base_url}/v1", api_key="unused")
     whole = client.audio.speech.create(model="tone-test", voice="sine", input="stream me", response_format="pcm")
@@ -105,6 +111,7 @@ def test_non_streaming_headers_report_finish_reason_and_counts(tone_server):
     [
         ({"input": "hi", "voice": "bob"}, "voice"),
         ({"input": "   "}, "input"),
+        ({"input": "\u200b\ufeff"}, "input"),
         ({"input": "hi", "speed": 9}, "speed"),
         ({"input": "hi", "temperature": 0.5}, "temperature"),
         ({"input": "hi", "bogus": 1}, "bogus"),

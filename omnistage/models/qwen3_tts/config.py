@@ -23,6 +23,7 @@ from omnistage.models.qwen3_tts.capabilities import (
     Qwen3TTSModelFacts,
     qwen3_tts_capabilities,
 )
+from omnistage.models.qwen3_tts.modeling.config import load_config
 from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest
 from omnistage.models.qwen3_tts.request_builders import build_qwen3_tts_request
 from omnistage.serve.media import MediaPolicy
@@ -36,7 +37,7 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
 
     @classmethod
     def for_model_path(cls, model_path: str) -> Self:
-        Qwen3TTSModelFacts.from_checkpoint(model_path)  # fail now, naming the file, if unusable
+        _facts(model_path)  # fail now, naming the file and the field, if unusable
         return cls(
             name=f"qwen3_tts:{Path(model_path).name}",
             model_path=model_path,
@@ -98,7 +99,9 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
 
 @lru_cache(maxsize=8)
 def _facts(model_path: str) -> Qwen3TTSModelFacts:
-    return Qwen3TTSModelFacts.from_checkpoint(model_path)
+    """Read once per model path: capabilities, every request's build and the warm-up use it.
+    Raises: CheckpointConfigError naming the file and the field."""
+    return Qwen3TTSModelFacts.from_config(load_config(model_path))
 
 
 def _warmup_clip() -> str:

@@ -35,11 +35,9 @@ class Qwen3TTSRequest:
         text: the text to speak (non-blank, at most ``MAX_INPUT_CHARS`` characters).
         model_type: the served checkpoint's type (``base`` | ``custom_voice`` |
             ``voice_design``); decides the prompt layout.
-        language: ``"auto"`` or a ``codec_language_id`` key, as requested.
-        language_id: codec id for the prompt's think prefix after the dialect-speaker
-            switch; None means ``auto`` (nothink prefix).
-        speaker: CustomVoice speaker name; None otherwise.
-        speaker_id: its codec id (``spk_id``); None otherwise.
+        language: ``"auto"`` or a non-dialect ``codec_language_id`` key, as requested
+            (the prompt builder switches dialect speakers to their dialect).
+        speaker: CustomVoice speaker name (a ``spk_id`` key); None otherwise.
         instructions: instruct text (VoiceDesign: always; CustomVoice 1.7B: optional).
         ref_audio: Base only: the reference voice, mono float32 ``[S]`` at 24 kHz,
             0.5..30 s; None for the other types.
@@ -62,9 +60,7 @@ class Qwen3TTSRequest:
     text: str
     model_type: ModelType
     language: str
-    language_id: int | None
     speaker: str | None
-    speaker_id: int | None
     instructions: str | None
     ref_audio: np.ndarray | None
     ref_text: str | None

@@ -1,12 +1,13 @@
 """Speech request -> :class:`Qwen3TTSRequest`: all validation before any model work.
 
-Precondition: the request passed :func:`~omnistage.serve.protocol.validate_speech_request`
-against :func:`~.capabilities.qwen3_tts_capabilities` of the same checkpoint (the server
-does this first). That check already rejects, naming the field: unknown speaker or
-language (listing the allowed ones), empty or too long text, ``instructions`` on Base
-(and on 0.6B CustomVoice), ``ref_audio``/``ref_text``/``references``/``x_vector_only_mode``
-on CustomVoice and VoiceDesign, ``speed``, and the sampling ranges the wire format has
-(temperature >= 0, top_k >= 0 (-1 = 0), 0 < top_p <= 1, repetition_penalty > 0,
+Precondition: the request is what :func:`~omnistage.serve.protocol.validate_speech_request`
+returned against :func:`~.capabilities.qwen3_tts_capabilities` of the same checkpoint (the
+server does this first), so ``voice`` and ``language`` are declared (lower-case) names.
+That check already rejects, naming the field: unknown speaker or language (listing the
+allowed ones), blank or too long text, ``instructions`` on Base (and on 0.6B CustomVoice),
+``ref_audio``/``ref_text``/``references``/``x_vector_only_mode`` on CustomVoice and
+VoiceDesign, ``speed``, and the sampling ranges the wire format has (temperature >= 0,
+top_k >= 0 (-1 = 0), 0 < top_p <= 1, repetition_penalty > 0,
 initial_codec_chunk_frames >= 0). This builder adds the rules that need the model type:
 
 - VoiceDesign needs non-blank ``instructions``; blank ``instructions`` are refused anywhere.
@@ -45,9 +46,9 @@ from omnistage.models.qwen3_tts.capabilities import (
     FRAMES_PER_SECOND,
     MAX_NEW_TOKENS_LIMIT,
     SAMPLE_RATE,
-    GenerationDefaults,
     Qwen3TTSModelFacts,
 )
+from omnistage.models.qwen3_tts.modeling.config import GenerationConfig
 from omnistage.models.qwen3_tts.payload_types import (
     Qwen3TTSRequest,
     Qwen3TTSSampling,
@@ -144,16 +145,12 @@ def build_qwen3_tts_request(
     """
     _check_generation_limits(request)
     instructions = _instructions(request, facts)
-    speaker = request.voice if facts.model_type == "custom_voice" else None
-    language = request.language or AUTO_LANGUAGE
     ref_audio, ref_text, x_vector_only = _voice_clone(request, facts, media)
     return Qwen3TTSRequest(
         text=request.input,
         model_type=facts.model_type,
-        language=language,
-        language_id=facts.language_id(language, speaker),
-        speaker=speaker,
-        speaker_id=None if speaker is None else facts.speakers[speaker],
+        language=request.language or AUTO_LANGUAGE,
+        speaker=request.voice if facts.model_type == "custom_voice" else None,
         instructions=instructions,
         ref_audio=ref_audio,
         ref_text=ref_text,
@@ -305,7 +302,7 @@ def load_reference(value: str, media: MediaPolicy, param: str = "ref_audio") -> 
 
 
 def resolve_sampling(
-    request: Qwen3TTSRequest, defaults: GenerationDefaults, facts: Qwen3TTSModelFacts
+    request: Qwen3TTSRequest, defaults: GenerationConfig, facts: Qwen3TTSModelFacts
 ) -> Qwen3TTSSampling:
     """The request's sampling for the engine: client values over generation_config.json.
 
@@ -332,7 +329,7 @@ def resolve_sampling(
 
 
 def sampling_params(
-    overrides: SamplingOverrides, seed: int, min_new_tokens: int, defaults: GenerationDefaults, facts: Qwen3TTSModelFacts
+    overrides: SamplingOverrides, seed: int, min_new_tokens: int, defaults: GenerationConfig, facts: Qwen3TTSModelFacts
 ) -> tuple[SamplingParams, SamplingParams]:
     """(talker, code predictor) :class:`SamplingParams`: ``overrides`` over
     generation_config.json, as :func:`resolve_sampling` describes."""
@@ -342,7 +339,7 @@ def sampling_params(
         return default if value is None else value
 
     talker_temperature = defaults.temperature if defaults.do_sample else 0.0
-    predictor_temperature = defaults.subtalker_temperature if defaults.subtalker_do_sample else 0.0
+    predictor_temperature = defaults.subtalker_temperature if defaults.subtalker_dosample else 0.0
     # The top 1024 talker ids are control codes (reference: suppress_tokens =
     # range(vocab_size - 1024, vocab_size) minus EOS); below them are the 2048 audio codes.
     control_start = facts.codec_vocab_size - 1024

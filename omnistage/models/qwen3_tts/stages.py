@@ -35,11 +35,7 @@ from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.model_runner import StepSampling
 from omnistage.engine.sampler import SamplerFeatures
 from omnistage.engine.sequence import GenerationInput
-from omnistage.models.qwen3_tts.capabilities import (
-    SAMPLE_RATE,
-    GenerationDefaults,
-    Qwen3TTSModelFacts,
-)
+from omnistage.models.qwen3_tts.capabilities import SAMPLE_RATE, Qwen3TTSModelFacts
 from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
 from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, TalkerPrompt
 from omnistage.models.qwen3_tts.modeling.speaker_encoder import SpeakerEncoder
@@ -227,8 +223,7 @@ def create_preprocessing_stage(
     where = resolve_device(device)
     checkpoint = loaded_checkpoint(model_path, where)
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
-    facts = Qwen3TTSModelFacts.from_checkpoint(model_path)
-    defaults = GenerationDefaults.from_checkpoint(model_path)
+    facts, defaults = Qwen3TTSModelFacts.from_config(checkpoint.config), checkpoint.generation
     references = None
     if checkpoint.model.speaker_encoder is not None:
         codec_encoder = load_encoder(Path(model_path) / "speech_tokenizer", where)
@@ -309,7 +304,7 @@ def create_tts_engine_stage(
         max_model_len=max_model_len,
         prefill_hold_ms=prefill_hold_ms,
         cuda_graph_batch_sizes=None if cuda_graphs else (),
-        graph_sampling=_default_step_sampling(model_path),
+        graph_sampling=_default_step_sampling(checkpoint),
     )
     return ARScheduler(AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config))
 
@@ -322,13 +317,13 @@ def cpu_kv_cache_bytes() -> int:
     return min(CPU_KV_CACHE_MAX_BYTES, physical // 8)
 
 
-def _default_step_sampling(model_path: str) -> tuple[StepSampling, ...]:
+def _default_step_sampling(checkpoint: LoadedCheckpoint) -> tuple[StepSampling, ...]:
     """The graph variants of the checkpoint's default sampling and of greedy requests
     (``temperature: 0``): captured at start-up, so neither pauses a live request."""
-    facts, defaults = Qwen3TTSModelFacts.from_checkpoint(model_path), GenerationDefaults.from_checkpoint(model_path)
+    facts = Qwen3TTSModelFacts.from_config(checkpoint.config)
     variants = []
     for overrides in (SamplingOverrides(), SamplingOverrides(temperature=0.0)):
-        talker, predictor = sampling_params(overrides, 0, REFERENCE_MIN_NEW_TOKENS, defaults, facts)
+        talker, predictor = sampling_params(overrides, 0, REFERENCE_MIN_NEW_TOKENS, checkpoint.generation, facts)
         variants.append(StepSampling(SamplerFeatures.of([talker]), SamplerFeatures.of([predictor])))
     return tuple(variants)
 

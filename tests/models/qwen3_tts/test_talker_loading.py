@@ -10,7 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from omnistage.models.qwen3_tts.modeling.config import CheckpointConfigError, load_config
+from omnistage.models.qwen3_tts.modeling.config import (
+    CheckpointConfigError,
+    load_config,
+    load_generation_config,
+)
 from omnistage.models.qwen3_tts.modeling.weights import CheckpointWeightsError, load_checkpoint
 
 
@@ -34,13 +38,52 @@ def test_generation_config_without_a_key_names_the_key(base_copy: Path) -> None:
         load_checkpoint(base_copy)
 
 
-def test_talker_head_dim_is_required_not_derived(base_copy: Path) -> None:
-    path = base_copy / "config.json"
+def edit_json(path: Path, edit) -> None:
     raw = json.loads(path.read_text())
-    del raw["talker_config"]["head_dim"]
+    edit(raw)
     path.write_text(json.dumps(raw))
-    with pytest.raises(CheckpointConfigError, match="talker_config has no 'head_dim'"):
+
+
+def test_talker_head_dim_is_required_not_derived(base_copy: Path) -> None:
+    edit_json(base_copy / "config.json", lambda raw: raw["talker_config"].pop("head_dim"))
+    with pytest.raises(CheckpointConfigError, match="config.json: talker_config.head_dim is missing"):
         load_config(base_copy)
+
+
+def test_malformed_value_is_an_error_naming_the_field(base_copy: Path) -> None:
+    edit_json(base_copy / "config.json", lambda raw: raw["talker_config"].update(head_dim="wide"))
+    with pytest.raises(CheckpointConfigError, match="config.json: talker_config.head_dim = 'wide'"):
+        load_config(base_copy)
+
+
+def test_config_of_the_25hz_tokenizer_is_refused_naming_the_file(base_copy: Path) -> None:
+    edit_json(base_copy / "config.json", lambda raw: raw.update(tokenizer_type="qwen3_tts_tokenizer_25hz"))
+    with pytest.raises(CheckpointConfigError, match="config.json: tokenizer_type 'qwen3_tts_tokenizer_25hz'"):
+        load_config(base_copy)
+
+
+def test_config_of_another_architecture_is_refused(base_copy: Path) -> None:
+    edit_json(base_copy / "config.json", lambda raw: raw.update(architectures=["Qwen3ForCausalLM"]))
+    with pytest.raises(CheckpointConfigError, match="config.json: architectures .* lack 'Qwen3TTSForConditionalGeneration'"):
+        load_config(base_copy)
+
+
+def test_malformed_speaker_id_is_refused_naming_the_field(tiny_checkpoints, tmp_path: Path) -> None:
+    path = Path(shutil.copytree(tiny_checkpoints["custom_voice"], tmp_path / "cv"))
+    edit_json(path / "config.json", lambda raw: raw["talker_config"]["spk_id"].update(vivian=[1, 2]))
+    with pytest.raises(CheckpointConfigError, match="talker_config.spk_id.vivian must be an int or a 1-element list"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("top_p", 0), ("subtalker_top_p", 1.5), ("temperature", -0.1), ("subtalker_temperature", 1e39),
+     ("top_k", -1), ("repetition_penalty", 0), ("max_new_tokens", 0), ("max_new_tokens", 8193)],
+)  # fmt: skip
+def test_generation_config_out_of_range_is_refused_naming_the_key(base_copy: Path, key: str, value: float) -> None:
+    edit_json(base_copy / "generation_config.json", lambda raw: raw.update({key: value}))
+    with pytest.raises(CheckpointConfigError, match=f"generation_config.json: {key} = "):
+        load_generation_config(base_copy)
 
 
 def test_speaker_ids_accept_ints_and_one_element_lists(tiny_checkpoints) -> None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from omnistage.models.qwen3_tts.modeling.generate import TalkerSampling, generate
-from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder
+from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, TalkerPrompt
 from omnistage.models.qwen3_tts.modeling.talker import greedy_sample
 from omnistage.models.qwen3_tts.modeling.weights import LoadedCheckpoint, load_checkpoint
 
@@ -74,14 +74,36 @@ def test_invalid_prompts_raise_value_errors(loaded, model_type, call, message) -
         call(builder(loaded[model_type]))
 
 
-def test_dialect_speaker_switches_language_only_for_chinese_or_auto(loaded) -> None:
-    b = builder(loaded["custom_voice"])
-    auto = b.custom_voice("hi", "eric", "auto")
-    chinese = b.custom_voice("hi", "eric", "chinese")
-    english = b.custom_voice("hi", "eric", "english")
-    # auto would use the 3-id prefix; the dialect makes it the 4-id prefix with the same rows
-    assert torch.equal(auto.prefill, chinese.prefill)
-    assert auto.prefill.shape == english.prefill.shape and not torch.equal(auto.prefill, english.prefill)
+def think_prefix_language(ck: LoadedCheckpoint, prompt: TalkerPrompt) -> int | None:
+    """The codec language id in ``prompt``'s think prefix (None: the nothink prefix of
+    "auto"). Prompt without instruct: 3 role rows, then ``T(tts_pad) + C(codec id)`` rows of
+    ``[think, think_bos, lang, think_eos]`` or ``[nothink, think_bos, think_eos]``."""
+    talker, cfg = ck.model.talker, ck.config
+    with torch.no_grad():
+        codec = prompt.prefill[3:6] - talker.text_embed(torch.tensor([cfg.tts_pad_id]))
+        ids = torch.tensor([cfg.talker.codec_think_id, cfg.talker.codec_nothink_id, *cfg.talker.codec_language_id.values()])
+        table = talker.codec_embed(ids)
+    matches = [int(ids[i]) for i in range(len(ids)) if torch.allclose(codec[0], table[i], atol=1e-5)]
+    if matches == [cfg.talker.codec_nothink_id]:
+        return None
+    assert matches == [cfg.talker.codec_think_id]
+    language = [int(ids[i]) for i in range(2, len(ids)) if torch.allclose(codec[2], table[i], atol=1e-5)]
+    assert len(language) == 1
+    return language[0]
+
+
+@pytest.mark.parametrize(
+    ("speaker", "language", "language_id"),
+    [("eric", "chinese", 2062), ("eric", "auto", 2062), ("Eric", "Chinese", 2062), ("dylan", "auto", 2074),
+     ("eric", "english", 2050), ("vivian", "chinese", 2055), ("vivian", "auto", None)],
+)  # fmt: skip
+def test_dialect_speakers_speak_their_dialect_for_chinese_and_auto(loaded, speaker, language, language_id) -> None:
+    """Reference qwen-tts ``generate``: a dialect speaker (eric -> sichuan_dialect 2062,
+    dylan -> beijing_dialect 2074) puts its dialect's codec id in the think prefix when the
+    language is chinese or auto; any other language, and other speakers, keep theirs."""
+    ck = loaded["custom_voice"]
+    prompt = builder(ck).custom_voice("hi", speaker, language)
+    assert think_prefix_language(ck, prompt) == language_id
 
 
 def test_eos_ends_generation_after_min_new_tokens_and_is_not_returned(tiny_checkpoints) -> None:

@@ -1,27 +1,39 @@
-"""Typed parse of a Qwen3-TTS checkpoint's ``config.json`` and ``generation_config.json``.
+"""Typed parse of a Qwen3-TTS checkpoint's ``config.json`` and ``generation_config.json``:
+the one place the package reads them (the server's capabilities are derived from these
+types, :mod:`omnistage.models.qwen3_tts.capabilities`).
 
-Every field the model's shapes or token ids depend on is read from the file and a missing
-one is an error: the reference's config classes carry defaults that are wrong for the 12 Hz
-checkpoints (codec ids 4196.., 32 code groups, talker ``head_dim`` falling back to
-hidden/heads = 64 instead of 128; digest section 8). The only defaults kept are the speaker
-encoder's ECAPA-TDNN geometry, which real checkpoints leave out and which the reference
-takes from its class defaults (digest section 7).
+Only 12 Hz checkpoints (``tokenizer_type`` ``qwen3_tts_tokenizer_12hz``) of the
+``Qwen3TTSForConditionalGeneration`` architecture are accepted. Every field the model's
+shapes or token ids depend on is read from the file and a missing one is an error: the
+reference's config classes carry defaults that are wrong for the 12 Hz checkpoints (codec
+ids 4196.., 32 code groups, talker ``head_dim`` falling back to hidden/heads = 64 instead of
+128; digest section 8). The only defaults kept are the speaker encoder's ECAPA-TDNN
+geometry, which real checkpoints leave out and which the reference takes from its class
+defaults (digest section 7). Speaker and language names are lower-cased, as the reference
+does before looking them up.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
+
+from omnistage.engine.sampler import SamplingParams
 
 __all__ = [
+    "ARCHITECTURE",
     "CONFIG_FILE",
     "GENERATION_CONFIG_FILE",
+    "MAX_NEW_TOKENS_LIMIT",
+    "TOKENIZER_TYPE",
     "CheckpointConfigError",
     "CodePredictorConfig",
     "DecoderConfig",
     "GenerationConfig",
+    "ModelType",
     "Qwen3TTSConfig",
     "SpeakerEncoderConfig",
     "TalkerConfig",
@@ -31,17 +43,35 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
+ARCHITECTURE = "Qwen3TTSForConditionalGeneration"
+TOKENIZER_TYPE = "qwen3_tts_tokenizer_12hz"
+MAX_NEW_TOKENS_LIMIT = 8192
+"""Highest frame cap, in generation_config.json or a request: the shipped checkpoints'
+``max_new_tokens`` (655 s of audio at 12.5 frames/s)."""
 ModelType = Literal["base", "custom_voice", "voice_design"]
+_T = TypeVar("_T")
 
 
 class CheckpointConfigError(ValueError):
-    """A checkpoint's config file is missing, unreadable, or lacks a required field."""
+    """A checkpoint's config file is missing or unreadable, or a field is missing, malformed
+    or out of range. Raised by :func:`load_config` and :func:`load_generation_config`, the
+    message names the file and the field."""
 
 
-def _require(section: dict[str, Any], key: str, where: str) -> Any:
+def _require(section: Any, key: str, where: str, kind: Callable[[Any], Any] | None = None) -> Any:
+    """``section[key]``, converted by ``kind`` when given; ``where`` is the section's dotted
+    path ("" at the top level). Raises: CheckpointConfigError naming ``where.key``."""
+    field = f"{where}.{key}" if where else key
+    if not isinstance(section, dict):
+        raise CheckpointConfigError(f"{where} is not a JSON object")
     if key not in section:
-        raise CheckpointConfigError(f"{where} has no {key!r}")
-    return section[key]
+        raise CheckpointConfigError(f"{field} is missing")
+    if kind is None:
+        return section[key]
+    try:
+        return kind(section[key])
+    except (TypeError, ValueError):
+        raise CheckpointConfigError(f"{field} = {section[key]!r} is not a {getattr(kind, '__name__', kind)}") from None
 
 
 @dataclass(frozen=True)
@@ -66,23 +96,23 @@ class DecoderConfig:
     def parse(cls, section: dict[str, Any], where: str) -> DecoderConfig:
         """Raises: CheckpointConfigError on a missing field, a non-SiLU activation, sliding
         window attention, or heads that do not group (num_heads % num_kv_heads != 0)."""
-        def req(key: str) -> Any:
-            return _require(section, key, where)
+        def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
+            return _require(section, key, where, kind)
 
         if req("hidden_act") != "silu":
             raise CheckpointConfigError(f"{where}.hidden_act is {section['hidden_act']!r}; only 'silu' is supported")
         if section.get("use_sliding_window", False):
             raise CheckpointConfigError(f"{where}.use_sliding_window is set; Qwen3-TTS uses full attention")
         config = cls(
-            hidden_size=int(req("hidden_size")),
-            intermediate_size=int(req("intermediate_size")),
-            num_layers=int(req("num_hidden_layers")),
-            num_heads=int(req("num_attention_heads")),
-            num_kv_heads=int(req("num_key_value_heads")),
-            head_dim=int(req("head_dim")),
-            rms_norm_eps=float(req("rms_norm_eps")),
-            rope_theta=float(req("rope_theta")),
-            vocab_size=int(req("vocab_size")),
+            hidden_size=req("hidden_size", int),
+            intermediate_size=req("intermediate_size", int),
+            num_layers=req("num_hidden_layers", int),
+            num_heads=req("num_attention_heads", int),
+            num_kv_heads=req("num_key_value_heads", int),
+            head_dim=req("head_dim", int),
+            rms_norm_eps=req("rms_norm_eps", float),
+            rope_theta=req("rope_theta", float),
+            vocab_size=req("vocab_size", int),
             attention_bias=bool(section.get("attention_bias", False)),
         )
         if config.num_heads % config.num_kv_heads:
@@ -170,67 +200,89 @@ class Qwen3TTSConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Qwen3TTSConfig:
-        """Raises: CheckpointConfigError on a missing or invalid field."""
-        model_type = _require(raw, "tts_model_type", CONFIG_FILE)
+        """Raises: CheckpointConfigError naming the field: one is missing or malformed,
+        ``architectures`` lacks :data:`ARCHITECTURE`, ``tokenizer_type`` is not the 12 Hz
+        :data:`TOKENIZER_TYPE` (the 25 Hz tokenizer is another codec), or a CustomVoice
+        model has no speakers."""
+        def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
+            return _require(raw, key, "", kind)
+
+        architectures = req("architectures")
+        if not isinstance(architectures, list) or ARCHITECTURE not in architectures:
+            raise CheckpointConfigError(f"architectures {architectures!r} lack {ARCHITECTURE!r}")
+        tokenizer_type = req("tokenizer_type", str)
+        if tokenizer_type != TOKENIZER_TYPE:
+            raise CheckpointConfigError(f"tokenizer_type {tokenizer_type!r} is not {TOKENIZER_TYPE!r}")
+        model_type = req("tts_model_type")
         if model_type not in ("base", "custom_voice", "voice_design"):
             raise CheckpointConfigError(f"tts_model_type {model_type!r} is not base, custom_voice or voice_design")
-        talker_raw = _require(raw, "talker_config", CONFIG_FILE)
+        talker_raw = req("talker_config")
         predictor_raw = _require(talker_raw, "code_predictor_config", "talker_config")
+        talker = _parse_talker(talker_raw)
+        if model_type == "custom_voice" and not talker.spk_id:
+            raise CheckpointConfigError("talker_config.spk_id is empty; a custom_voice model needs speakers")
         speaker = None
         if model_type == "base":
-            speaker = _parse_speaker_encoder(_require(raw, "speaker_encoder_config", CONFIG_FILE))
+            speaker = _parse_speaker_encoder(req("speaker_encoder_config"))
+        where = "talker_config.code_predictor_config"
         return cls(
             tts_model_type=model_type,
-            tts_model_size=str(_require(raw, "tts_model_size", CONFIG_FILE)),
-            tokenizer_type=str(_require(raw, "tokenizer_type", CONFIG_FILE)),
-            im_start_id=int(_require(raw, "im_start_token_id", CONFIG_FILE)),
-            im_end_id=int(_require(raw, "im_end_token_id", CONFIG_FILE)),
-            tts_pad_id=int(_require(raw, "tts_pad_token_id", CONFIG_FILE)),
-            tts_bos_id=int(_require(raw, "tts_bos_token_id", CONFIG_FILE)),
-            tts_eos_id=int(_require(raw, "tts_eos_token_id", CONFIG_FILE)),
-            talker=_parse_talker(talker_raw),
+            tts_model_size=req("tts_model_size", str),
+            tokenizer_type=tokenizer_type,
+            im_start_id=req("im_start_token_id", int),
+            im_end_id=req("im_end_token_id", int),
+            tts_pad_id=req("tts_pad_token_id", int),
+            tts_bos_id=req("tts_bos_token_id", int),
+            tts_eos_id=req("tts_eos_token_id", int),
+            talker=talker,
             code_predictor=CodePredictorConfig(
-                decoder=DecoderConfig.parse(predictor_raw, "code_predictor_config"),
-                num_code_groups=int(_require(predictor_raw, "num_code_groups", "code_predictor_config")),
+                decoder=DecoderConfig.parse(predictor_raw, where),
+                num_code_groups=_require(predictor_raw, "num_code_groups", where, int),
             ),
             speaker_encoder=speaker,
         )
 
 
+def _codec_id(value: Any, field: str) -> int:
+    """A codec id given as an int or a one-element list (both occur in shipped configs)."""
+    ids = value if isinstance(value, list) else [value]
+    if len(ids) != 1 or not isinstance(ids[0], int) or isinstance(ids[0], bool):
+        raise CheckpointConfigError(f"{field} must be an int or a 1-element list, got {value!r}")
+    return ids[0]
+
+
 def _parse_talker(raw: dict[str, Any]) -> TalkerConfig:
     where = "talker_config"
 
-    def req(key: str) -> Any:
-        return _require(raw, key, where)
+    def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
+        return _require(raw, key, where, kind)
 
     decoder = DecoderConfig.parse(raw, where)
     rope = req("rope_scaling")
     section = tuple(int(x) for x in _require(rope, "mrope_section", "talker_config.rope_scaling"))
     if sum(section) != decoder.head_dim // 2:
         raise CheckpointConfigError(f"talker mrope_section {section} does not sum to head_dim/2 = {decoder.head_dim // 2}")
-    spk_id = {}
-    for name, value in dict(req("spk_id") or {}).items():
-        ids = value if isinstance(value, list) else [value]
-        if len(ids) != 1:
-            raise CheckpointConfigError(f"talker_config.spk_id[{name!r}] must be an int or a 1-element list, got {value!r}")
-        spk_id[name.lower()] = int(ids[0])
+    spk_id = {name.lower(): _codec_id(value, f"talker_config.spk_id.{name}") for name, value in dict(req("spk_id") or {}).items()}
     dialects = {name.lower(): (value or None) for name, value in dict(req("spk_is_dialect") or {}).items()}
-    languages = {name.lower(): int(value) for name, value in dict(req("codec_language_id")).items()}
+    languages = {
+        name.lower(): _codec_id(value, f"talker_config.codec_language_id.{name}")
+        for name, value in dict(req("codec_language_id")).items()
+    }
     for speaker, dialect in dialects.items():
-        if dialect is not None and dialect not in languages:
-            raise CheckpointConfigError(f"speaker {speaker!r} maps to dialect {dialect!r}, which codec_language_id lacks")
+        if dialect is not None and (speaker not in spk_id or dialect not in languages):
+            raise CheckpointConfigError(f"talker_config.spk_is_dialect.{speaker} = {dialect!r} names no speaker or no language")
     return TalkerConfig(
         decoder=decoder,
-        text_vocab_size=int(req("text_vocab_size")),
-        text_hidden_size=int(req("text_hidden_size")),
-        num_code_groups=int(req("num_code_groups")),
-        codec_eos_id=int(req("codec_eos_token_id")),
-        codec_think_id=int(req("codec_think_id")),
-        codec_nothink_id=int(req("codec_nothink_id")),
-        codec_think_bos_id=int(req("codec_think_bos_id")),
-        codec_think_eos_id=int(req("codec_think_eos_id")),
-        codec_pad_id=int(req("codec_pad_id")),
-        codec_bos_id=int(req("codec_bos_id")),
+        text_vocab_size=req("text_vocab_size", int),
+        text_hidden_size=req("text_hidden_size", int),
+        num_code_groups=req("num_code_groups", int),
+        codec_eos_id=req("codec_eos_token_id", int),
+        codec_think_id=req("codec_think_id", int),
+        codec_nothink_id=req("codec_nothink_id", int),
+        codec_think_bos_id=req("codec_think_bos_id", int),
+        codec_think_eos_id=req("codec_think_eos_id", int),
+        codec_pad_id=req("codec_pad_id", int),
+        codec_bos_id=req("codec_bos_id", int),
         codec_language_id=languages,
         spk_id=spk_id,
         spk_is_dialect=dialects,
@@ -244,13 +296,13 @@ def _parse_speaker_encoder(raw: dict[str, Any]) -> SpeakerEncoderConfig:
     optional = {}
     for key in ("mel_dim", "enc_attention_channels", "enc_res2net_scale", "enc_se_channels"):
         if key in raw:
-            optional[key] = int(raw[key])
+            optional[key] = _require(raw, key, where, int)
     for key in ("enc_channels", "enc_kernel_sizes", "enc_dilations"):
         if key in raw:
             optional[key] = tuple(int(x) for x in raw[key])
     config = SpeakerEncoderConfig(
-        enc_dim=int(_require(raw, "enc_dim", where)),
-        sample_rate=int(_require(raw, "sample_rate", where)),
+        enc_dim=_require(raw, "enc_dim", where, int),
+        sample_rate=_require(raw, "sample_rate", where, int),
         **optional,
     )
     if not len(config.enc_channels) == len(config.enc_kernel_sizes) == len(config.enc_dilations):
@@ -258,12 +310,25 @@ def _parse_speaker_encoder(raw: dict[str, Any]) -> SpeakerEncoderConfig:
     return config
 
 
+_SAMPLER_KEYS = {
+    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+    "repetition_penalty": "repetition_penalty", "subtalker_temperature": "temperature",
+    "subtalker_top_k": "top_k", "subtalker_top_p": "top_p",
+}  # fmt: skip
+"""generation_config.json key -> the :class:`SamplingParams` field whose range it has."""
+
+
 @dataclass(frozen=True)
 class GenerationConfig:
     """``generation_config.json``: talker sampling, code-predictor ("subtalker") sampling and
-    the length cap. Values of the shipped checkpoints: do_sample true, top_k 50, top_p 1.0,
-    temperature 0.9, repetition_penalty 1.05, subtalker_* the same without penalty,
-    max_new_tokens 8192 (digest section 1)."""
+    the length cap; the sampling used where a request sets nothing. Values of the shipped
+    checkpoints: do_sample true, top_k 50, top_p 1.0, temperature 0.9, repetition_penalty
+    1.05, subtalker_* the same without penalty, max_new_tokens 8192 (digest section 1).
+
+    Ranges (checked by :meth:`from_dict`, the sampler's own): temperatures >= 0, top_k >= 0,
+    top_p in (0, 1], repetition_penalty > 0, floats within float32; max_new_tokens
+    1..:data:`MAX_NEW_TOKENS_LIMIT` frames.
+    """
 
     do_sample: bool
     top_k: int
@@ -278,39 +343,65 @@ class GenerationConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> GenerationConfig:
-        """Raises: CheckpointConfigError naming the first missing key."""
-        def req(key: str) -> Any:
-            return _require(raw, key, GENERATION_CONFIG_FILE)
+        """Raises: CheckpointConfigError naming the first key that is missing, malformed or
+        out of range (so a bad default fails at load, not in every request that uses it)."""
+        def req(key: str, kind: Callable[[Any], Any]) -> Any:
+            return _require(raw, key, "", kind)
 
-        return cls(
-            do_sample=bool(req("do_sample")),
-            top_k=int(req("top_k")),
-            top_p=float(req("top_p")),
-            temperature=float(req("temperature")),
-            repetition_penalty=float(req("repetition_penalty")),
-            subtalker_dosample=bool(req("subtalker_dosample")),
-            subtalker_top_k=int(req("subtalker_top_k")),
-            subtalker_top_p=float(req("subtalker_top_p")),
-            subtalker_temperature=float(req("subtalker_temperature")),
-            max_new_tokens=int(req("max_new_tokens")),
+        config = cls(
+            do_sample=req("do_sample", bool),
+            top_k=req("top_k", int),
+            top_p=req("top_p", float),
+            temperature=req("temperature", float),
+            repetition_penalty=req("repetition_penalty", float),
+            subtalker_dosample=req("subtalker_dosample", bool),
+            subtalker_top_k=req("subtalker_top_k", int),
+            subtalker_top_p=req("subtalker_top_p", float),
+            subtalker_temperature=req("subtalker_temperature", float),
+            max_new_tokens=req("max_new_tokens", int),
         )
+        if not 1 <= config.max_new_tokens <= MAX_NEW_TOKENS_LIMIT:
+            raise CheckpointConfigError(f"max_new_tokens = {config.max_new_tokens} is not in 1..{MAX_NEW_TOKENS_LIMIT}")
+        for key, field in _SAMPLER_KEYS.items():
+            value = getattr(config, key)
+            try:
+                SamplingParams(**{field: value})
+            except ValueError as exc:
+                raise CheckpointConfigError(f"{key} = {value!r} is out of range ({exc})") from None
+        return config
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise CheckpointConfigError(f"{path.name} is missing from {path.parent} (every Qwen3-TTS checkpoint ships one)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointConfigError(f"{path} cannot be read as JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object")
+    return raw
+
+
+def _load(path: Path, parse: Callable[[dict[str, Any]], _T]) -> _T:
+    raw = _read_json(path)
+    try:
+        return parse(raw)
+    except CheckpointConfigError as exc:
+        raise CheckpointConfigError(f"{path}: {exc}") from None
 
 
 def load_config(checkpoint_dir: str | Path) -> Qwen3TTSConfig:
-    """Parse ``<checkpoint_dir>/config.json``. Raises: CheckpointConfigError."""
-    return Qwen3TTSConfig.from_dict(_read_json(Path(checkpoint_dir) / CONFIG_FILE))
+    """Parse ``<checkpoint_dir>/config.json``.
+
+    Raises: CheckpointConfigError (a ValueError) naming the file and the field:
+    :meth:`Qwen3TTSConfig.from_dict` lists the checks.
+    """
+    return _load(Path(checkpoint_dir) / CONFIG_FILE, Qwen3TTSConfig.from_dict)
 
 
 def load_generation_config(checkpoint_dir: str | Path) -> GenerationConfig:
     """Parse ``<checkpoint_dir>/generation_config.json`` (mandatory, as in the reference
-    loader). Raises: CheckpointConfigError naming the missing file or key."""
-    return GenerationConfig.from_dict(_read_json(Path(checkpoint_dir) / GENERATION_CONFIG_FILE))
+    loader). Raises: CheckpointConfigError naming the file and the key that is missing,
+    malformed or out of range (:class:`GenerationConfig`)."""
+    return _load(Path(checkpoint_dir) / GENERATION_CONFIG_FILE, GenerationConfig.from_dict)
