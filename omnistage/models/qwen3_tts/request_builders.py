@@ -314,15 +314,16 @@ def resolve_sampling(
     - talker: EOS (``codec_eos_id``) stops; the control codes (the top 1024 ids, 2048..3071)
       other than EOS are never sampled; ``min_new_tokens`` 2 (reference qwen-tts ``generate``).
     - max_new_tokens: the client's value when given (1..8192, it may exceed the text cap:
-      the client asked for it); else ``min(frame_cap, generation_config max_new_tokens)``.
+      the client asked for it); else ``min(frame_cap, generation_config max_new_tokens)``,
+      raised to ``min_new_tokens`` when that is larger.
     - both samplers get ``request.seed``; the engine's draws are keyed by (seed, step,
       id), so it must give the code predictor's 15 draws per frame their own steps.
     """
     talker, code_predictor = sampling_params(request.sampling, request.seed, request.min_new_tokens, defaults, facts)
     if request.max_new_tokens is not None:
         max_new_tokens = request.max_new_tokens
-    else:
-        max_new_tokens = min(request.frame_cap, defaults.max_new_tokens)
+    else:  # the text's cap, raised to an explicit min_new_tokens (the client asked for it)
+        max_new_tokens = max(min(request.frame_cap, defaults.max_new_tokens), request.min_new_tokens)
     return Qwen3TTSSampling(
         talker=talker, code_predictor=code_predictor, max_new_tokens=max_new_tokens
     )

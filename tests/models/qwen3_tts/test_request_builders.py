@@ -560,6 +560,13 @@ def test_explicit_max_new_tokens_replaces_the_text_cap(checkpoint, defaults):
         assert resolve_sampling(req, defaults, facts).max_new_tokens == value
 
 
+def test_an_explicit_min_new_tokens_raises_the_text_cap(checkpoint, defaults):
+    facts = checkpoint("custom_voice")
+    req = build(facts, {"input": "Hi.", "voice": "ryan", "min_new_tokens": 400})
+    assert req.frame_cap < 400
+    assert resolve_sampling(req, defaults, facts).max_new_tokens == 400
+
+
 def test_generation_config_cap_bounds_the_text_cap(checkpoint, tmp_path):
     path = write_checkpoint(tmp_path, "voice_design")
     (path / "generation_config.json").write_text(
