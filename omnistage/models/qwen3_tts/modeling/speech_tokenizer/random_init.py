@@ -12,8 +12,13 @@ size (see :func:`_decoder_std`): weights ~ N(0, gain^2 / fan_in) with the fan-in
 output really sums over, small biases. Output for random codes: std ~0.07 (tiny) / ~0.08
 (0.6b), peak ~0.4, and two different code sequences differ by ~0.4 at most (std ~1.2x the
 output's): audio compared at 1 int16 step tells right codes from wrong ones, and the
-output clamp at +-1 stays inactive. The encoder's tensors keep the older rule
-N(0, min(0.06, 1 / sqrt(fan_in))).
+output clamp at +-1 stays inactive.
+
+The encoder's tensors are scaled so that its codes depend on the audio (see
+:func:`_encoder_std`): the same fan-in rule with gains for the ELUs and residual units, the
+first conv scaled for audio at rms ~0.2, and codebook vectors at the scale of the residual
+each quantizer stage sees. A 1 s clip's 13 frames take ~12 distinct codes in each of the 16
+groups, and two different clips share ~1% of their codes (tiny and 0.6b).
 """
 
 from __future__ import annotations
@@ -40,7 +45,6 @@ from omnistage.models.qwen3_tts.modeling.speech_tokenizer.encoder import (
 )
 
 SIZES = ("tiny", "0.6b", "1.7b")
-ENCODER_BASE_STD = 0.06
 
 # Mimi's configuration as the released checkpoint states it (transformers 4.x names).
 _MIMI_REAL: dict[str, Any] = {
@@ -170,6 +174,78 @@ def _decoder_std(name: str, shape: tuple[int, ...]) -> float:
     return gain / math.sqrt(fan_in)
 
 
+# Encoder scaling (measured, seed 0, 1 s clips at 24 kHz: a 220 Hz tone + noise vs a 523 Hz
+# tone + other noise; "share" = rms of the difference between the clips' activations / rms
+# of the activations; ~1.4 for unrelated signals). The older rule, N(0, min(0.06,
+# 1 / sqrt(fan_in))) for every tensor, gave each tiny SEANet conv (fan-ins 7..512) a gain
+# of 0.16..0.6 while adding biases of std 0.06: the share fell from 1.1 after the first
+# conv to 0.36 after the first strided conv, 0.14 / 0.10 / 0.07 after the next ones and
+# at the latents (std 0.05, mostly bias offsets); the quantizer's projections (gain 0.24)
+# left latents of std 0.006..0.011 against codebook vectors of std 0.03..0.12
+# (embed_sum ~ N(0, 0.06) / usage in [0.5, 2]): the nearest codeword was the one of
+# smallest norm whatever the audio, so a clip's 13 frames took 3..7 distinct codes per
+# group and two different clips shared 69% of their codes. Now, at every size:
+# - every weight ~ N(0, gain^2 / fan_in) (fan-in = in_channels * kernel: a strided conv's
+#   output sums all its taps), gain ELU_GAIN after an ELU (an ELU keeps E[y^2] = 0.645 of
+#   a unit Gaussian's), 1 elsewhere, and 1 / ENCODER_AUDIO_RMS for the first conv: audio
+#   at rms ~0.2 gives activations of rms ~1; biases (LayerNorm's too) ~ N(0, 0.02);
+# - each residual unit's last conv has an extra gain 0.5 (x + branch grows the variance
+#   by 1.25 per unit, not 2); LayerScale ~ N(0, 0.06) as in the decoder;
+# - codebook k of an RVQ (dimension dim, 2048 vectors) sees a residual of rms
+#   ~LATENT_RMS * rho^k per coordinate, rho = 2048^(-RVQ_EFFICIENCY / dim), and its
+#   vectors have rms sqrt(1 - rho^2) times that (the reconstruction's share under reverse
+#   water-filling); ``embed_sum`` = vector * usage, so that the reference's
+#   ``embed_sum / usage`` gives exactly those vectors. The rate-distortion bound is
+#   efficiency 1; random Gaussian codebooks reach ~0.8 for the first stages (residual
+#   rms x0.47 per stage at dim 8, x0.977 at dim 256), but at 0.8 the tiny residual
+#   stalled after 5 stages (the outliers a small codebook cannot reach); 0.5 keeps it
+#   shrinking (x0.5..0.65 per stage through stage 15 at dim 8).
+# LATENT_RMS is the projected latents' measured rms for audio at rms 0.2: 1.1 (0.6b),
+# 0.8..2.5 (tiny, seeds 0..3; its 16-channel layers vary with the seed).
+# Result (audio at rms 0.2): the share stays 0.9..1.5 through every stage at both sizes;
+# 16 groups x 13 frames take 12..13 distinct codes per group (mean >= 12.2; the 523 Hz
+# tone's first groups 9..11), two different clips share 0..2% of their codes (the same
+# tones with other noise: 2..25%).
+ENCODER_AUDIO_RMS = 0.2
+ENCODER_BIAS_STD = 0.02
+ELU_GAIN = 1.25
+ENCODER_RESIDUAL_GAIN = 0.5
+LATENT_RMS = 1.5  # between 0.6b's 1.1 and tiny's ~1.6 (seed 0)
+RVQ_EFFICIENCY = 0.5
+_ENCODER_FIRST_CONV = "encoder.encoder.layers.0.conv.weight"
+# every SEANet conv but the first follows an ELU
+_ENCODER_AFTER_ELU = re.compile(r"^encoder\.encoder\.layers\.(?!0\.)\d+\.")
+_ENCODER_RESIDUAL_OUT = re.compile(r"^encoder\.encoder\.layers\.\d+\.block\.3\.conv\.weight$")
+_CODEBOOK = re.compile(r"\.layers\.(\d+)\.codebook\.embed_sum$")
+
+
+def _codebook_std(name: str, shape: tuple[int, ...]) -> float:
+    """Per-coordinate std of an encoder codebook's vectors (see the comment above)."""
+    stage = int(_CODEBOOK.search(name).group(1))  # type: ignore[union-attr]
+    dim = shape[1]
+    rho = shape[0] ** (-RVQ_EFFICIENCY / dim)
+    residual_rms = LATENT_RMS * rho**stage  # per coordinate
+    return residual_rms * math.sqrt(1.0 - rho**2)
+
+
+def _encoder_std(name: str, shape: tuple[int, ...]) -> float:
+    """Standard deviation of an encoder tensor other than codebook usage and norm
+    weights (see the comment above)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "embed_sum":
+        return _codebook_std(name, shape)
+    if leaf == "scale":
+        return LAYER_SCALE_STD
+    if len(shape) == 1:
+        return ENCODER_BIAS_STD
+    gain = 1.0
+    if name == _ENCODER_FIRST_CONV:
+        gain = 1.0 / ENCODER_AUDIO_RMS
+    elif _ENCODER_AFTER_ELU.match(name):
+        gain = ELU_GAIN * (ENCODER_RESIDUAL_GAIN if _ENCODER_RESIDUAL_OUT.match(name) else 1.0)
+    return gain / math.sqrt(math.prod(shape[1:]))
+
+
 def _random(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
     if leaf == "cluster_usage":
@@ -182,8 +258,7 @@ def _random(name: str, shape: tuple[int, ...], generator: torch.Generator) -> to
         return 1.0 + torch.randn(shape, generator=generator) * 0.05
     if name.startswith("decoder."):
         return torch.randn(shape, generator=generator) * _decoder_std(name, shape)
-    fan_in = math.prod(shape[1:]) if len(shape) > 1 else 1
-    return torch.randn(shape, generator=generator) * min(ENCODER_BASE_STD, 1.0 / math.sqrt(fan_in))
+    return torch.randn(shape, generator=generator) * _encoder_std(name, shape)
 
 
 def random_speech_tokenizer_tensors(size: str, seed: int) -> dict[str, torch.Tensor]:
@@ -194,7 +269,11 @@ def random_speech_tokenizer_tensors(size: str, seed: int) -> dict[str, torch.Ten
     """
     config = SpeechTokenizerConfig.from_dict(speech_tokenizer_config(size))
     generator = torch.Generator().manual_seed(seed)
-    return {name: _random(name, shape, generator) for name, shape in sorted(_shapes(config).items())}
+    tensors = {name: _random(name, shape, generator) for name, shape in sorted(_shapes(config).items())}
+    for name, tensor in tensors.items():  # the encoder's codebook vectors are embed_sum / usage
+        if name.startswith("encoder.") and name.endswith(".embed_sum"):
+            tensor.mul_(tensors[name.removesuffix("embed_sum") + "cluster_usage"][:, None])
+    return tensors
 
 
 def write_random_speech_tokenizer(out_dir: Path, size: str, seed: int) -> None:
