@@ -15,6 +15,7 @@ from typing import Self
 
 import numpy as np
 import soundfile
+import torch
 
 from omnistage.config.model import SpeechModelConfig
 from omnistage.config.pipeline import FactoryConfig, StageConfig
@@ -38,6 +39,7 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
     @classmethod
     def for_model_path(cls, model_path: str) -> Self:
         _facts(model_path)  # fail now, naming the file and the field, if unusable
+        device = "cuda" if torch.cuda.is_available() else "cpu"  # --<stage>.device overrides
         return cls(
             name=f"qwen3_tts:{Path(model_path).name}",
             model_path=model_path,
@@ -47,22 +49,25 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                 # resident before the engine sizes its KV pool from the free memory.
                 StageConfig(
                     name="vocoder",
-                    factory=FactoryConfig(path=f"{_STAGES}:create_vocoder_stage", args={"device": "auto", "num_slots": 64}),
+                    device=device,
+                    factory=FactoryConfig(path=f"{_STAGES}:create_vocoder_stage", args={"num_slots": 64}),
                     terminal=True,
                     # setup and frames stream in while the engine runs; its result comes last
                     can_accept_stream_before_payload=True,
                 ),
                 StageConfig(
                     name="preprocessing",
-                    factory=FactoryConfig(path=f"{_STAGES}:create_preprocessing_stage", args={"device": "auto", "num_workers": 8}),
+                    device=device,
+                    factory=FactoryConfig(path=f"{_STAGES}:create_preprocessing_stage", args={"num_workers": 8}),
                     next="tts_engine",
                     stream_to=["vocoder"],
                 ),
                 StageConfig(
                     name="tts_engine",
+                    device=device,
                     factory=FactoryConfig(
                         path=f"{_STAGES}:create_tts_engine_stage",
-                        args={"device": "auto", "max_num_seqs": 64, "mem_fraction_static": 0.5},
+                        args={"max_num_seqs": 64, "mem_fraction_static": 0.5},
                     ),
                     next="vocoder",
                     stream_to=["vocoder"],

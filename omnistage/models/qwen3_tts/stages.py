@@ -68,14 +68,13 @@ CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
 PREDICTOR_SEED_SALT = 0x5BD1E995
 
 
-def resolve_device(device: str) -> torch.device:
-    """``"auto"``: CUDA when available, else CPU; anything else as given.
+def resolve_device(ctx: StageBuildContext) -> torch.device:
+    """The stage's ``device`` (``--<stage>.device``).
 
     Raises:
         ValueError: CUDA asked for but not available.
     """
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = ctx.stage.device
     resolved = torch.device(device)
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but CUDA is not available")
@@ -216,11 +215,11 @@ class ReferenceEncoder:
 
 
 def create_preprocessing_stage(
-    ctx: StageBuildContext, device: str = "auto", num_workers: int = 8, reference_hold_ms: float = 2.0, reference_cache_size: int = 256
+    ctx: StageBuildContext, num_workers: int = 8, reference_hold_ms: float = 2.0, reference_cache_size: int = 256
 ) -> ThreadedScheduler:
     """Request -> :class:`GenerationInput` (and the vocoder's setup, streamed at once)."""
     model_path = _model_path(ctx)
-    where = resolve_device(device)
+    where = resolve_device(ctx)
     checkpoint = loaded_checkpoint(model_path, where)
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
     facts, defaults = Qwen3TTSModelFacts.from_config(checkpoint.config), checkpoint.generation
@@ -271,7 +270,6 @@ def _prompt(builder: PromptBuilder, references: ReferenceEncoder | None, request
 
 def create_tts_engine_stage(
     ctx: StageBuildContext,
-    device: str = "auto",
     max_num_seqs: int = 64,
     mem_fraction_static: float = 0.5,
     kv_cache_bytes: int | None = None,
@@ -290,7 +288,7 @@ def create_tts_engine_stage(
     frames). Only a request's own prompt + ``max_new_tokens`` is reserved, so a large
     value costs nothing but block-table width.
     """
-    where = resolve_device(device)
+    where = resolve_device(ctx)
     model_path = _model_path(ctx)
     checkpoint = loaded_checkpoint(model_path, where)
     checkpoint.model.talker.fuse_projections()  # same values, ~30 kernels fewer per layer
@@ -333,7 +331,6 @@ def _default_step_sampling(checkpoint: LoadedCheckpoint) -> tuple[StepSampling, 
 
 def create_vocoder_stage(
     ctx: StageBuildContext,
-    device: str = "auto",
     num_slots: int = 64,
     ramp: tuple[int, ...] = (1, 2, 4),
     steady: int = 8,
@@ -341,7 +338,7 @@ def create_vocoder_stage(
 ) -> VocoderScheduler:
     """The speech-tokenizer decoder, streaming (bf16 on CUDA, fp32 on CPU). ``num_slots``:
     concurrent streams with decoder state (more wait for a slot, buffering frames)."""
-    where = resolve_device(device)
+    where = resolve_device(ctx)
     decoder = load_decoder(Path(_model_path(ctx)) / "speech_tokenizer", where, default_dtype(where))
     arena = StreamingDecoderArena(decoder, num_slots)
     if where.type == "cuda" and cuda_graphs:
