@@ -32,7 +32,6 @@ import json
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from unittest import mock
 
@@ -41,11 +40,11 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.engine import model_runner
-from omnistage.engine.attention import DenseKVCache
 from omnistage.engine.engine import AREngine, EngineConfig
-from omnistage.engine.model_runner import ARModelSpec, SampleFn, StepSampling
+from omnistage.engine.model_runner import ARModelSpec, StepSampling
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
+from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
 from omnistage.models.qwen3_tts.modeling.config import Qwen3TTSConfig
 from omnistage.models.qwen3_tts.modeling.talker import RotaryEmbedding, Talker
 from omnistage.models.qwen3_tts.random_checkpoint import build_config_dict
@@ -63,35 +62,7 @@ PROMPT_LEN = 6
 DTYPE = torch.bfloat16  # as served on CUDA: the casts to and from fp32 are kernels too
 
 
-@dataclass
-class TalkerEngineModel:
-    """The real talker as an :class:`~omnistage.engine.model_runner.ARModel` (the minimal
-    adapter this benchmark needs: the engine's step, not prompts or voices)."""
-
-    talker: Talker
-    spec: ARModelSpec
-
-    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        return self.talker(input_embeds, positions, attn)
-
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.talker.codec_logits(hidden)
-
-    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return self.talker.codec_embed(token_ids)
-
-    def new_frame_cache(self, batch: int) -> DenseKVCache:
-        return self.talker.code_predictor.new_cache(batch, self.spec.dtype, self.spec.device)
-
-    def complete_frame(self, hidden: torch.Tensor, code0: torch.Tensor, sample_fn: SampleFn,
-                       cache: DenseKVCache) -> torch.Tensor:
-        return self.talker.complete_frame(hidden, code0, sample_fn, cache)
-
-    def next_input_embeds(self, codes: torch.Tensor, step_rows: torch.Tensor) -> torch.Tensor:
-        return self.talker.frame_embedding(codes) + step_rows
-
-
-def build_talker(tiny: bool) -> TalkerEngineModel:
+def build_talker(tiny: bool) -> Qwen3TTSEngineModel:
     """The real talker, random weights, bf16 on the CPU (RoPE table fp32, as loaded): 0.6B
     sizes, or tiny widths at the 0.6B depths (28 talker and 5 predictor layers)."""
     raw = build_config_dict("tiny" if tiny else "0.6b", "custom_voice")
@@ -105,10 +76,7 @@ def build_talker(tiny: bool) -> TalkerEngineModel:
     for rotary in (m for m in model.modules() if isinstance(m, RotaryEmbedding)):
         rotary.reset_buffers("cpu")
     model.fuse_projections()
-    d, p = config.talker.decoder, config.code_predictor.decoder
-    spec = ARModelSpec(d.num_layers, d.num_kv_heads, d.head_dim, d.hidden_size, d.vocab_size,
-                       config.talker.num_code_groups, p.vocab_size, DTYPE, torch.device("cpu"))
-    return TalkerEngineModel(model, spec)
+    return Qwen3TTSEngineModel(model)  # the serving adapter
 
 
 def build_toy(tiny: bool) -> ToyTalker:
@@ -173,7 +141,7 @@ def label_components(engine: AREngine, counter: KernelCounter, stack: contextlib
     """Wrap the step's pieces (until ``stack`` closes) so that every op counts for its
     component."""
     runner, model = engine.runner, engine.runner.model
-    predictor = model.talker.code_predictor.model if isinstance(model, TalkerEngineModel) else model.predictor.model
+    predictor = model.talker.code_predictor.model if isinstance(model, Qwen3TTSEngineModel) else model.predictor.model
     vocab = model.spec.vocab_size
     targets = [(predictor, "forward", "predictor layers"), (model, "forward", "talker layers"),
                (model, "head_logits", "code-0 head"), (model, "complete_frame", "predictor heads+embeds"),
