@@ -75,8 +75,8 @@ class StreamingScheduler(Scheduler):
 
     def _run(self) -> None:
         while True:
-            messages = self.take(block=True, limit=self.max_messages_per_tick)
-            touched: dict[str, StreamState] = {}
+            messages = self.take(block=not self.carried_over(), limit=self.max_messages_per_tick)
+            touched: dict[str, StreamState] = dict(self.carried_over())
             for message in messages:
                 if message is None:
                     return
@@ -86,6 +86,12 @@ class StreamingScheduler(Scheduler):
             live = [s for s in touched.values() if s.request_id in self.states]
             if live:
                 self._tick(live)
+
+    def carried_over(self) -> dict[str, StreamState]:
+        """States with due work left from the last tick (e.g. waiting for a free decoder
+        slot that is free now): they join the next tick, and the loop does not block on
+        the inbox while there are any. None by default."""
+        return {}
 
     def _tick(self, states: list[StreamState]) -> None:
         ids = [s.request_id for s in states]

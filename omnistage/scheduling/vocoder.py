@@ -179,28 +179,14 @@ class VocoderScheduler(StreamingScheduler):
             self.decoder.free(slot)
         super().release(request_id)
 
-    def _run(self) -> None:
-        # as the base loop, but requests waiting for a slot are retried every tick and the
-        # inbox is not blocked on while they can make progress
-        while True:
-            messages = self.take(block=not self._can_progress(), limit=self.max_messages_per_tick)
-            touched = dict(self._waiting)
-            for message in messages:
-                if message is None:
-                    return
-                state = self._ingest(message)
-                if state is not None:
-                    touched[state.request_id] = state
-            live = [s for s in touched.values() if s.request_id in self.states]
-            if live:
-                self._tick(live)
-
-    def _can_progress(self) -> bool:
-        return bool(self._waiting) and self.decoder.num_free > 0
+    def carried_over(self) -> dict[str, StreamState]:
+        """Requests that found no free slot are retried once one is free."""
+        return dict(self._waiting) if self._waiting and self.decoder.num_free > 0 else {}
 
     # ------------------------------------------------------------------ the tick
     def step(self, states: list[StreamState]) -> None:
-        self._waiting.clear()
+        for state in states:  # those still without a slot are re-added by _open
+            self._waiting.pop(state.request_id, None)
         live = [s for s in states if self._ingest_chunks(s)]
         ready = [s for s in live if s.model_state.setup is not None]
         self._finish_offline([s for s in ready if not self._payload(s).stream and self.ready_to_finish(s)])

@@ -299,6 +299,24 @@ def test_a_request_waits_for_a_free_slot(make) -> None:
     assert len(outbox.audio("b")) == SPF and arena.positions == {}
 
 
+def test_a_fully_delivered_waiting_request_finishes_once_a_slot_frees(make) -> None:
+    """Everything of "b" (payload, frames, stream-done) arrives while "a" holds the only
+    slot; a later message for "a" alone frees the slot, and "b" must then finish on its
+    own: no further message for "b" ever comes."""
+    arena = FakeArena(num_slots=1)
+    scheduler, outbox = make(arena)
+    scheduler.put(_payload("a"))
+    scheduler.put(_chunk("a", _codes(1)))
+    _settle(scheduler)
+    for message in (_payload("b"), _chunk("b", _codes(2, seed=3)), StreamDone("b", "tts_engine")):
+        scheduler.put(message)
+    _settle(scheduler)
+    assert "b" not in outbox.results
+    scheduler.put(StreamDone("a", "tts_engine"))
+    outbox.wait("a", "b")
+    assert len(outbox.audio("b")) == 2 * SPF and arena.positions == {}
+
+
 def test_streamed_audio_from_the_real_codec_equals_its_offline_decode(make, tmp_path: Path) -> None:
     write_random_speech_tokenizer(tmp_path, "tiny", seed=0)
     decoder = load_decoder(tmp_path)
