@@ -254,12 +254,18 @@ class ModelRunner:
         gumbel = None
         if features.draws:
             steps = frame_index[:, None] * groups + torch.arange(1, groups, device=frame_index.device)
-            gumbel = gumbel_noise(batch.seed, steps, self.spec.code_vocab_size)
+            gumbel = gumbel_noise(batch.seed ^ PREDICTOR_NOISE_SALT, steps, self.spec.code_vocab_size)
 
         def sample_fn(group: int, logits: torch.Tensor) -> torch.Tensor:
             return sample(logits, batch, features, None if gumbel is None else gumbel[:, group - 1])
 
         return sample_fn
+
+
+# The code predictor's draws get their own noise stream: keyed by (seed, step) alone, a
+# request whose predictor shares its talker seed would draw code 0 of frame k and code g
+# of frame j with the same noise whenever k == j * G + g. (< 2**31, so seeds stay valid.)
+PREDICTOR_NOISE_SALT = 0x5BD1E995
 
 
 def _no_sub_codes(group: int, logits: torch.Tensor) -> torch.Tensor:

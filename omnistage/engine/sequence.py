@@ -38,7 +38,8 @@ class GenerationInput:
         pad_embed: ``[H]`` row added from frame ``M`` on (None: zeros).
         predictor_sampling: sampling of codes ``1..G-1`` by the code predictor (None:
             greedy); its repetition penalty, stop ids and ``min_new_tokens`` must be off.
-            Give it a seed other than ``sampling.seed``.
+            It may share ``sampling.seed``: the engine draws its noise from a stream of
+            its own.
     """
 
     prompt: torch.Tensor

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
-from omnistage.engine.model_runner import ARModelSpec, SampleFn
+from omnistage.engine.model_runner import PREDICTOR_NOISE_SALT, ARModelSpec, SampleFn
 from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
 from omnistage.engine.sequence import GenerationInput
 from omnistage.models.qwen3_tts.modeling.config import CodePredictorConfig, DecoderConfig
@@ -122,6 +122,7 @@ def reference_generate(model: ToyTalker, inputs: GenerationInput) -> tuple[torch
     sampling = SamplingBatch.build([inputs.sampling], spec.vocab_size, spec.device)
     sub = SamplingBatch.build([inputs.predictor_sampling or SamplingParams(temperature=0.0)],
                               max(spec.code_vocab_size, 1), spec.device)
+    sub.seed ^= PREDICTOR_NOISE_SALT  # the engine's own noise stream for the predictor
     rows = [inputs.step_embeds[k] for k in range(0 if inputs.step_embeds is None else len(inputs.step_embeds))]
     pad = inputs.pad_embed if inputs.pad_embed is not None else torch.zeros(spec.hidden_size)
     x = model.embed_tokens(prompt) if prompt.dim() == 1 else prompt.to(spec.dtype)

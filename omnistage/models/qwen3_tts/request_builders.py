@@ -316,8 +316,8 @@ def resolve_sampling(
     - max_new_tokens: the client's value when given (1..8192, it may exceed the text cap:
       the client asked for it); else ``min(frame_cap, generation_config max_new_tokens)``,
       raised to ``min_new_tokens`` when that is larger.
-    - both samplers get ``request.seed``; the engine's draws are keyed by (seed, step,
-      id), so it must give the code predictor's 15 draws per frame their own steps.
+    - both samplers get ``request.seed``; the engine keys the code predictor's draws
+      (frame, group) on a noise stream of their own, so they never repeat code 0's.
     """
     talker, code_predictor = sampling_params(request.sampling, request.seed, request.min_new_tokens, defaults, facts)
     if request.max_new_tokens is not None:

@@ -18,7 +18,6 @@ device memory (``mem_fraction_static``).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import threading
@@ -63,9 +62,6 @@ from omnistage.scheduling.ar import ARScheduler
 from omnistage.scheduling.vocoder import SETUP_MODALITY, ChunkPlan, VocoderInput, VocoderScheduler
 
 CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
-# The code predictor draws with its own seed: the sampler's noise is keyed by (seed, step,
-# id), and sharing the talker's seed would correlate its draws with code 0's.
-PREDICTOR_SEED_SALT = 0x5BD1E995
 
 
 def resolve_device(ctx: StageBuildContext) -> torch.device:
@@ -84,8 +80,11 @@ def resolve_device(ctx: StageBuildContext) -> torch.device:
 @lru_cache(maxsize=2)
 def loaded_checkpoint(model_path: str, device: torch.device) -> LoadedCheckpoint:
     """The checkpoint, loaded once per process and device (preprocessing and tts_engine
-    share the talker's weights)."""
-    return load_checkpoint(model_path, device)
+    share the talker's weights), with the talker's projections fused for serving (same
+    values, ~30 kernels fewer per layer)."""
+    checkpoint = load_checkpoint(model_path, device)
+    checkpoint.model.talker.fuse_projections()
+    return checkpoint
 
 
 def _model_path(ctx: StageBuildContext) -> str:
@@ -235,14 +234,13 @@ def create_preprocessing_stage(
         sampling = resolve_sampling(request, defaults, facts)
         setup = VocoderInput(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream)
         scheduler.outbox.stream(payload.request_id, setup, SETUP_MODALITY)
-        predictor_seed = (request.seed ^ PREDICTOR_SEED_SALT) & 0x7FFFFFFF
         return GenerationInput(
             prompt=prompt.prefill,
             sampling=sampling.talker,
             max_new_tokens=sampling.max_new_tokens,
             step_embeds=prompt.trailing_text if prompt.trailing_text.shape[0] else None,
             pad_embed=prompt.tts_pad,
-            predictor_sampling=dataclasses.replace(sampling.code_predictor, seed=predictor_seed),
+            predictor_sampling=sampling.code_predictor,
         )
 
     scheduler = ThreadedScheduler(compute, num_workers)
@@ -291,7 +289,6 @@ def create_tts_engine_stage(
     where = resolve_device(ctx)
     model_path = _model_path(ctx)
     checkpoint = loaded_checkpoint(model_path, where)
-    checkpoint.model.talker.fuse_projections()  # same values, ~30 kernels fewer per layer
     if kv_cache_bytes is None and where.type == "cpu":
         kv_cache_bytes = cpu_kv_cache_bytes()
     config = EngineConfig(

@@ -7,21 +7,23 @@ says how to regenerate them). Tolerances: codes exact; waveform relative error <
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 from safetensors.torch import load_file
 
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
-from omnistage.models.qwen3_tts.modeling.speech_tokenizer.encoder import (
-    load_encoder,
-    to_model_input,
-)
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.encoder import load_encoder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
     write_random_speech_tokenizer,
 )
+from omnistage.models.qwen3_tts.request_builders import load_reference
+from omnistage.serve.media import MediaPolicy
 
 FIXTURE = Path(__file__).parent / "fixtures" / "speech_tokenizer_parity.npz"
 
@@ -51,7 +53,11 @@ def test_encoder_codes_equal_the_reference_at_24k(checkpoint: Path, reference: d
 
 
 def test_encoder_codes_equal_the_reference_for_16k_stereo(checkpoint: Path, reference: dict[str, np.ndarray]) -> None:
-    audio = to_model_input(reference["clip_16k_stereo"], 16000)
+    """Through the serving path: the clip sent as a float WAV, decoded, downmixed and
+    resampled to 24 kHz by the request builder, then encoded."""
+    wav = io.BytesIO()
+    soundfile.write(wav, reference["clip_16k_stereo"], 16000, format="WAV", subtype="FLOAT")
+    audio = load_reference(base64.b64encode(wav.getvalue()).decode(), MediaPolicy())
     assert audio.shape == (12000,)
     codes = load_encoder(checkpoint).encode(torch.from_numpy(audio))
     assert np.array_equal(codes.numpy(), reference["codes_16k_stereo"])

@@ -17,8 +17,6 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-import soxr
 import torch
 from safetensors.torch import load_file
 from torch import nn
@@ -64,25 +62,6 @@ def checkpoint_name(module_name: str) -> str:
     return name
 
 
-def to_model_input(audio: np.ndarray, sample_rate: int, target_rate: int = 24000) -> np.ndarray:
-    """Mono float32 at ``target_rate``, converted as the reference tokenizer does: channels
-    averaged (``audio`` is ``[S]`` or ``[S, C]``, channels last as soundfile reads them),
-    then soxr "HQ" resampling to ``ceil(S * target / rate)`` samples (librosa's default).
-
-    Raises:
-        ValueError: ``audio`` is not 1-D or 2-D, or ``sample_rate`` is not positive.
-    """
-    if audio.ndim not in (1, 2) or sample_rate <= 0:
-        raise ValueError(f"audio must be [S] or [S, C] with a positive rate; got {audio.shape} at {sample_rate} Hz")
-    mono = audio.mean(axis=-1) if audio.ndim == 2 else audio
-    mono = np.asarray(mono, dtype=np.float32)
-    if sample_rate == target_rate:
-        return mono
-    out = soxr.resample(mono, sample_rate, target_rate, quality="soxr_hq")
-    size = math.ceil(len(mono) * target_rate / sample_rate)
-    return np.pad(out, (0, max(0, size - len(out))))[:size].astype(np.float32)
-
-
 class SpeechTokenizerEncoder(nn.Module):
     """Mimi encoder + the first ``encoder_valid_num_quantizers`` quantizers.
 
@@ -104,7 +83,8 @@ class SpeechTokenizerEncoder(nn.Module):
         """Encode several clips in one zero-padded batch.
 
         Args:
-            clips: 1-D float tensors ``[S_i]``, 24 kHz mono (see :func:`to_model_input`),
+            clips: 1-D float tensors ``[S_i]``, 24 kHz mono (the request builder's
+                :func:`~omnistage.models.qwen3_tts.request_builders.load_reference` output),
                 each with ``S_i >= 1``.
 
         Returns:
