@@ -444,14 +444,19 @@ def _decode(data: bytes, policy: MediaPolicy, param: str) -> ReferenceAudio:
 
 
 def _decode_mono(container, policy: MediaPolicy, param: str) -> tuple[list[np.ndarray], int]:
-    to_float = av.AudioResampler(format="fltp")  # keeps layout and rate
+    # Packed (interleaved) float32, layout and rate kept: one data plane whatever the
+    # channel count. Planar output has one plane per channel, and PyAV's to_ndarray
+    # reads past its 8 inline plane pointers for more than 8 channels (a segfault).
+    to_float = av.AudioResampler(format="flt")
     chunks: list[np.ndarray] = []
     total, rate = 0, 0
     frames = container.decode(container.streams.audio[0])
     for frame in itertools.chain(frames, [None]):  # None flushes the converter
         for out in to_float.resample(frame):
             rate = out.sample_rate
-            chunks.append(out.to_ndarray().mean(axis=0, dtype=np.float32))  # downmix
+            channels = out.layout.nb_channels
+            interleaved = out.to_ndarray().reshape(out.samples, channels)
+            chunks.append(interleaved.mean(axis=1, dtype=np.float32))  # downmix
             total += out.samples
             if total > policy.max_duration_s * rate:
                 raise PayloadTooLargeError(

@@ -71,6 +71,22 @@ def test_other_formats_and_stereo_downmix():
 
 
 @pytest.mark.parametrize(
+    ("channels", "fmt"), [(8, "FLAC"), (9, "WAV"), (16, "WAV"), (33, "WAV"), (64, "WAV")]
+)
+def test_many_channels_downmix_without_crashing(channels, fmt):
+    # Regression: more than 8 channels segfaulted the server inside PyAV's planar
+    # frame-to-ndarray conversion (a 7.1 FLAC is 8 channels, the edge of that bug).
+    levels = np.linspace(0.05, 0.9, channels, dtype=np.float32)
+    samples = np.tile(levels, (1600, 1)) * tone(0.1)[:, None]
+    ref = load_reference_audio(
+        base64.b64encode(audio_bytes(samples, fmt=fmt)).decode(), MediaPolicy()
+    )
+    assert ref.samples.shape == (1600,)
+    expected = samples.mean(axis=1)
+    np.testing.assert_allclose(ref.samples, expected, atol=2 * channels / 32768)
+
+
+@pytest.mark.parametrize(
     "value",
     [
         "data:audio/wav;base64,@@not-base64@@",
