@@ -180,9 +180,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404:
             status, body = not_found_envelope(f"no route {request.method} {request.url.path}")
         else:
-            status, body = exc.status_code, {
-                "error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None, "code": status}
-            }
+            status = exc.status_code
+            body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None, "code": status}}
         return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(FastAPIValidationError)

@@ -163,6 +163,16 @@ def test_unknown_route_is_404_in_the_envelope(tone_server):
     assert response.status_code == 404 and response.json()["error"]["type"] == "not_found_error"
 
 
+@pytest.mark.parametrize(
+    ("method", "path"), [("GET", "/v1/audio/speech"), ("POST", "/v1/models"), ("POST", "/health")]
+)
+def test_wrong_method_is_405_in_the_envelope(tone_server, method, path):
+    r = httpx.request(method, f"{tone_server.base_url}{path}")
+    assert r.status_code == 405
+    error = r.json()["error"]
+    assert error["code"] == 405 and error["type"] == "invalid_request_error"
+
+
 def test_oversized_body_is_413(tone_server):
     response = speech(tone_server, {"input": "hi", "ref_audio": "A" * 100_000})
     assert response.status_code == 413
