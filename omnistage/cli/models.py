@@ -1,7 +1,7 @@
 """Model selection shared by ``serve`` and ``config resolve``, and the ``models`` listing.
 
 Extra model packages: ``OMNISTAGE_EXTRA_MODELS`` holds comma-separated dotted paths of
-:class:`~omnistage.config.model.SpeechModelConfig` subclasses (``package.module:Class`` or
+:class:`~omnistage.serve.model.SpeechModelConfig` subclasses (``package.module:Class`` or
 ``package.module.Class``), registered after the discovered ones.
 """
 
@@ -18,14 +18,14 @@ from rich.console import Console
 from rich.table import Table
 
 from omnistage.cli.options import fail
-from omnistage.config.model import SpeechModelConfig
 from omnistage.config.overrides import (
     ConfigOverrideError,
     ResolvedConfig,
     parse_cli_overrides,
     resolve_config,
 )
-from omnistage.config.registry import ModelRegistry, RegistryError, UnknownVariantError
+from omnistage.serve.model import SpeechModelConfig
+from omnistage.serve.registry import ModelRegistry, RegistryError, UnknownVariantError
 
 __all__ = ["EXTRA_MODELS_ENV", "ModelArgs", "list_models", "load_registry", "resolve_model"]
 

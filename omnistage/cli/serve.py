@@ -25,7 +25,7 @@ from rich.logging import RichHandler
 
 from omnistage.cli.models import EXTRA_MODELS_ENV, ModelArgs, resolve_model
 from omnistage.cli.options import API_KEY_ENV, fail, option_group
-from omnistage.errors import OmnistageError
+from omnistage.core.errors import OmnistageError
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.media import MediaPolicy
 

@@ -8,7 +8,7 @@ several sources and combine them with ``merge_fn``.
 
 Dynamic hooks are dotted paths (``"package.module:function"`` or ``"package.module.function"``)
 so a config is plain data: it round-trips through YAML and is rebuilt in child processes.
-Hook signatures (``payload`` is a :class:`omnistage.pipeline.messages.StagePayload`):
+Hook signatures (``payload`` is a :class:`omnistage.core.messages.StagePayload`):
 
 - ``route_fn(payload) -> str | list[str]``: the subset of ``next`` this request goes to.
 - ``wait_for_fn(payload) -> list[str]``: the subset of ``wait_for`` this request waits for.

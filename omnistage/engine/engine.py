@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.core.errors import RequestValidationError
+from omnistage.core.request import FinishReason
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.cuda_graph import CUDAGraphRunner, default_batch_sizes
 from omnistage.engine.kv_cache import PagedKVCache, kv_budget_bytes
@@ -37,8 +39,6 @@ from omnistage.engine.model_runner import ARModel, ModelRunner, StepSampling
 from omnistage.engine.paged_attention import decode_attention_for
 from omnistage.engine.scheduler import BatchScheduler, ScheduledBatch
 from omnistage.engine.sequence import GenerationInput, GenerationResult, Sequence, SequenceStatus
-from omnistage.errors import RequestValidationError
-from omnistage.pipeline.messages import FinishReason
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Continuous batching: which requests run in the next engine step.
 
-A bounded FIFO waiting queue (full -> :class:`~omnistage.errors.QueueFullError`); admission
+A bounded FIFO waiting queue (full -> :class:`~omnistage.core.errors.QueueFullError`); admission
 by free KV blocks, free step-embedding rows and a free slot. A request's KV blocks are
 reserved for its whole generation (prompt + max_new_tokens) at admission, so a running
 request never runs out of blocks and there is no preemption: preempting a feedback-decoding
@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from omnistage.core.errors import QueueFullError
+from omnistage.core.request import FinishReason
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.sequence import Sequence, SequenceStatus
-from omnistage.errors import QueueFullError
-from omnistage.pipeline.messages import FinishReason
 
 
 @dataclass(frozen=True)

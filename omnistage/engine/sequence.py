@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omnistage.core.errors import RequestValidationError
+from omnistage.core.request import FinishReason
 from omnistage.engine.sampler import SamplingParams
-from omnistage.errors import RequestValidationError
-from omnistage.pipeline.messages import FinishReason
 
 
 @dataclass(frozen=True)

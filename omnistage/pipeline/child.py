@@ -9,9 +9,9 @@ import traceback
 from typing import Any
 
 from omnistage.config.pipeline import PipelineConfig
+from omnistage.core.messages import CoordinatorEvent, StageFailed, StreamChunk
 from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.host import StageHost
-from omnistage.pipeline.messages import CoordinatorEvent, StageFailed, StreamChunk
 from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.stage import StageRuntime, build_scheduler
 from omnistage.pipeline.topology import Topology

@@ -13,8 +13,6 @@ Thread model: every public method runs on the loop; stage threads hand events ov
 from __future__ import annotations
 
 import asyncio
-import itertools
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from omnistage.errors import (
+from omnistage.core.errors import (
     OmnistageError,
     PipelineUnhealthyError,
     QueueFullError,
@@ -32,20 +30,18 @@ from omnistage.errors import (
     StageFailureError,
     StreamBufferFullError,
 )
-from omnistage.pipeline.messages import (
+from omnistage.core.messages import (
     CoordinatorEvent,
-    FinishReason,
     StageDead,
     StageFailed,
     StagePayload,
     StageResult,
     StreamChunk,
 )
+from omnistage.core.request import FINISH_SEVERITY, FinishReason, new_request_id
+from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.relay import RelayError
-from omnistage.pipeline.tombstones import Tombstones
 from omnistage.pipeline.topology import Topology
-
-_FINISH_PRIORITY = {"stop": 0, "length": 1, "abort": 2, "error": 3}
 
 
 @dataclass(frozen=True)
@@ -98,7 +94,7 @@ class RequestHandle:
         """Terminal stages' stream chunks in arrival order, until the request ends.
 
         Raises:
-            OmnistageError: the request failed (typed, see :mod:`omnistage.errors`).
+            OmnistageError: the request failed (typed, see :mod:`omnistage.core.errors`).
         """
         while not (self._done.is_set() and self._queue.empty()):
             item = await self._queue.get()
@@ -168,7 +164,6 @@ class Coordinator:
         self.requests: dict[str, RequestHandle] = {}
         self.queued_bytes = 0
         self.unhealthy_reason: str | None = None
-        self._ids = itertools.count()
         self._ended = Tombstones()
 
     @property
@@ -193,7 +188,7 @@ class Coordinator:
             raise PipelineUnhealthyError(self.unhealthy_reason)
         if len(self.requests) >= self.max_concurrent_requests:
             raise QueueFullError(self.max_concurrent_requests)
-        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}-{next(self._ids)}"
+        request_id = request_id or new_request_id()
         if request_id in self.requests or request_id in self._ended:
             raise RequestValidationError(f"request id {request_id!r} is in use", "request_id")
         terminals = self.topology.terminal_set(request)
@@ -237,7 +232,7 @@ class Coordinator:
                 self._finish(event.request_id, error=error, finish_reason="error")
                 return
             handle._outputs[event.stage] = event.data
-            if _FINISH_PRIORITY[event.finish_reason] > _FINISH_PRIORITY[handle._finish_reason]:
+            if FINISH_SEVERITY[event.finish_reason] > FINISH_SEVERITY[handle._finish_reason]:
                 handle._finish_reason = event.finish_reason
             if handle.terminals <= handle._outputs.keys():
                 self._finish(event.request_id)

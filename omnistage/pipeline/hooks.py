@@ -6,7 +6,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from omnistage.errors import PipelineConfigError
+from omnistage.core.errors import PipelineConfigError
 
 
 def import_callable(path: str, *, stage: str | None = None, what: str = "hook") -> Callable[..., Any]:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omnistage.errors import StageFailureError
-from omnistage.pipeline.messages import Abort, CoordinatorEvent, StageFailed, StageInput
+from omnistage.core.errors import StageFailureError
+from omnistage.core.messages import Abort, CoordinatorEvent, StageFailed, StageInput
 from omnistage.pipeline.stage import StageRuntime
 from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
 

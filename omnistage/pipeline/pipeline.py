@@ -19,13 +19,13 @@ import uuid
 from typing import Any
 
 from omnistage.config.pipeline import PipelineConfig
-from omnistage.errors import PipelineConfigError, PipelineUnhealthyError
+from omnistage.core.errors import PipelineConfigError, PipelineUnhealthyError
+from omnistage.core.messages import StagePayload
 from omnistage.pipeline import relay
 from omnistage.pipeline.child import run_child
 from omnistage.pipeline.coordinator import Coordinator, RequestHandle
 from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.host import StageHost
-from omnistage.pipeline.messages import StagePayload
 from omnistage.pipeline.stage import StageRuntime, build_scheduler
 from omnistage.pipeline.topology import Topology
 from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from omnistage.errors import StageFailureError
+from omnistage.core.errors import StageFailureError
 
 SHM_MIN_BYTES = 64 * 1024
 _counter = itertools.count()

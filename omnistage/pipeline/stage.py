@@ -16,12 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from omnistage.config.pipeline import PipelineConfig, StageConfig
-from omnistage.errors import OmnistageError, StageFailureError
-from omnistage.pipeline.hooks import import_callable
-from omnistage.pipeline.messages import (
+from omnistage.core.errors import OmnistageError, StageFailureError
+from omnistage.core.messages import (
     Abort,
     CoordinatorEvent,
-    FinishReason,
     StageDead,
     StageFailed,
     StageInput,
@@ -30,8 +28,10 @@ from omnistage.pipeline.messages import (
     StreamChunk,
     StreamDone,
 )
+from omnistage.core.request import FinishReason
+from omnistage.core.tombstones import Tombstones
+from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.relay import RelayError
-from omnistage.pipeline.tombstones import Tombstones
 from omnistage.pipeline.topology import Topology
 from omnistage.scheduling.base import Scheduler
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnistage.config.pipeline import PipelineConfig, StageConfig
-from omnistage.errors import PipelineConfigError, StageFailureError
+from omnistage.core.errors import PipelineConfigError, StageFailureError
+from omnistage.core.messages import StagePayload
 from omnistage.pipeline.hooks import import_callable
-from omnistage.pipeline.messages import StagePayload
 
 
 @dataclass(frozen=True)

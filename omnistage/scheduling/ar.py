@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from omnistage.core.errors import OmnistageError
+from omnistage.core.messages import Abort, StageInput, StagePayload
 from omnistage.engine.engine import AREngine
 from omnistage.engine.sequence import GenerationInput
-from omnistage.errors import OmnistageError
-from omnistage.pipeline.messages import Abort, StageInput, StagePayload
 from omnistage.scheduling.base import Scheduler
 
 
@@ -46,7 +46,7 @@ class ARScheduler(Scheduler):
     """Args:
     engine: the engine (built on the stage's device).
     build_input: ``build_input(payload) -> GenerationInput``; raises a typed
-        :class:`~omnistage.errors.OmnistageError`, ``ValueError`` or ``TypeError`` for bad input.
+        :class:`~omnistage.core.errors.OmnistageError`, ``ValueError`` or ``TypeError`` for bad input.
     modality: of the streamed frames.
     abort_callback: see :class:`Scheduler` (the engine's own state is freed regardless).
     """

@@ -1,7 +1,7 @@
 """The scheduler protocol and the batch boundary.
 
 A scheduler owns one compute thread. The stage runtime puts
-:data:`omnistage.pipeline.messages.StageInput` messages into its thread-safe inbox
+:data:`omnistage.core.messages.StageInput` messages into its thread-safe inbox
 (:meth:`Scheduler.put`); the scheduler reports through its :class:`StageOutbox`
 (results, stream chunks, failures), which is thread-safe too.
 
@@ -21,7 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from omnistage.pipeline.messages import FinishReason, StageInput
+from omnistage.core.messages import StageInput
+from omnistage.core.request import FinishReason
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from omnistage.pipeline.messages import Abort, StageInput, StagePayload
+from omnistage.core.messages import Abort, StageInput, StagePayload
 from omnistage.scheduling.base import ItemFailure, ItemResult, Scheduler
 
 

@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.pipeline.messages import Abort, FinishReason, StagePayload, StreamChunk, StreamDone
-from omnistage.pipeline.tombstones import Tombstones
+from omnistage.core.messages import Abort, StagePayload, StreamChunk, StreamDone
+from omnistage.core.request import FinishReason
+from omnistage.core.tombstones import Tombstones
 from omnistage.scheduling.base import Scheduler
 
 

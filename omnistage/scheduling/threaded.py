@@ -7,7 +7,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from omnistage.pipeline.messages import Abort, StagePayload
+from omnistage.core.messages import Abort, StagePayload
 from omnistage.scheduling.base import Scheduler
 
 

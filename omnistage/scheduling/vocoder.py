@@ -19,7 +19,7 @@ reached) passes it on as the vocoder's finish_reason, so it reaches the client.
 
 Output: ``modality="audio"`` stream chunks, mono float32 numpy PCM with metadata
 ``sample_rate`` (as Piper's terminal stage), then an
-:class:`omnistage.config.model.AudioResult`. A non-streaming request (``stream=False``)
+:class:`omnistage.serve.model.AudioResult`. A non-streaming request (``stream=False``)
 is decoded whole at stream-done, batched with the others finishing in the same tick, and
 emitted as one audio chunk. State slots are freed on finish, abort and batch failure.
 """
@@ -34,8 +34,8 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from omnistage.config.model import AudioResult
-from omnistage.pipeline.messages import FinishReason
+from omnistage.core.payloads import AudioResult
+from omnistage.core.request import FinishReason
 from omnistage.scheduling.streaming import StreamingScheduler, StreamState
 
 SETUP_MODALITY = "vocoder_setup"

@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/audio/speech``, ``GET /v1/audio/voices``, ``GET /v1/models``,
 ``GET /health`` (503 while starting or after a stage process died), ``GET /metrics``
 (Prometheus), and the web playground at ``GET /`` (:mod:`omnistage.serve.playground`).
-Errors use the OpenAI envelope, mapped from the typed errors of :mod:`omnistage.errors`.
+Errors use the OpenAI envelope, mapped from the typed errors of :mod:`omnistage.core.errors`.
 Request flow: capped body -> parse -> validate against the model's capabilities -> the
 model's request builder (all 4xx, before any model work) -> admission -> response. A
 client disconnect aborts the request in the pipeline.
@@ -34,8 +34,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from omnistage.config.model import AudioResult, SpeechModelConfig
-from omnistage.errors import (
+from omnistage.core.errors import (
     AuthenticationError,
     OmnistageError,
     PipelineUnhealthyError,
@@ -43,12 +42,14 @@ from omnistage.errors import (
     StageFailureError,
     UnsupportedMediaTypeError,
 )
+from omnistage.core.messages import StreamChunk
+from omnistage.core.payloads import AudioResult
 from omnistage.pipeline.coordinator import RequestHandle
-from omnistage.pipeline.messages import StreamChunk
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.serve.audio import StreamingAudioEncoder, content_type, encode_audio, float_to_s16
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.metrics import ServerMetrics
+from omnistage.serve.model import SpeechModelConfig
 from omnistage.serve.playground import mount_playground
 from omnistage.serve.protocol import (
     ErrorEvent,

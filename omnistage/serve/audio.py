@@ -42,7 +42,7 @@ import av
 import numpy as np
 import soxr
 
-from omnistage.errors import RequestValidationError
+from omnistage.core.errors import RequestValidationError
 
 __all__ = [
     "FORMATS",

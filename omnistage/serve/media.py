@@ -21,8 +21,8 @@ allowed directory; only regular files.
 
 Audio is decoded with PyAV (any format FFmpeg reads: wav, flac, mp3, ogg/opus, m4a/aac,
 webm, ...) and downmixed to mono by averaging the channels. Nothing falls back silently:
-every failure raises :class:`~omnistage.errors.RequestValidationError` (HTTP 400), or
-:class:`~omnistage.errors.PayloadTooLargeError` (413) for the size and duration caps, with
+every failure raises :class:`~omnistage.core.errors.RequestValidationError` (HTTP 400), or
+:class:`~omnistage.core.errors.PayloadTooLargeError` (413) for the size and duration caps, with
 ``param`` naming the request field and a message saying what is allowed.
 
 :func:`load_reference_audio` blocks (network, decoding): call it from a worker thread in
@@ -51,7 +51,7 @@ import httpx
 import numpy as np
 import soxr
 
-from omnistage.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
+from omnistage.core.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
 
 __all__ = ["MediaPolicy", "ReferenceAudio", "load_reference_audio", "resample"]
 

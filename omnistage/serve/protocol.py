@@ -5,7 +5,7 @@ Request flow for ``POST /v1/audio/speech``::
     req = parse_speech_request(raw_body, caps)   # shape: JSON, types, ranges, unknown fields
     req = validate_speech_request(req, caps)     # semantics: what the served model accepts
 
-Both raise only :class:`~omnistage.errors.RequestValidationError` (HTTP 400) whose ``param``
+Both raise only :class:`~omnistage.core.errors.RequestValidationError` (HTTP 400) whose ``param``
 names the offending field; :func:`error_envelope` turns any omnistage error into the OpenAI
 error body ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -42,7 +42,7 @@ from pydantic import (
     model_validator,
 )
 
-from omnistage.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
+from omnistage.core.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
 
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 StreamFormat = Literal["audio", "sse"]

@@ -12,12 +12,13 @@ from typing import Self
 
 import numpy as np
 
-from omnistage.config.model import AudioResult, SpeechModelConfig
 from omnistage.config.pipeline import FactoryConfig, StageConfig
-from omnistage.pipeline.messages import StagePayload
+from omnistage.core.messages import StagePayload
+from omnistage.core.payloads import AudioResult
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import ItemResult, SimpleScheduler
 from omnistage.serve.media import MediaPolicy
+from omnistage.serve.model import SpeechModelConfig
 from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
 
 SAMPLE_RATE = 16000

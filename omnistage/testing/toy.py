@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
-from omnistage.errors import OmnistageError
-from omnistage.pipeline.messages import StageInput, StagePayload
+from omnistage.core.errors import OmnistageError
+from omnistage.core.messages import StageInput, StagePayload
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import (
     ItemFailure,

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from omnistage.core.request import FinishReason
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
 from omnistage.engine.model_runner import PREDICTOR_NOISE_SALT, ARModelSpec, SampleFn
 from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
 from omnistage.engine.sequence import GenerationInput
 from omnistage.models.qwen3_tts.modeling.config import CodePredictorConfig, DecoderConfig
 from omnistage.models.qwen3_tts.modeling.talker import CodePredictor, Decoder
-from omnistage.pipeline.messages import FinishReason
 
 
 @dataclass(frozen=True)

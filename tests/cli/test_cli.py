@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 
 from omnistage.cli.bench import parse_extra_fields, spread_option_values
 from omnistage.cli.main import app
-from omnistage.config.registry import ModelRegistry
+from omnistage.serve.registry import ModelRegistry
 
 TONE = "omnistage.testing.tone:ToneConfig"
 ENV = {"OMNISTAGE_EXTRA_MODELS": TONE, "COLUMNS": "200"}

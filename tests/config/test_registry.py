@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from omnistage.config.registry import ModelRegistry, RegistryError
 from omnistage.models.piper.config import PiperVoiceConfig
 from omnistage.models.piper.modeling import default_voice_path
+from omnistage.serve.registry import ModelRegistry, RegistryError
 from omnistage.testing.tone import ToneConfig
 
 

@@ -4,10 +4,10 @@ batching, stopping rules, admission, aborts and failures, and no KV block left b
 import pytest
 import torch
 
+from omnistage.core.errors import QueueFullError, RequestValidationError
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
-from omnistage.errors import QueueFullError, RequestValidationError
 from omnistage.testing.toy_ar import ToyARConfig, ToyTalker, reference_generate
 
 DTYPE = torch.float64  # batched and unbatched matmuls then agree far below any logit gap

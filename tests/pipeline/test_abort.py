@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
-from omnistage.errors import RequestAbortedError
-from omnistage.pipeline.messages import Abort, StagePayload, StreamChunk
+from omnistage.core.errors import RequestAbortedError
+from omnistage.core.messages import Abort, StagePayload, StreamChunk
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.testing import toy
 from omnistage.testing.leaks import assert_no_request_state

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from omnistage.errors import (
+from omnistage.core.errors import (
     PipelineConfigError,
     PipelineUnhealthyError,
     RequestValidationError,

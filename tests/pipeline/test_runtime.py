@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from omnistage.errors import (
+from omnistage.core.errors import (
     PipelineUnhealthyError,
     QueueFullError,
     RequestTimeoutError,

@@ -3,7 +3,7 @@
 import pytest
 
 from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
-from omnistage.errors import PipelineConfigError
+from omnistage.core.errors import PipelineConfigError
 from omnistage.pipeline.pipeline import build_topology
 from omnistage.testing import toy
 

@@ -22,9 +22,9 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from omnistage.config.registry import ModelRegistry
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.playground import STATIC_DIR
+from omnistage.serve.registry import ModelRegistry
 from tests.serve.conftest import RunningServer, free_port, run_uvicorn, wait_health
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -6,7 +6,7 @@ import asyncio
 import pytest
 import torch
 
-from omnistage.errors import RequestAbortedError, RequestValidationError
+from omnistage.core.errors import RequestAbortedError, RequestValidationError
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.testing.leaks import assert_no_request_state
 from omnistage.testing.toy_ar import reference_generate

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.config.model import AudioResult
+from omnistage.core.messages import Abort, StagePayload, StreamChunk, StreamDone
+from omnistage.core.payloads import AudioResult
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
     write_random_speech_tokenizer,
 )
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import StreamingDecoderArena
-from omnistage.pipeline.messages import Abort, StagePayload, StreamChunk, StreamDone
 from omnistage.scheduling.vocoder import ChunkPlan, VocoderInput, VocoderScheduler
 
 SPF = 4  # the fake decoder's samples per frame

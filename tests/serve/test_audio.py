@@ -11,7 +11,7 @@ import soxr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from omnistage.errors import RequestValidationError
+from omnistage.core.errors import RequestValidationError
 from omnistage.serve.audio import (
     FORMATS,
     StreamingAudioEncoder,

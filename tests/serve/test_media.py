@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-from omnistage.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
 from omnistage.serve.media import MediaPolicy, load_reference_audio, resample
 
 RATE = 16000

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from omnistage.errors import (
+from omnistage.core.errors import (
     AuthenticationError,
     OmnistageError,
     PayloadTooLargeError,

@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
-from omnistage.config.model import SpeechModelConfig
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.models.piper.modeling import MAX_SPEED, MIN_SPEED, default_voice_path
 from omnistage.models.piper.payload_types import PiperRequest
 from omnistage.models.piper.request_builders import build_piper_request, voice_names
 from omnistage.models.piper.stages import voice_spec
 from omnistage.serve.media import MediaPolicy
+from omnistage.serve.model import SpeechModelConfig
 from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
 
 DEFAULT_VOICE = "en_US-joe-medium"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from omnistage.errors import RequestValidationError
+from omnistage.core.errors import RequestValidationError
 from omnistage.models.piper.modeling import (
     PiperVoiceSpec,
     length_scale_for_speed,

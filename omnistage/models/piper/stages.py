@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from omnistage.config.model import AudioResult
+from omnistage.core.messages import Abort, StageInput, StagePayload
+from omnistage.core.payloads import AudioResult
 from omnistage.models.piper.modeling import (
     PiperPhonemizer,
     PiperSynthesizer,
@@ -26,7 +27,6 @@ from omnistage.models.piper.modeling import (
     load_voice_spec,
 )
 from omnistage.models.piper.payload_types import PhonemizedText, PiperRequest
-from omnistage.pipeline.messages import Abort, StageInput, StagePayload
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import Scheduler, ThreadedScheduler
 

@@ -17,7 +17,6 @@ import numpy as np
 import soundfile
 import torch
 
-from omnistage.config.model import SpeechModelConfig
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.models.qwen3_tts.capabilities import (
     SAMPLE_RATE,
@@ -28,6 +27,7 @@ from omnistage.models.qwen3_tts.modeling.config import load_config
 from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest
 from omnistage.models.qwen3_tts.request_builders import build_qwen3_tts_request
 from omnistage.serve.media import MediaPolicy
+from omnistage.serve.model import SpeechModelConfig
 from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
 
 _STAGES = "omnistage.models.qwen3_tts.stages"

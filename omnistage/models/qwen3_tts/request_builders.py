@@ -39,8 +39,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from omnistage.core.errors import RequestValidationError
 from omnistage.engine.sampler import SamplingParams
-from omnistage.errors import RequestValidationError
 from omnistage.models.qwen3_tts.capabilities import (
     AUTO_LANGUAGE,
     FRAMES_PER_SECOND,

@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omnistage.core.messages import StagePayload
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.model_runner import StepSampling
 from omnistage.engine.sampler import SamplerFeatures
@@ -55,7 +56,6 @@ from omnistage.models.qwen3_tts.request_builders import (
     resolve_sampling,
     sampling_params,
 )
-from omnistage.pipeline.messages import StagePayload
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import ThreadedScheduler
 from omnistage.scheduling.ar import ARScheduler

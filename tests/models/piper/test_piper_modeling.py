@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from piper.const import BOS, EOS, PAD
 
-from omnistage.errors import RequestValidationError
+from omnistage.core.errors import RequestValidationError
 from omnistage.models.piper.modeling import (
     PiperPhonemizer,
     PiperSynthesizer,

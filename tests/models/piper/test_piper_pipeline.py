@@ -2,10 +2,10 @@
 
 import pytest
 
-from omnistage.config.registry import ModelRegistry
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.protocol import SpeechRequest
+from omnistage.serve.registry import ModelRegistry
 from omnistage.testing.leaks import assert_no_request_state
 
 pytestmark = pytest.mark.anyio

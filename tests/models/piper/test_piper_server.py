@@ -14,8 +14,8 @@ import uvicorn
 
 from omnistage.bench.asr import PocketSphinxASR
 from omnistage.bench.wer import normalize_for_wer
-from omnistage.config.registry import ModelRegistry
 from omnistage.serve.app import ServerSettings, create_app
+from omnistage.serve.registry import ModelRegistry
 from tests.serve.conftest import RunningServer, free_port
 
 SENTENCES = [

@@ -18,7 +18,7 @@ import av
 import numpy as np
 import pytest
 
-from omnistage.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
 from omnistage.models.qwen3_tts.capabilities import (
     MAX_INPUT_CHARS,
     Qwen3TTSModelFacts,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import re
 
-from omnistage.errors import RequestValidationError
+from omnistage.core.errors import RequestValidationError
 
 __all__ = ["normalize_text", "split_sentences"]
 

@@ -41,7 +41,7 @@ from piper.patch_voice_with_alignment import add_alignment_output
 from piper.phoneme_ids import phonemes_to_ids
 from piper.phonemize_espeak import ESPEAK_DATA_DIR, EspeakPhonemizer
 
-from omnistage.errors import RequestValidationError
+from omnistage.core.errors import RequestValidationError
 
 __all__ = [
     "MAX_SPEED",

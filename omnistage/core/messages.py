@@ -13,9 +13,9 @@ different edge); see ``StageConfig.can_accept_stream_before_payload``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+from omnistage.core.request import FinishReason
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +86,7 @@ class StageResult:
 
 @dataclass(frozen=True, slots=True)
 class StageFailed:
-    """A stage failed a request; ``error`` is a typed :class:`omnistage.errors.OmnistageError`."""
+    """A stage failed a request; ``error`` is a typed :class:`omnistage.core.errors.OmnistageError`."""
 
     request_id: str
     stage: str

@@ -3,38 +3,22 @@
 A model package ``omnistage/models/<name>/config.py`` exposes ``EntryClass`` (a
 :class:`SpeechModelConfig` subclass: the pipeline's defaults plus what the server needs)
 and optionally ``Variants`` (``{name: SpeechModelConfig subclass}``). The framework never
-imports a model by name: :mod:`omnistage.config.registry` discovers them.
+imports a model by name: :mod:`omnistage.serve.registry` discovers them.
 
 Output convention for speech: audio terminal stages stream chunks with
 ``modality="audio"`` whose ``data`` is mono float32 PCM (``[N]`` tensor or array, values
-in [-1, 1]) at ``capabilities().sample_rate``, and finish with an :class:`AudioResult`.
+in [-1, 1]) at ``capabilities().sample_rate``, and finish with an
+:class:`omnistage.core.payloads.AudioResult`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from omnistage.config.pipeline import PipelineConfig
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
-
-
-@dataclass(frozen=True)
-class AudioResult:
-    """An audio terminal stage's completion.
-
-    Attributes:
-        num_samples: samples streamed in total.
-        sample_rate: Hz.
-        num_frames: codec frames / synthesis units generated (model-defined; e.g. 12.5 Hz
-            frames for Qwen3-TTS, sentences for Piper).
-    """
-
-    num_samples: int
-    sample_rate: int
-    num_frames: int = 0
 
 
 class SpeechModelConfig(PipelineConfig):
@@ -74,7 +58,7 @@ class SpeechModelConfig(PipelineConfig):
 
     def build_request(self, request: SpeechRequest, media: MediaPolicy) -> Any:
         """Turn a validated speech request into the pipeline's typed request; any
-        remaining bad input raises :class:`~omnistage.errors.RequestValidationError`
+        remaining bad input raises :class:`~omnistage.core.errors.RequestValidationError`
         here, before model work."""
         raise NotImplementedError
 

@@ -14,7 +14,7 @@ import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omnistage.config.model import SpeechModelConfig
+from omnistage.serve.model import SpeechModelConfig
 
 logger = logging.getLogger(__name__)
 

@@ -1,0 +1,20 @@
+"""Request ids and finish reasons."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+"""Why a request ended: ``"stop"`` (EOS), ``"length"`` (cap reached), ``"abort"``, ``"error"``."""
+
+FINISH_SEVERITY: dict[FinishReason, int] = {"stop": 0, "length": 1, "abort": 2, "error": 3}
+"""Order used to merge several terminals' finish reasons: the most severe one wins."""
+
+_counter = itertools.count()
+
+
+def new_request_id() -> str:
+    """A fresh request id, unique across processes and restarts (``req-<12 hex>-<n>``)."""
+    return f"req-{uuid.uuid4().hex[:12]}-{next(_counter)}"
