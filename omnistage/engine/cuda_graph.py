@@ -58,7 +58,7 @@ class CUDAGraphRunner:
         self.padding = runner.padding_meta(largest).to(spec.device)
         self.meta = self.padding.clone()  # decode input: slot, step row, context length
         self.hidden = torch.zeros(largest, spec.hidden_size, dtype=spec.dtype, device=spec.device)  # tail input
-        self.tail_ids = self.padding[:, :2].clone()  # tail input: slot, step row
+        self.tail_slots = self.padding[:, 0].clone()  # tail input: slot
         self.graphs: dict[tuple[str, int, StepSampling], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # the graphs write into these predictor caches: they must live as long as the graphs
         # (shared by the graphs of a bucket: they never run at the same time)
@@ -86,18 +86,15 @@ class CUDAGraphRunner:
         graph.replay()
         return codes[:batch]
 
-    def frame_tail(
-        self, hidden: torch.Tensor, slot_ids: torch.Tensor, row_ids: torch.Tensor, sampling: StepSampling
-    ) -> torch.Tensor:
+    def frame_tail(self, hidden: torch.Tensor, slot_ids: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
         """Replay :meth:`ModelRunner.frame_tail` for ``B <=`` :attr:`max_batch_size`
         requests (device inputs); returns a view ``[B, G]``, valid until the next replay."""
         batch = hidden.shape[0]
         size = self._bucket(batch)
         graph, codes = self._graph("tail", size, sampling)
         self.hidden[:batch].copy_(hidden)
-        self.tail_ids[:batch, 0].copy_(slot_ids)
-        self.tail_ids[:batch, 1].copy_(row_ids)
-        self.tail_ids[batch:size].copy_(self.padding[batch:size, :2])
+        self.tail_slots[:batch].copy_(slot_ids)
+        self.tail_slots[batch:size].copy_(self.padding[batch:size, 0])
         graph.replay()
         return codes[:batch]
 
@@ -110,14 +107,13 @@ class CUDAGraphRunner:
         and it is ordered after any replay still queued on the stream."""
         runner, cache = self.runner, self.frame_caches[size]
         self.meta[:size].copy_(self.padding[:size])
-        self.tail_ids[:size].copy_(self.padding[:size, :2])
+        self.tail_slots[:size].copy_(self.padding[:size, 0])
         if kind == "decode":
             def step() -> torch.Tensor:
                 return runner.decode(self.meta[:size], cache, sampling=sampling)
         else:
             def step() -> torch.Tensor:
-                return runner.frame_tail(self.hidden[:size], self.tail_ids[:size, 0], self.tail_ids[:size, 1], cache,
-                                         sampling)
+                return runner.frame_tail(self.hidden[:size], self.tail_slots[:size], cache, sampling)
         step()  # warm-up: Triton compiles, cuBLAS picks kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

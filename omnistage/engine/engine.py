@@ -158,6 +158,54 @@ class AREngine:
         self._validate(seq)
         self.scheduler.add(seq)
 
+    def append_step_rows(self, request_id: str, rows: torch.Tensor) -> bool:
+        """Give a request given with ``more_rows`` its next step rows ``[K, H]`` (any
+        device, float dtype; copied, so the caller may reuse ``rows``). A step of the
+        request that waited for them runs in the next batch. Rows past the request's
+        capacity (one per frame that can be fed back) are dropped.
+
+        Returns:
+            False if the request is not in the engine (it ended; the rows are dropped).
+
+        Raises:
+            RequestValidationError: ``rows`` is not ``[K, hidden_size]`` floats.
+            ValueError: the request was not given with ``more_rows``, or its rows are
+                complete.
+        """
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return False
+        if seq.rows_complete:
+            raise ValueError(f"request {request_id!r} takes no more step rows")
+        hidden = self.runner.spec.hidden_size
+        if rows.dim() != 2 or rows.shape[1] != hidden or not rows.is_floating_point():
+            raise RequestValidationError(
+                f"step rows must be [K, {hidden}] floats, got {tuple(rows.shape)} {rows.dtype}", "step_embeds"
+            )
+        if seq.status is SequenceStatus.WAITING:
+            seq.pending_rows.append(rows.clone())
+        else:
+            self._store_rows(seq, rows)
+        return True
+
+    def complete_step_rows(self, request_id: str) -> bool:
+        """No more step rows for the request: frames past its last row take the pad row
+        (idempotent; a request without streamed rows is complete from the start).
+
+        Returns:
+            False if the request is not in the engine."""
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return False
+        seq.rows_complete = True
+        return True
+
+    def _store_rows(self, seq: Sequence, rows: torch.Tensor) -> None:
+        rows = rows[: seq.inputs.row_capacity - seq.num_rows]
+        if rows.shape[0]:
+            self.runner.write_rows(seq, seq.num_rows, rows)
+            seq.num_rows += rows.shape[0]
+
     def abort(self, request_id: str) -> None:
         """End a request now and free its blocks (unknown ids are ignored; idempotent).
         A frame of it still in flight is dropped when it resolves."""
@@ -221,12 +269,15 @@ class AREngine:
         if batch.kind == "prefill":
             for seq in seqs:
                 self.runner.admit(seq)
-            hidden, slot_ids, row_ids = self.runner.prefill(seqs)
+                pending, seq.pending_rows = seq.pending_rows, []
+                for rows in pending:
+                    self._store_rows(seq, rows)
+            hidden, slot_ids = self.runner.prefill(seqs)
             if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
-                codes = self.graphs.frame_tail(hidden, slot_ids, row_ids, sampling)
+                codes = self.graphs.frame_tail(hidden, slot_ids, sampling)
             else:
                 cache = self.runner.model.new_frame_cache(len(seqs))
-                codes = self.runner.frame_tail(hidden, slot_ids, row_ids, cache, sampling)
+                codes = self.runner.frame_tail(hidden, slot_ids, cache, sampling)
         else:
             codes = self._decode(seqs, sampling)
         for seq in seqs:

@@ -3,16 +3,21 @@ prefill or a decode step on it, entirely on the device.
 
 One engine step, for a batch of ``B`` requests::
 
-    hidden = model.forward(input_embeds, positions, paged_attention)      # backbone
+    input  = model.next_input_embeds(last_codes[slot], step_row)          # the frame fed back
+    hidden = model.forward(input, positions, paged_attention)             # backbone
     code0  = sample(model.head_logits(hidden_last), per-request params)   # fp32, seeded
     codes  = model.complete_frame(hidden_last, code0, sample_fn, cache)   # [B, G]
-    next_embeds[slot] = model.next_input_embeds(codes, step_row)          # fed next step
+    last_codes[slot] = codes                                              # fed next step
+
+(a prefill's input is the prompt instead). The fed-back embedding is made when it is fed,
+not when its frame is made, so a step row is needed one step later: a request whose rows
+stream in waits only for the row its next step really feeds.
 
 No host sync inside: per-request state lives on the device in *slots* (one row per running
 request, plus a scratch row ``max_num_seqs`` that the padding rows of a CUDA-graph batch
-use): the next input embedding, the sampling state, the block table. A decode step reads
-its slots through one small ``[B, 3] int64`` index tensor (slot, step row, context length),
-so the same code runs eagerly or replayed from a CUDA graph
+use): the last frame, the sampling state, the block table. A decode step reads its slots
+through one small ``[B, 3] int64`` index tensor (slot, step row, context length), so the
+same code runs eagerly or replayed from a CUDA graph
 (:class:`~omnistage.engine.cuda_graph.CUDAGraphRunner`).
 """
 
@@ -143,7 +148,7 @@ class ModelRunner:
         self.attn = PagedAttention(cache, decode_attention)
         device, slots = spec.device, max_num_seqs + 1
         self.scratch_slot, self.scratch_row = max_num_seqs, num_step_rows
-        self.next_embeds = torch.zeros(slots, spec.hidden_size, dtype=spec.dtype, device=device)
+        self.last_codes = torch.zeros(slots, spec.num_code_groups, dtype=torch.int64, device=device)
         self.step_rows = torch.zeros(num_step_rows + 1, spec.hidden_size, dtype=spec.dtype, device=device)
         self.block_tables = torch.full((slots, max_blocks_per_seq), cache.scratch_block, dtype=torch.int64, device=device)
         self.sampling = SamplingBatch.empty(slots, spec.vocab_size, device)
@@ -163,16 +168,27 @@ class ModelRunner:
         self.block_tables[seq.slot, : len(table)] = table.to(device)
         hidden = self.spec.hidden_size
         pad = inputs.pad_embed if inputs.pad_embed is not None else torch.zeros(hidden)
-        rows = [pad.reshape(1, hidden).to(device, self.spec.dtype)]
+        self._write_rows([seq.row_slots[-1]], pad.reshape(1, hidden))
         if inputs.step_embeds is not None:
-            rows.insert(0, inputs.step_embeds.to(device, self.spec.dtype))
-        self.step_rows[torch.tensor(seq.row_slots, device=device)] = torch.cat(rows)
+            self._write_rows(seq.row_slots[: inputs.num_given_rows], inputs.step_embeds)
+
+    def write_rows(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
+        """Store ``rows [K, H]`` (any device and float dtype) as the running request's step
+        rows ``first..first+K-1`` (within its capacity)."""
+        self._write_rows(seq.row_slots[first : first + rows.shape[0]], rows)
+
+    def _write_rows(self, slots: list[int], rows: torch.Tensor) -> None:
+        # ordered after any step already queued on the device, so a step in flight reads
+        # the rows it was launched with
+        rows = rows.to(self.spec.device, self.spec.dtype, non_blocking=True)
+        self.step_rows.index_copy_(0, _upload(slots, self.spec.device), rows)
 
     def decode_meta(self, seqs: list[Sequence]) -> torch.Tensor:
-        """``[B, 3] int64`` host tensor (slot, step row, context length) of a decode step;
-        call before incrementing ``num_scheduled``."""
+        """``[B, 3] int64`` host tensor (slot, step row of the frame fed back, context
+        length) of a decode step; call before incrementing ``num_scheduled``."""
         return torch.tensor(
-            [[s.slot, s.step_row(s.num_scheduled), s.prompt_len + s.num_scheduled] for s in seqs], dtype=torch.int64
+            [[s.slot, s.step_row(s.num_scheduled - 1), s.prompt_len + s.num_scheduled] for s in seqs],
+            dtype=torch.int64,
         )
 
     def padding_meta(self, rows: int) -> torch.Tensor:
@@ -180,24 +196,24 @@ class ModelRunner:
         return torch.tensor([[self.scratch_slot, self.scratch_row, 1]] * rows, dtype=torch.int64).reshape(rows, 3)
 
     # --------------------------------------------------------------- device side
-    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """One variable-length forward over the prompts of ``seqs`` (admitted, nothing
-        scheduled yet). Returns the last hidden ``[B, H]``, slot ids and step rows
-        ``[B] int64``: the inputs of :meth:`frame_tail`, which makes frame 0."""
+        scheduled yet). Returns the last hidden ``[B, H]`` and the slot ids ``[B] int64``:
+        the inputs of :meth:`frame_tail`, which makes frame 0."""
         device, size = self.spec.device, self.cache.block_size
         lengths = [s.prompt_len for s in seqs]
         positions = [t for n in lengths for t in range(n)]
         kv_slots = [s.kv_slot(t, size) for s in seqs for t in range(s.prompt_len)]
         ends = [end - 1 for end in itertools.accumulate(lengths)]
-        per_seq = [s.slot for s in seqs] + [s.step_row(0) for s in seqs] + ends
+        per_seq = [s.slot for s in seqs] + ends
         flat = _upload(positions + kv_slots + per_seq, device)
         n, b = len(positions), len(seqs)
         positions_d, kv_slots_d = flat[: 2 * n].view(2, n)
-        slot_ids, row_ids, last = flat[2 * n :].view(3, b)
+        slot_ids, last = flat[2 * n :].view(2, b)
         embeds = torch.cat([self._prompt_embeds(s) for s in seqs])
         self.attn.prepare_prefill(kv_slots_d, lengths)
         hidden = self.model.forward(embeds, positions_d, self.attn)
-        return hidden[last], slot_ids, row_ids
+        return hidden[last], slot_ids
 
     def decode(
         self, meta: torch.Tensor, cache: DenseKVCache | None, width: int | None = None,
@@ -213,8 +229,10 @@ class ModelRunner:
         size = self.cache.block_size
         kv_slots = tables.gather(1, (positions // size)[:, None])[:, 0] * size + positions % size
         self.attn.prepare_decode(kv_slots, tables, context_lens)
-        hidden = self.model.forward(self.next_embeds.index_select(0, slot_ids), positions, self.attn)
-        return self.frame_tail(hidden, slot_ids, row_ids, cache, sampling)
+        fed = self.model.next_input_embeds(self.last_codes.index_select(0, slot_ids),
+                                           self.step_rows.index_select(0, row_ids))
+        hidden = self.model.forward(fed.to(self.spec.dtype), positions, self.attn)
+        return self.frame_tail(hidden, slot_ids, cache, sampling)
 
     def upload_meta(self, meta: torch.Tensor) -> torch.Tensor:
         return _upload(meta, self.spec.device)
@@ -226,20 +244,18 @@ class ModelRunner:
         return prompt.to(self.spec.dtype)
 
     def frame_tail(
-        self, hidden: torch.Tensor, slot_ids: torch.Tensor, row_ids: torch.Tensor, cache: DenseKVCache | None,
+        self, hidden: torch.Tensor, slot_ids: torch.Tensor, cache: DenseKVCache | None,
         sampling: StepSampling = StepSampling(),
     ) -> torch.Tensor:
         """From the last hidden ``[B, H]`` to the frame ``[B, G] int64``: sample code 0,
-        complete the frame, record the draws and store the next input embedding in each
-        request's slot (``slot_ids``, ``row_ids``: ``[B] int64``; ``sampling``: see
-        :meth:`decode`)."""
+        complete the frame, record the draws and keep the frame in each request's slot
+        (``slot_ids``: ``[B] int64``; ``sampling``: see :meth:`decode`)."""
         batch = self.sampling.select(slot_ids)
         code0 = sample(self.model.head_logits(hidden), batch, sampling.code0)
         self.sampling.record(code0, slot_ids)
         sample_fn = self._predictor_sampler(slot_ids, batch.num_generated, sampling.predictor)
         codes = self.model.complete_frame(hidden, code0, sample_fn, cache)
-        embeds = self.model.next_input_embeds(codes, self.step_rows.index_select(0, row_ids))
-        self.next_embeds.index_copy_(0, slot_ids, embeds.to(self.spec.dtype))
+        self.last_codes.index_copy_(0, slot_ids, codes)
         return codes
 
     def _predictor_sampler(

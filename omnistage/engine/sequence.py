@@ -4,8 +4,16 @@ while it waits and runs (:class:`Sequence`), and what it produced (:class:`Gener
 Steps and frames: the prefill produces frame 0; decode step ``k`` (k >= 1) feeds frame
 ``k - 1``'s feedback embedding at position ``prompt_len + k - 1`` and produces frame ``k``.
 The feedback embedding of frame ``k`` is ``model.next_input_embeds(codes_k, row_k)`` where
-``row_k`` is ``step_embeds[k]`` while ``k < M`` and then ``pad_embed`` (Qwen3-TTS: the
-trailing text rows, then ``tts_pad``; see shared/reference/qwen3-tts.md, sections 2 and 4).
+``row_k`` is the request's step row ``k`` while ``k < M`` and then ``pad_embed``
+(Qwen3-TTS: the trailing text rows, then ``tts_pad``; see shared/reference/qwen3-tts.md,
+sections 2 and 4). It is made at the start of decode step ``k + 1``, so row ``k`` is
+needed only then.
+
+Streamed rows: a request given with ``more_rows=True`` gets the rest of its rows after
+admission (:meth:`AREngine.append_step_rows`), then an end mark
+(:meth:`AREngine.complete_step_rows`); only then do frames past its last row take the
+pad row. Until row ``k`` arrived (or the rows are complete), decode step ``k + 1`` of the
+request waits: it is left out of the batch, the other requests go on.
 """
 
 from __future__ import annotations
@@ -35,7 +43,11 @@ class GenerationInput:
         max_new_tokens: frames (tokens) at most; reaching it ends with ``"length"``.
         step_embeds: ``[M, H]`` rows added to the feedback embedding of frames ``0..M-1``
             (None: no rows).
-        pad_embed: ``[H]`` row added from frame ``M`` on (None: zeros).
+        pad_embed: ``[H]`` row added from frame ``M`` on (None: zeros); with streamed
+            rows, from the frame after the last row once the rows are complete.
+        more_rows: more step rows follow after admission (see the module docstring). The
+            request then reserves a row for every frame that can be fed back
+            (``max_new_tokens - 1``, or ``M`` if more); rows past them are dropped.
         predictor_sampling: sampling of codes ``1..G-1`` by the code predictor (None:
             greedy); its repetition penalty, stop ids and ``min_new_tokens`` must be off.
             It may share ``sampling.seed``: the engine draws its noise from a stream of
@@ -48,6 +60,7 @@ class GenerationInput:
     step_embeds: torch.Tensor | None = None
     pad_embed: torch.Tensor | None = None
     predictor_sampling: SamplingParams | None = None
+    more_rows: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt.dim() not in (1, 2) or self.prompt.shape[0] < 1:
@@ -64,9 +77,22 @@ class GenerationInput:
             )
 
     @property
+    def num_given_rows(self) -> int:
+        """``M``: step rows given with the request."""
+        return 0 if self.step_embeds is None else self.step_embeds.shape[0]
+
+    @property
+    def row_capacity(self) -> int:
+        """Step rows the request can hold: ``M``, or with streamed rows also one for every
+        frame that can be fed back."""
+        if not self.more_rows:
+            return self.num_given_rows
+        return max(self.num_given_rows, self.max_new_tokens - 1)
+
+    @property
     def num_step_rows(self) -> int:
-        """Rows the request keeps in the step-row pool: its step embeddings and the pad row."""
-        return (0 if self.step_embeds is None else self.step_embeds.shape[0]) + 1
+        """Rows the request keeps in the step-row pool: :attr:`row_capacity` and the pad row."""
+        return self.row_capacity + 1
 
 
 @dataclass(frozen=True)
@@ -101,7 +127,11 @@ class Sequence:
         status: waiting -> running -> finished.
         slot: its row in the runner's per-slot device state while running, else -1.
         block_table: KV blocks, reserved for the whole generation at admission.
-        row_slots: pool rows of its step embeddings, then its pad row.
+        row_slots: pool rows of its step embeddings (``inputs.row_capacity``), then its
+            pad row.
+        num_rows: step rows it has (given and appended; at most its capacity).
+        rows_complete: no more rows will come (always, unless ``inputs.more_rows``).
+        pending_rows: rows appended while it waits for admission (host side until then).
         num_scheduled: steps launched so far (= frames that are or will be produced).
         frames: ``[1, G] int64`` frames emitted so far (device tensors).
         stop_ids: ``inputs.sampling.stop_token_ids`` as a set (host-side stop check).
@@ -115,12 +145,17 @@ class Sequence:
     slot: int = -1
     block_table: list[int] = field(default_factory=list)
     row_slots: list[int] = field(default_factory=list)
+    num_rows: int = 0
+    rows_complete: bool = True
+    pending_rows: list[torch.Tensor] = field(default_factory=list)
     num_scheduled: int = 0
     frames: list[torch.Tensor] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.inputs.sampling.stop_token_ids)
+        self.num_rows = self.inputs.num_given_rows
+        self.rows_complete = not self.inputs.more_rows
 
     @property
     def prompt_len(self) -> int:
@@ -137,11 +172,16 @@ class Sequence:
 
     @property
     def schedulable(self) -> bool:
-        return self.status is SequenceStatus.RUNNING and self.num_scheduled < self.max_new_tokens
+        """Running, frames left, and (past the prefill) the row its next step feeds has
+        arrived or the rows are complete."""
+        if self.status is not SequenceStatus.RUNNING or self.num_scheduled >= self.max_new_tokens:
+            return False
+        return self.rows_complete or self.num_scheduled - 1 < self.num_rows
 
     def kv_slot(self, token: int, block_size: int) -> int:
         return self.block_table[token // block_size] * block_size + token % block_size
 
     def step_row(self, frame: int) -> int:
-        """The pool row added to frame ``frame``'s feedback embedding."""
-        return self.row_slots[min(frame, len(self.row_slots) - 1)]
+        """The pool row added to frame ``frame``'s feedback embedding (its row while it has
+        one, else the pad row)."""
+        return self.row_slots[frame] if frame < self.num_rows else self.row_slots[-1]

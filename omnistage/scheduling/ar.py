@@ -18,16 +18,33 @@ t+1). The result is the :class:`~omnistage.engine.sequence.GenerationResult` (al
 Aborts free the request's KV blocks at once; a step that raises fails exactly the
 requests of that step (the batch boundary, :meth:`Scheduler.run_batch`), whose blocks the
 engine has already freed.
+
+Stream input (a stage with stream sources, e.g. the Omni talker fed by the thinker, or
+text streamed into a running Qwen3-TTS generation): each request gets a
+:class:`StreamInput` that turns its payload, stream chunks and stream-done into engine
+calls (:class:`RowFeed`): start the request (usually with ``more_rows``), append step rows
+to it while it runs, mark its rows complete. The default, :class:`RowStream`, starts it
+from the payload (``build_input``), appends each chunk's ``[K, H]`` tensor and completes
+on stream-done; a model subclasses :class:`StreamInput` for its own hand-off (e.g. a
+start once the first chunks arrived, before the payload). A request whose result is
+ready before its payload arrived keeps the result until it does (the stage runtime
+routes a result with its payload). Chunks and stream-done of a request that ended are
+dropped.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
 
 from omnistage.core.errors import OmnistageError
-from omnistage.core.messages import Abort, StageInput, StagePayload
-from omnistage.engine.engine import AREngine
-from omnistage.engine.sequence import GenerationInput
+from omnistage.core.messages import Abort, StageInput, StagePayload, StreamChunk, StreamDone
+from omnistage.core.tombstones import Tombstones
+from omnistage.engine.engine import AREngine, StepOutput
+from omnistage.engine.sequence import GenerationInput, GenerationResult
 from omnistage.scheduling.base import Scheduler
 
 
@@ -42,6 +59,78 @@ def payload_data(payload: StagePayload) -> GenerationInput:
     return payload.data
 
 
+@dataclass(frozen=True)
+class RowFeed:
+    """What one message of a request asks of the engine, applied in this order.
+
+    Attributes:
+        start: add the request to the engine with this input (once per request).
+        rows: ``[K, H]`` step rows to append (the request must have ``more_rows``).
+        complete: no more rows will come.
+    """
+
+    start: GenerationInput | None = None
+    rows: torch.Tensor | None = None
+    complete: bool = False
+
+
+class StreamInput(ABC):
+    """One request's payload and stream, as engine calls (see the module docstring).
+    Each method raises a typed :class:`~omnistage.core.errors.OmnistageError`, ``ValueError``
+    or ``TypeError`` for bad input, which fails the request."""
+
+    @abstractmethod
+    def on_payload(self, payload: StagePayload) -> RowFeed:
+        """The stage payload arrived (before or after stream chunks)."""
+
+    @abstractmethod
+    def on_chunk(self, chunk: StreamChunk) -> RowFeed:
+        """A stream chunk arrived."""
+
+    @abstractmethod
+    def on_done(self) -> RowFeed:
+        """Every stream source finished."""
+
+
+class RowStream(StreamInput):
+    """The default :class:`StreamInput`: the payload starts the request
+    (``build_input(payload)``); each chunk's data is ``[K, H]`` step rows; stream-done
+    completes them. Rows and done that arrive before the payload are kept until it does."""
+
+    def __init__(self, build_input: Callable[[StagePayload], GenerationInput]) -> None:
+        self.build_input = build_input
+        self.started = self.done = False
+        self.early: list[torch.Tensor] = []
+
+    def on_payload(self, payload: StagePayload) -> RowFeed:
+        self.started = True
+        rows = torch.cat(self.early) if self.early else None
+        self.early = []
+        return RowFeed(self.build_input(payload), rows, self.done)
+
+    def on_chunk(self, chunk: StreamChunk) -> RowFeed:
+        if not isinstance(chunk.data, torch.Tensor):
+            raise TypeError(f"a step-row chunk is a [K, H] tensor, got {type(chunk.data).__name__}")
+        if self.started:
+            return RowFeed(rows=chunk.data)
+        self.early.append(chunk.data)
+        return RowFeed()
+
+    def on_done(self) -> RowFeed:
+        self.done = True
+        return RowFeed(complete=self.started)
+
+
+@dataclass
+class _Streamed:
+    """A request at a stage with stream sources: its adapter, whether its payload arrived,
+    and its result if that came first."""
+
+    adapter: StreamInput
+    has_payload: bool = False
+    result: GenerationResult | None = None
+
+
 class ARScheduler(Scheduler):
     """Args:
     engine: the engine (built on the stage's device).
@@ -49,6 +138,8 @@ class ARScheduler(Scheduler):
         :class:`~omnistage.core.errors.OmnistageError`, ``ValueError`` or ``TypeError`` for bad input.
     modality: of the streamed frames.
     abort_callback: see :class:`Scheduler` (the engine's own state is freed regardless).
+    stream_input: ``stream_input(request_id) -> StreamInput``, used when the stage has
+        stream sources (None: :class:`RowStream` over ``build_input``).
     """
 
     max_messages_per_tick = 256
@@ -59,16 +150,25 @@ class ARScheduler(Scheduler):
         build_input: Callable[[StagePayload], GenerationInput] = payload_data,
         modality: str = "audio_codes",
         abort_callback: Callable[[str], None] | None = None,
+        stream_input: Callable[[str], StreamInput] | None = None,
     ) -> None:
         super().__init__(abort_callback)
         self.engine, self.build_input, self.modality = engine, build_input, modality
+        self.stream_input = stream_input or (lambda request_id: RowStream(self.build_input))
+        self._streamed: dict[str, _Streamed] = {}
+        self._ended = Tombstones()
 
     def live_requests(self) -> set[str]:
-        return self.engine.live_requests()
+        return self.engine.live_requests() | set(self._streamed)
 
     def release(self, request_id: str) -> None:
         self.engine.abort(request_id)
+        self._end(request_id)
         super().release(request_id)
+
+    def _end(self, request_id: str) -> None:
+        self._streamed.pop(request_id, None)
+        self._ended.add(request_id)
 
     def _run(self) -> None:
         while True:
@@ -84,6 +184,10 @@ class ARScheduler(Scheduler):
         request_id = message.request_id
         if isinstance(message, Abort):
             self.release(request_id)
+        elif request_id in self._ended:
+            return  # a late chunk or stream-done of a request that ended here
+        elif self.expects_stream:
+            self._ingest_streamed(message)
         elif isinstance(message, StagePayload):
             try:
                 self.engine.add_request(request_id, self.build_input(message))
@@ -91,6 +195,33 @@ class ARScheduler(Scheduler):
                 self.outbox.fail(request_id, exc)
         else:
             self.outbox.fail(request_id, TypeError(f"stage {self.stage_name!r} takes no streams"))
+
+    def _ingest_streamed(self, message: StagePayload | StreamChunk | StreamDone) -> None:
+        request_id = message.request_id
+        state = self._streamed.get(request_id)
+        try:
+            if state is None:
+                state = self._streamed[request_id] = _Streamed(self.stream_input(request_id))
+            if isinstance(message, StagePayload):
+                state.has_payload = True
+                feed = state.adapter.on_payload(message)
+            elif isinstance(message, StreamChunk):
+                feed = state.adapter.on_chunk(message)
+            else:
+                feed = state.adapter.on_done()
+            if feed.start is not None:
+                self.engine.add_request(request_id, feed.start)
+            if feed.rows is not None:
+                self.engine.append_step_rows(request_id, feed.rows)
+            if feed.complete:
+                self.engine.complete_step_rows(request_id)
+        except (OmnistageError, ValueError, TypeError) as exc:
+            self.engine.abort(request_id)
+            self._end(request_id)
+            self.outbox.fail(request_id, exc)
+            return
+        if state.has_payload and state.result is not None:
+            self._finish(request_id, state.result)
 
     def _step(self) -> None:
         plan = self.engine.schedule()
@@ -103,4 +234,16 @@ class ARScheduler(Scheduler):
             if out.frame is not None:
                 self.outbox.stream(out.request_id, out.frame, self.modality)
             if out.result is not None:
-                self.outbox.result(out.request_id, out.result, out.result.finish_reason)
+                self._on_result(out)
+
+    def _on_result(self, out: StepOutput) -> None:
+        assert out.result is not None
+        state = self._streamed.get(out.request_id)
+        if state is not None and not state.has_payload:
+            state.result = out.result  # delivered once the payload arrives
+            return
+        self._finish(out.request_id, out.result)
+
+    def _finish(self, request_id: str, result: GenerationResult) -> None:
+        self._end(request_id)
+        self.outbox.result(request_id, result, result.finish_reason)

@@ -68,7 +68,7 @@ def test_steps_record_no_autograd_graph_even_for_trainable_weights():
     model = ToyTalker(ToyARConfig(), DTYPE).requires_grad_(True)
     engine = engine_for(model)
     run(engine, {0: [("a", request(5, 4)), ("b", request(3, 6, seed=1))]})
-    for buffer in (engine.runner.next_embeds, engine.runner.step_rows):
+    for buffer in (engine.runner.last_codes, engine.runner.step_rows):
         assert not buffer.requires_grad and buffer.grad_fn is None
     assert_nothing_held(engine)
 

@@ -11,8 +11,10 @@ from omnistage.pipeline.pipeline import Pipeline
 from omnistage.testing.leaks import assert_no_request_state
 from omnistage.testing.toy_ar import reference_generate
 from omnistage.testing.toy_ar_stage import (
+    ROW_GATES,
     ToyARRequest,
     ar_pipeline_config,
+    ar_stream_pipeline_config,
     toy_ar_input,
     toy_ar_model,
 )
@@ -70,4 +72,82 @@ async def test_a_request_that_cannot_fit_fails_with_a_typed_error():
     async with Pipeline(ar_pipeline_config()) as pipeline:
         with pytest.raises(RequestValidationError, match="max_model_len"):
             await pipeline.submit(ToyARRequest(200, 900)).result()
+        await assert_no_request_state(pipeline)
+
+
+# ------------------------------------------------------- rows streamed into running requests
+def expected_codes(request):
+    return reference_generate(toy_ar_model(), toy_ar_input(request))
+
+
+@pytest.mark.parametrize("start_in_payload", [False, True], ids=["start-chunk", "start-payload"])
+async def test_rows_streamed_in_by_another_stage_equal_all_rows_at_once(start_in_payload):
+    requests = [ToyARRequest(3 + i, 8 + 2 * i, seed=100 + i, rows=5 + i, given=i % 2) for i in range(5)]
+    requests.append(ToyARRequest(4, 3, seed=110, rows=9))  # ends by length before its rows do
+    async with Pipeline(ar_stream_pipeline_config(start_in_payload)) as pipeline:
+        results = await asyncio.gather(*(pipeline.submit(r).result() for r in requests))
+        for request, result in zip(requests, results, strict=True):
+            streamed, generated = result.outputs["collect"]
+            expected, reason = expected_codes(request)
+            assert result.finish_reason == generated.finish_reason == reason == "length"
+            assert torch.equal(streamed, expected) and torch.equal(generated.codes, expected)
+        await assert_no_request_state(pipeline)
+
+
+async def test_a_request_waiting_for_streamed_rows_does_not_hold_back_the_others():
+    slow = ToyARRequest(3, 12, seed=120, rows=6, given=1, gated=True)
+    fast = ToyARRequest(4, 10, seed=121, rows=3)
+    async with Pipeline(ar_stream_pipeline_config()) as pipeline:
+        engine = engine_of(pipeline)
+        slow_handle = pipeline.submit(slow)
+        slow_frames = slow_handle.stream()
+        for _ in range(2):  # frame 0 (prefill) and frame 1 (fed row 0): then it needs row 1
+            await anext(slow_frames)
+        fast_result = await pipeline.submit(fast).result()
+        assert torch.equal(fast_result.outputs["collect"][1].codes, expected_codes(fast)[0])
+        waiting = engine.scheduler.get(slow_handle.request_id)
+        assert waiting.num_scheduled == 2 and not waiting.schedulable  # it waited, unpadded
+        ROW_GATES.allow(slow.seed, 5)
+        frames = [chunk.data async for chunk in slow_frames]
+        assert torch.equal(torch.cat(frames), expected_codes(slow)[0][2:])
+        await assert_no_request_state(pipeline)
+
+
+async def test_abort_while_waiting_for_streamed_rows_frees_everything():
+    stuck = ToyARRequest(3, 30, seed=130, rows=8, given=1, gated=True)
+    async with Pipeline(ar_stream_pipeline_config()) as pipeline:
+        engine = engine_of(pipeline)
+        handle = pipeline.submit(stuck)
+        stream = handle.stream()
+        for _ in range(2):
+            await anext(stream)
+        pipeline.abort(handle.request_id)
+        with pytest.raises(RequestAbortedError):
+            async for _ in stream:
+                pass
+        ROW_GATES.allow(stuck.seed, 7)  # the feeder's rows now land on a tombstone
+        await assert_no_request_state(pipeline)
+        assert engine.kv_blocks.num_free_blocks == engine.kv_blocks.num_blocks
+        assert engine.row_blocks.num_free_blocks == engine.row_blocks.num_blocks
+
+
+async def until(condition, timeout_s=10.0):
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_request_done_before_its_payload_arrived_ends_once_it_does():
+    short = ToyARRequest(4, 2, seed=140, rows=5, given=1, gated=True)  # 2 frames need only row 0
+    async with Pipeline(ar_stream_pipeline_config()) as pipeline:
+        scheduler = pipeline.host.stages["engine"].scheduler
+        handle = pipeline.submit(short)
+        await until(lambda: handle.request_id in scheduler.live_requests())
+        await until(lambda: handle.request_id not in scheduler.engine.live_requests())
+        assert handle.request_id in scheduler.live_requests()  # its result waits for the payload
+        ROW_GATES.allow(short.seed, 4)
+        result = await handle.result()
+        streamed, generated = result.outputs["collect"]
+        assert result.finish_reason == "length" and torch.equal(generated.codes, expected_codes(short)[0])
         await assert_no_request_state(pipeline)

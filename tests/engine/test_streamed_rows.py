@@ -1,0 +1,193 @@
+"""Step rows streamed into running requests: a request admitted with part of its rows
+waits (out of the batch, never padded) until its next row arrives, never holds back the
+others, and samples exactly as if every row had been there from the start."""
+
+import random
+
+import pytest
+import torch
+
+from omnistage.core.errors import RequestValidationError
+from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.sampler import SamplingParams
+from omnistage.engine.sequence import GenerationInput
+from omnistage.testing.toy_ar import ToyARConfig, ToyTalker, reference_generate
+
+DTYPE = torch.float64
+MULTI = ToyTalker(ToyARConfig(), DTYPE)
+GREEDY = SamplingParams(temperature=0.0)
+SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.1, seed=7)
+
+
+def whole(length, max_new, rows, seed, sampling=GREEDY, predictor=None):
+    """A request with all its ``rows`` step rows given at once."""
+    g = torch.Generator().manual_seed(seed)
+    return GenerationInput(
+        torch.randn(length, 32, generator=g, dtype=DTYPE), sampling, max_new,
+        step_embeds=torch.randn(rows, 32, generator=g, dtype=DTYPE),
+        pad_embed=torch.randn(32, generator=g, dtype=DTYPE), predictor_sampling=predictor,
+    )
+
+
+def streamed(inputs, given):
+    """The same request with only its first ``given`` rows at admission."""
+    head = inputs.step_embeds[:given] if given else None
+    return GenerationInput(inputs.prompt, inputs.sampling, inputs.max_new_tokens, step_embeds=head,
+                           pad_embed=inputs.pad_embed, predictor_sampling=inputs.predictor_sampling, more_rows=True)
+
+
+def engine_for(**overrides):
+    config = dict(kv_cache_bytes=1 << 20, max_model_len=128, prefill_hold_ms=0.0, max_num_seqs=4, num_step_rows=512)
+    return AREngine(MULTI, EngineConfig(**(config | overrides)))
+
+
+def drain(engine, results, frames, feed=lambda step: None, max_steps=500):
+    for step in range(max_steps):
+        if not engine.has_work():
+            return
+        feed(step)
+        for out in engine.step():
+            if out.frame is not None:
+                frames.setdefault(out.request_id, []).append(out.frame)
+            if out.result is not None:
+                results[out.request_id] = out.result
+    raise AssertionError("the engine did not finish")
+
+
+def assert_nothing_held(engine):
+    assert engine.kv_blocks.num_free_blocks == engine.kv_blocks.num_blocks
+    assert engine.row_blocks.num_free_blocks == engine.row_blocks.num_blocks
+    assert not engine.live_requests() and not engine.has_work()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "predictor"), [(GREEDY, None), (SAMPLED, SamplingParams(temperature=0.9, top_k=5, seed=8))],
+    ids=["greedy", "seeded"],
+)
+def test_rows_fed_one_by_one_with_random_gaps_equal_all_rows_at_once(sampling, predictor):
+    """Three requests get their rows one at a time, each step or after gaps of a few steps,
+    while a fourth has all its rows; each equals the reference with every row given."""
+    rng = random.Random(0)
+    full = {f"s{i}": whole(3 + i, 14, rows=6 + 2 * i, seed=i, sampling=sampling, predictor=predictor)
+            for i in range(3)}
+    full["w"] = whole(4, 12, rows=3, seed=9, sampling=sampling, predictor=predictor)
+    engine = engine_for()
+    given = {"s0": 0, "s1": 1, "s2": 3}
+    for request_id, inputs in full.items():
+        engine.add_request(request_id, streamed(inputs, given[request_id]) if request_id in given else inputs)
+    fed = dict(given)
+    waited = set()
+
+    def feed(step):
+        for request_id, count in fed.items():
+            seq = engine.scheduler.get(request_id)
+            if seq is not None and not seq.schedulable and seq.status.value == "running":
+                waited.add(request_id)
+            rows = full[request_id].step_embeds
+            if count < rows.shape[0] and rng.random() < 0.4:
+                engine.append_step_rows(request_id, rows[count : count + 1])
+                fed[request_id] = count + 1
+                if count + 1 == rows.shape[0]:
+                    engine.complete_step_rows(request_id)
+
+    results, frames = {}, {}
+    drain(engine, results, frames, feed)
+    assert waited == set(given)  # every streamed request really waited for a row
+    for request_id, inputs in full.items():
+        codes, reason = reference_generate(MULTI, inputs)
+        assert results[request_id].finish_reason == reason
+        assert torch.equal(results[request_id].codes, codes), request_id
+        assert torch.equal(torch.cat(frames[request_id]), codes)
+    assert_nothing_held(engine)
+
+
+def test_a_request_waiting_for_its_row_does_not_hold_back_the_others():
+    slow, other = whole(3, 10, rows=4, seed=1), whole(5, 8, rows=2, seed=2)
+    engine = engine_for()
+    engine.add_request("slow", streamed(slow, 1))
+    engine.add_request("other", other)
+    results, frames = {}, {}
+    for _ in range(9):  # prefill, then "other"'s 7 decode steps (and one idle)
+        for out in engine.step():
+            if out.frame is not None:
+                frames.setdefault(out.request_id, []).append(out.frame)
+            if out.result is not None:
+                results[out.request_id] = out.result
+    assert torch.equal(results["other"].codes, reference_generate(MULTI, other)[0])
+    # "slow" fed row 0 (frame 0 -> frame 1), then waited for row 1: it was never padded
+    assert len(frames["slow"]) == 2 and engine.scheduler.get("slow").num_scheduled == 2
+    assert engine.wait_hint() is None  # nothing to do until a row arrives: no busy loop
+    engine.append_step_rows("slow", slow.step_embeds[1:])
+    engine.complete_step_rows("slow")
+    assert engine.wait_hint() == 0.0
+    drain(engine, results, frames)
+    assert torch.equal(results["slow"].codes, reference_generate(MULTI, slow)[0])
+    assert_nothing_held(engine)
+
+
+def test_rows_appended_before_admission_are_used():
+    first, later = whole(3, 6, rows=1, seed=3), whole(4, 9, rows=5, seed=4)
+    engine = engine_for(max_num_seqs=1)
+    engine.add_request("first", first)
+    engine.add_request("later", streamed(later, 0))
+    engine.append_step_rows("later", later.step_embeds[:2])  # "later" waits for the slot
+    assert engine.scheduler.get("later").status.value == "waiting"
+    engine.append_step_rows("later", later.step_embeds[2:])
+    engine.complete_step_rows("later")
+    results, frames = {}, {}
+    drain(engine, results, frames)
+    assert torch.equal(results["later"].codes, reference_generate(MULTI, later)[0])
+    assert_nothing_held(engine)
+
+
+def test_rows_past_the_frames_are_dropped_and_completing_early_pads_from_there():
+    inputs = whole(3, 5, rows=4, seed=5)  # 5 frames feed back 4 rows
+    engine = engine_for()
+    engine.add_request("r", streamed(inputs, 0))
+    assert engine.scheduler.get("r").inputs.num_step_rows == 5  # 4 rows + the pad row
+    engine.append_step_rows("r", torch.cat([inputs.step_embeds, torch.randn(3, 32, dtype=DTYPE)]))
+    engine.complete_step_rows("r")
+    results = {}
+    drain(engine, results, {})
+    assert torch.equal(results["r"].codes, reference_generate(MULTI, inputs)[0])
+    padded = whole(3, 8, rows=2, seed=6)
+    engine.add_request("p", streamed(padded, 2))
+    engine.complete_step_rows("p")  # no more rows: frames 2.. take the pad row
+    drain(engine, results, {})
+    assert torch.equal(results["p"].codes, reference_generate(MULTI, padded)[0])
+    assert_nothing_held(engine)
+
+
+def test_abort_while_waiting_for_a_row_frees_everything():
+    engine = engine_for()
+    engine.add_request("r", streamed(whole(3, 40, rows=4, seed=7), 1))
+    for _ in range(4):
+        engine.step()
+    assert not engine.scheduler.get("r").schedulable
+    engine.abort("r")
+    assert_nothing_held(engine)
+    assert engine.append_step_rows("r", torch.zeros(1, 32)) is False  # late rows are dropped
+    assert engine.complete_step_rows("r") is False
+
+
+def test_bad_row_appends_are_refused():
+    engine = engine_for()
+    engine.add_request("plain", whole(3, 4, rows=1, seed=8))
+    engine.add_request("s", streamed(whole(3, 4, rows=1, seed=8), 0))
+    with pytest.raises(ValueError, match="no more step rows"):
+        engine.append_step_rows("plain", torch.zeros(1, 32))
+    with pytest.raises(RequestValidationError, match=r"\[K, 32\]"):
+        engine.append_step_rows("s", torch.zeros(1, 16))
+    with pytest.raises(RequestValidationError, match=r"\[K, 32\]"):
+        engine.append_step_rows("s", torch.zeros(1, 32, dtype=torch.int64))
+    engine.complete_step_rows("s")
+    with pytest.raises(ValueError, match="no more step rows"):
+        engine.append_step_rows("s", torch.zeros(1, 32))
+    drain(engine, {}, {})
+    assert_nothing_held(engine)
+
+
+def test_a_streamed_request_reserves_a_row_per_frame_and_is_refused_if_the_pool_is_smaller():
+    engine = engine_for(num_step_rows=32)
+    with pytest.raises(RequestValidationError, match="step rows exceed the pool"):
+        engine.add_request("big", streamed(whole(3, 60, rows=1, seed=9), 0))
