@@ -22,6 +22,8 @@ import torch
 
 from omnistage.engine.model_runner import ModelRunner, StepSampling
 
+Outputs = tuple[torch.Tensor, torch.Tensor | None]  # frames [B, G]; hidden-layer states [B, K, H] or None
+
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to ``max_num_seqs`` (at most 7 padded rows past 8)."""
@@ -59,7 +61,7 @@ class CUDAGraphRunner:
         self.meta = self.padding.clone()  # decode input: slot, step row, context length
         self.hidden = torch.zeros(largest, spec.hidden_size, dtype=spec.dtype, device=spec.device)  # tail input
         self.tail_slots = self.padding[:, 0].clone()  # tail input: slot
-        self.graphs: dict[tuple[str, int, StepSampling], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple[str, int, StepSampling], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         # the graphs write into these predictor caches: they must live as long as the graphs
         # (shared by the graphs of a bucket: they never run at the same time)
         self.frame_caches = {size: runner.model.new_frame_cache(size) for size in self.batch_sizes}
@@ -74,54 +76,54 @@ class CUDAGraphRunner:
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def decode(self, meta: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
+    def decode(self, meta: torch.Tensor, sampling: StepSampling) -> Outputs:
         """Replay the decode step for ``meta`` (``[B, 3] int64`` host tensor, ``B <=``
-        :attr:`max_batch_size`) and ``sampling`` (its requests'); returns a view ``[B, G]``
-        of the graph's output, valid until the next replay."""
+        :attr:`max_batch_size`) and ``sampling`` (its requests'); returns views of the
+        graph's outputs (:meth:`ModelRunner.decode`'s), valid until the next replay."""
         batch = meta.shape[0]
         size = self._bucket(batch)
-        graph, codes = self._graph("decode", size, sampling)
+        graph, (codes, layers) = self._graph("decode", size, sampling)
         padded = torch.cat([meta, self.runner.padding_meta(size - batch)])
         self.meta[:size].copy_(padded.pin_memory(), non_blocking=True)
         graph.replay()
-        return codes[:batch]
+        return codes[:batch], None if layers is None else layers[:batch]
 
     def frame_tail(self, hidden: torch.Tensor, slot_ids: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
         """Replay :meth:`ModelRunner.frame_tail` for ``B <=`` :attr:`max_batch_size`
         requests (device inputs); returns a view ``[B, G]``, valid until the next replay."""
         batch = hidden.shape[0]
         size = self._bucket(batch)
-        graph, codes = self._graph("tail", size, sampling)
+        graph, (codes, _) = self._graph("tail", size, sampling)
         self.hidden[:batch].copy_(hidden)
         self.tail_slots[:batch].copy_(slot_ids)
         self.tail_slots[batch:size].copy_(self.padding[batch:size, 0])
         graph.replay()
         return codes[:batch]
 
-    def _graph(self, kind: str, size: int, sampling: StepSampling) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _graph(self, kind: str, size: int, sampling: StepSampling) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         key = (kind, size, sampling)
         return self.graphs[key] if key in self.graphs else self._capture(kind, size, sampling)
 
-    def _capture(self, kind: str, size: int, sampling: StepSampling) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, kind: str, size: int, sampling: StepSampling) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         """Warm up and capture one graph on padding inputs: it touches only scratch state,
         and it is ordered after any replay still queued on the stream."""
         runner, cache = self.runner, self.frame_caches[size]
         self.meta[:size].copy_(self.padding[:size])
         self.tail_slots[:size].copy_(self.padding[:size, 0])
         if kind == "decode":
-            def step() -> torch.Tensor:
+            def step() -> Outputs:
                 return runner.decode(self.meta[:size], cache, sampling=sampling)
         else:
-            def step() -> torch.Tensor:
-                return runner.frame_tail(self.hidden[:size], self.tail_slots[:size], cache, sampling)
+            def step() -> Outputs:
+                return runner.frame_tail(self.hidden[:size], self.tail_slots[:size], cache, sampling), None
         step()  # warm-up: Triton compiles, cuBLAS picks kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            codes = step()
+            outputs = step()
         self._pool = graph.pool()
-        self.graphs[(kind, size, sampling)] = (graph, codes)
-        return graph, codes
+        self.graphs[(kind, size, sampling)] = (graph, outputs)
+        return graph, outputs
 
     def _bucket(self, batch: int) -> int:
         return next(s for s in self.batch_sizes if s >= batch)

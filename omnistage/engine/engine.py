@@ -24,6 +24,7 @@ caller's batch boundary.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -84,11 +85,16 @@ class EngineConfig:
 @dataclass(frozen=True)
 class StepOutput:
     """What one request got from a step: a new ``frame`` (``[1, G] int64``, on the device)
-    and/or, if it ended, its ``result``."""
+    and/or, if it ended, its ``result``; for a request with ``return_hidden``, ``hidden``:
+    the states of ``spec.hidden_layers`` ``[n, K, H]`` (model dtype, on the device) of the
+    tokens this step fed: the ``L`` prompt tokens with frame 0, then the previous frame's
+    token with each frame (the last frame's come with the stop that ends the request; a
+    request that ends by length never feeds its last frame, which so has none)."""
 
     request_id: str
     frame: torch.Tensor | None
     result: GenerationResult | None
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,7 @@ class _InFlight:
     codes: torch.Tensor  # [B, G] device
     code0: torch.Tensor  # [B] host
     done: torch.cuda.Event | None
+    hidden: list[torch.Tensor | None]  # per request: its hidden-layer rows, if it asked
 
 
 class AREngine:
@@ -272,26 +279,33 @@ class AREngine:
                 pending, seq.pending_rows = seq.pending_rows, []
                 for rows in pending:
                     self._store_rows(seq, rows)
-            hidden, slot_ids = self.runner.prefill(seqs)
+            last, slot_ids, layers = self.runner.prefill(seqs)
             if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
-                codes = self.graphs.frame_tail(hidden, slot_ids, sampling)
+                codes = self.graphs.frame_tail(last, slot_ids, sampling)
             else:
                 cache = self.runner.model.new_frame_cache(len(seqs))
-                codes = self.runner.frame_tail(hidden, slot_ids, cache, sampling)
+                codes = self.runner.frame_tail(last, slot_ids, cache, sampling)
+            spans = list(itertools.accumulate((s.prompt_len for s in seqs), initial=0))
         else:
-            codes = self._decode(seqs, sampling)
+            codes, layers = self._decode(seqs, sampling)
+            spans = list(range(len(seqs) + 1))
+        # rows stay on the device; cloned: graph outputs are overwritten by the next replay
+        hidden = [
+            layers[start:end].clone() if layers is not None and seq.inputs.return_hidden else None
+            for seq, start, end in zip(seqs, spans[:-1], spans[1:], strict=True)
+        ]
         for seq in seqs:
             seq.num_scheduled += 1
-        codes = codes.clone()  # graph outputs are overwritten by the next replay
+        codes = codes.clone()
         if self.device.type != "cuda":
-            return _InFlight(seqs, codes, codes[:, 0], None)
+            return _InFlight(seqs, codes, codes[:, 0], None, hidden)
         code0 = torch.empty(len(seqs), dtype=torch.int64, pin_memory=True)
         code0.copy_(codes[:, 0], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _InFlight(seqs, codes, code0, done)
+        return _InFlight(seqs, codes, code0, done, hidden)
 
-    def _decode(self, seqs: list[Sequence], sampling: StepSampling) -> torch.Tensor:
+    def _decode(self, seqs: list[Sequence], sampling: StepSampling) -> tuple[torch.Tensor, torch.Tensor | None]:
         meta = self.runner.decode_meta(seqs)
         if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
             return self.graphs.decode(meta, sampling)
@@ -307,12 +321,12 @@ class AREngine:
             if seq.status is not SequenceStatus.RUNNING:  # aborted, or stopped a step ago
                 continue
             if code0 in seq.stop_ids:
-                outputs.append(StepOutput(seq.request_id, None, self._finish(seq, "stop")))
+                outputs.append(StepOutput(seq.request_id, None, self._finish(seq, "stop"), step.hidden[i]))
                 continue
             frame = step.codes[i : i + 1]
             seq.frames.append(frame)
             result = self._finish(seq, "length") if len(seq.frames) == seq.max_new_tokens else None
-            outputs.append(StepOutput(seq.request_id, frame, result))
+            outputs.append(StepOutput(seq.request_id, frame, result, step.hidden[i]))
         return outputs
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> GenerationResult:
@@ -341,6 +355,10 @@ class AREngine:
             )
         if self.row_blocks.blocks_needed(inputs.num_step_rows) > self.row_blocks.num_blocks:
             raise RequestValidationError(f"{inputs.num_step_rows} step rows exceed the pool", "step_embeds")
+        if inputs.return_hidden and not spec.hidden_layers:
+            raise RequestValidationError("this model returns no hidden states", "return_hidden")
+        if spec.position_rows != 3 and (inputs.positions is not None or inputs.rope_delta):
+            raise RequestValidationError("this model takes 1-D positions: no positions or rope_delta", "positions")
         widths = [t.shape[-1] for t in (inputs.step_embeds, inputs.pad_embed) if t is not None]
         if inputs.prompt.dim() == 2:
             widths.append(inputs.prompt.shape[1])

@@ -76,6 +76,13 @@ class ARModelSpec:
         num_code_groups: ``G`` codes per frame (1 for a token LM).
         code_vocab_size: vocabulary of codes ``1..G-1`` (unused when G == 1).
         dtype, device: of the weights and activations.
+        position_rows: 1: :meth:`ARModel.forward` takes positions ``[N]``; 3: multimodal
+            RoPE positions ``[3, N]`` (T, H, W): a prompt's from its request, a decode
+            step's the cache length + the request's ``rope_delta`` on every row.
+        hidden_layers: hidden states the model returns beside its output
+            (:meth:`ARModel.forward_with_hidden`), for requests with ``return_hidden``:
+            index ``i`` is the state after the first ``i`` layers (0: the input
+            embeddings), as in Hugging Face's ``hidden_states[i]``. Empty: none.
     """
 
     num_layers: int
@@ -87,6 +94,8 @@ class ARModelSpec:
     code_vocab_size: int
     dtype: torch.dtype
     device: torch.device
+    position_rows: int = 1
+    hidden_layers: tuple[int, ...] = ()
 
 
 class ARModel(Protocol):
@@ -99,8 +108,15 @@ class ARModel(Protocol):
     spec: ARModelSpec
 
     def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """``input_embeds [N, H]``, ``positions [N] int64`` -> hidden ``[N, H]`` (final norm
-        applied). Layer ``i`` calls ``attn(i, q, k, v)``."""
+        """``input_embeds [N, H]``, ``positions [N] int64`` (``[3, N]`` if
+        ``spec.position_rows == 3``) -> hidden ``[N, H]`` (final norm applied). Layer ``i``
+        calls ``attn(i, q, k, v)``."""
+
+    def forward_with_hidden(
+        self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`forward` that also returns the states of ``spec.hidden_layers``,
+        ``[N, K, H]`` (K of them, in that order); needed only when there are any."""
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, H]`` -> code-0 logits ``[B, vocab_size]``."""
@@ -149,6 +165,8 @@ class ModelRunner:
         device, slots = spec.device, max_num_seqs + 1
         self.scratch_slot, self.scratch_row = max_num_seqs, num_step_rows
         self.last_codes = torch.zeros(slots, spec.num_code_groups, dtype=torch.int64, device=device)
+        # per-slot rope_delta, for models with 3-row positions only (the 1-D path stays as it was)
+        self.rope_deltas = torch.zeros(slots, dtype=torch.int64, device=device) if spec.position_rows == 3 else None
         self.step_rows = torch.zeros(num_step_rows + 1, spec.hidden_size, dtype=spec.dtype, device=device)
         self.block_tables = torch.full((slots, max_blocks_per_seq), cache.scratch_block, dtype=torch.int64, device=device)
         self.sampling = SamplingBatch.empty(slots, spec.vocab_size, device)
@@ -161,6 +179,8 @@ class ModelRunner:
         """Write an admitted request's slot state: sampling rows, block table, step rows."""
         inputs, device = seq.inputs, self.spec.device
         self.sampling.set_row(seq.slot, inputs.sampling)
+        if self.rope_deltas is not None:
+            self.rope_deltas[seq.slot] = inputs.rope_delta
         if self.predictor_sampling is not None:
             self.predictor_sampling.set_row(seq.slot, inputs.predictor_sampling or GREEDY)
         table = torch.tensor(seq.block_table, dtype=torch.int64)
@@ -196,33 +216,40 @@ class ModelRunner:
         return torch.tensor([[self.scratch_slot, self.scratch_row, 1]] * rows, dtype=torch.int64).reshape(rows, 3)
 
     # --------------------------------------------------------------- device side
-    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One variable-length forward over the prompts of ``seqs`` (admitted, nothing
-        scheduled yet). Returns the last hidden ``[B, H]`` and the slot ids ``[B] int64``:
-        the inputs of :meth:`frame_tail`, which makes frame 0."""
+        scheduled yet). Returns the last hidden ``[B, H]`` and the slot ids ``[B] int64``
+        (the inputs of :meth:`frame_tail`, which makes frame 0), and the states of
+        ``spec.hidden_layers`` ``[N, K, H]`` of every prompt token (None without any)."""
         device, size = self.spec.device, self.cache.block_size
         lengths = [s.prompt_len for s in seqs]
         positions = [t for n in lengths for t in range(n)]
         kv_slots = [s.kv_slot(t, size) for s in seqs for t in range(s.prompt_len)]
         ends = [end - 1 for end in itertools.accumulate(lengths)]
         per_seq = [s.slot for s in seqs] + ends
-        flat = _upload(positions + kv_slots + per_seq, device)
         n, b = len(positions), len(seqs)
-        positions_d, kv_slots_d = flat[: 2 * n].view(2, n)
-        slot_ids, last = flat[2 * n :].view(2, b)
+        if self.rope_deltas is None:
+            flat = _upload(positions + kv_slots + per_seq, device)
+            positions_d, kv_slots_d = flat[: 2 * n].view(2, n)
+        else:
+            rows = torch.cat([_prompt_positions(s) for s in seqs], dim=1).flatten()
+            flat = _upload(torch.cat([rows, torch.tensor(kv_slots + per_seq, dtype=torch.int64)]), device)
+            positions_d, kv_slots_d = flat[: 3 * n].view(3, n), flat[3 * n : 4 * n]
+        slot_ids, last = flat[flat.shape[0] - 2 * b :].view(2, b)
         embeds = torch.cat([self._prompt_embeds(s) for s in seqs])
         self.attn.prepare_prefill(kv_slots_d, lengths)
-        hidden = self.model.forward(embeds, positions_d, self.attn)
-        return hidden[last], slot_ids
+        hidden, layers = self._forward(embeds, positions_d)
+        return hidden[last], slot_ids, layers
 
     def decode(
         self, meta: torch.Tensor, cache: DenseKVCache | None, width: int | None = None,
         sampling: StepSampling = StepSampling(),
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of the requests in ``meta`` (``[B, 3] int64`` on the device, see
         :meth:`decode_meta`); ``width``: block-table columns to use (None: all, as in a
         captured graph); ``sampling``: :meth:`StepSampling.of` the requests (or more).
-        Returns the frames ``[B, G] int64``."""
+        Returns the frames ``[B, G] int64`` and the states of ``spec.hidden_layers`` of
+        the fed tokens ``[B, K, H]`` (None without any)."""
         slot_ids, row_ids, context_lens = meta[:, 0], meta[:, 1], meta[:, 2]
         positions = context_lens - 1
         tables = self.block_tables.index_select(0, slot_ids)[:, :width]
@@ -231,8 +258,15 @@ class ModelRunner:
         self.attn.prepare_decode(kv_slots, tables, context_lens)
         fed = self.model.next_input_embeds(self.last_codes.index_select(0, slot_ids),
                                            self.step_rows.index_select(0, row_ids))
-        hidden = self.model.forward(fed.to(self.spec.dtype), positions, self.attn)
-        return self.frame_tail(hidden, slot_ids, cache, sampling)
+        if self.rope_deltas is not None:
+            positions = (positions + self.rope_deltas.index_select(0, slot_ids)).expand(3, -1)
+        hidden, layers = self._forward(fed.to(self.spec.dtype), positions)
+        return self.frame_tail(hidden, slot_ids, cache, sampling), layers
+
+    def _forward(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.spec.hidden_layers:
+            return self.model.forward_with_hidden(embeds, positions, self.attn)
+        return self.model.forward(embeds, positions, self.attn), None
 
     def upload_meta(self, meta: torch.Tensor) -> torch.Tensor:
         return _upload(meta, self.spec.device)
@@ -282,6 +316,13 @@ class ModelRunner:
 # request whose predictor shares its talker seed would draw code 0 of frame k and code g
 # of frame j with the same noise whenever k == j * G + g. (< 2**31, so seeds stay valid.)
 PREDICTOR_NOISE_SALT = 0x5BD1E995
+
+
+def _prompt_positions(seq: Sequence) -> torch.Tensor:
+    """``[3, L] int64`` host positions of a prompt: its request's, else ``0..L-1`` per row."""
+    if seq.inputs.positions is not None:
+        return seq.inputs.positions.to("cpu")
+    return torch.arange(seq.prompt_len).expand(3, -1)
 
 
 def _no_sub_codes(group: int, logits: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,13 @@ class GenerationInput:
             greedy); its repetition penalty, stop ids and ``min_new_tokens`` must be off.
             It may share ``sampling.seed``: the engine draws its noise from a stream of
             its own.
+        positions: ``[3, L] int64`` multimodal RoPE positions (T, H, W) of the prompt, for
+            a model with ``spec.position_rows == 3`` (None: ``0..L-1`` on each row).
+        rope_delta: added to a decode step's position, which is then the cache length +
+            ``rope_delta`` on all three rows (Qwen3-Omni: ``max(positions) + 1 - L``,
+            shared/reference/qwen3-omni.md section 4). Only with ``position_rows == 3``.
+        return_hidden: the engine returns the states of the model's ``hidden_layers`` for
+            every prompt and fed-back token (``StepOutput.hidden``).
     """
 
     prompt: torch.Tensor
@@ -61,6 +68,9 @@ class GenerationInput:
     pad_embed: torch.Tensor | None = None
     predictor_sampling: SamplingParams | None = None
     more_rows: bool = False
+    positions: torch.Tensor | None = None
+    rope_delta: int = 0
+    return_hidden: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt.dim() not in (1, 2) or self.prompt.shape[0] < 1:
@@ -69,6 +79,11 @@ class GenerationInput:
             raise RequestValidationError(f"token-id prompts are int64, got {self.prompt.dtype}", "prompt")
         if self.max_new_tokens < 1:
             raise RequestValidationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
+        pos = self.positions
+        if pos is not None and (pos.dtype != torch.int64 or pos.shape != (3, self.prompt.shape[0])):
+            raise RequestValidationError(
+                f"positions must be [3, {self.prompt.shape[0]}] int64, got {tuple(pos.shape)} {pos.dtype}", "positions"
+            )
         p = self.predictor_sampling
         if p is not None and (p.repetition_penalty != 1 or p.stop_token_ids or p.min_new_tokens):
             raise RequestValidationError(

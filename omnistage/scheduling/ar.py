@@ -11,7 +11,10 @@ queue is full, ``RequestValidationError`` when it can never fit).
 Output: every frame goes to the stage's stream targets as soon as the host has it, as a
 ``[1, G] int64`` chunk on the engine's device (modality ``"audio_codes"``): on CUDA one
 step after it was computed (the host reads step t's frames while the device runs step
-t+1). The result is the :class:`~omnistage.engine.sequence.GenerationResult` (all frames
+t+1). A request with ``return_hidden`` gets :class:`FrameWithHidden` chunks instead
+(modality ``"frame_hidden"``): each frame with the hidden-layer rows of the tokens its
+step fed, plus, when a stop id ends it, a last chunk with no frame and the rows of its
+last token. The result is the :class:`~omnistage.engine.sequence.GenerationResult` (all frames
 ``[T, G]``) with finish_reason ``"stop"`` (a stop id; the stop frame is not emitted) or
 ``"length"`` (``max_new_tokens``).
 
@@ -57,6 +60,21 @@ def payload_data(payload: StagePayload) -> GenerationInput:
     if not isinstance(payload.data, GenerationInput):
         raise TypeError(f"an AR stage takes a GenerationInput, got {type(payload.data).__name__}")
     return payload.data
+
+
+@dataclass(frozen=True)
+class FrameWithHidden:
+    """A stream chunk of a request with ``return_hidden`` (see
+    :class:`~omnistage.engine.engine.StepOutput`).
+
+    Attributes:
+        frame: ``[1, G] int64``, or None on the step that ended the request with a stop id.
+        hidden: ``[n, K, H]`` states of the model's ``hidden_layers`` of the tokens the step
+            fed (the prompt's with frame 0, then the previous frame's token), on the device.
+    """
+
+    frame: torch.Tensor | None
+    hidden: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -231,7 +249,9 @@ class ARScheduler(Scheduler):
         if not self.run_batch(plan.request_ids, lambda: outputs.extend(self.engine.execute(plan))):
             return
         for out in outputs:
-            if out.frame is not None:
+            if out.hidden is not None:
+                self.outbox.stream(out.request_id, FrameWithHidden(out.frame, out.hidden), "frame_hidden")
+            elif out.frame is not None:
                 self.outbox.stream(out.request_id, out.frame, self.modality)
             if out.result is not None:
                 self._on_result(out)

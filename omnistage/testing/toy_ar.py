@@ -8,8 +8,11 @@ and a :class:`CodePredictor` (its own Qwen3 layers and a
 :class:`~omnistage.engine.attention.DenseKVCache` per frame: prefill of [talker hidden,
 C(code 0)], then G-2 single-token steps); the feedback embedding is the sum of the G
 codebook embeddings plus the request's step row (shared/reference/qwen3-tts.md, sections
-2-3). With ``num_code_groups=1`` it is a plain token LM. The same classes at the real
-Qwen3-TTS 0.6B sizes drive ``benchmarks/engine_gpu.py``.
+2-3). With ``num_code_groups=1`` it is a plain token LM; with ``mrope`` it takes
+multimodal RoPE positions ``[3, N]`` (T, H, W), interleaved over the rotary frequencies as
+in Qwen3-Omni but over every frequency (``j`` rotates by row ``j % 3``; qwen3-omni.md,
+section 4). The same classes at the real Qwen3-TTS 0.6B sizes drive
+``benchmarks/engine_gpu.py``.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class ToyARConfig:
     rope_theta: float = 10000.0
     rms_eps: float = 1e-6
     max_positions: int = 4096
+    mrope: bool = False
+    hidden_layers: tuple[int, ...] = ()
 
     @classmethod
     def qwen3_tts_0b6(cls) -> ToyARConfig:
@@ -80,11 +85,38 @@ class ToyTalker(nn.Module):
             self.predictor.model.fuse_projections()
         self.spec = ARModelSpec(
             c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, c.vocab_size,
-            c.num_code_groups, c.code_vocab_size, dtype, torch.device(device),
+            c.num_code_groups, c.code_vocab_size, dtype, torch.device(device), position_rows=3 if c.mrope else 1,
+            hidden_layers=c.hidden_layers,
         )
 
     def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        return self.backbone(input_embeds, positions, attn)
+        if not self.c.mrope:
+            return self.backbone(input_embeds, positions, attn)
+        return self.forward_with_hidden(input_embeds, positions, attn)[0]
+
+    def forward_with_hidden(
+        self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backbone, and the states after the first ``i`` layers for ``i`` in
+        ``hidden_layers``, ``[N, K, H]``."""
+        cos, sin = self._rope(positions, input_embeds.dtype)
+        x, states = input_embeds, {0: input_embeds}
+        for i, layer in enumerate(self.backbone.layers, start=1):
+            x = layer(x, cos, sin, attn)
+            states[i] = x
+        kept = [states[i] for i in self.c.hidden_layers]
+        return self.backbone.norm(x), torch.stack(kept, dim=1) if kept else x[:, None, :0]
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.c.mrope:
+            return self.backbone.rotary(positions, dtype)
+        # per row's cos/sin [3, N, D], then frequency j (and j + D/2) from row j % 3
+        cos, sin = self.backbone.rotary(positions.flatten(), dtype)
+        half = self.c.head_dim // 2
+        row = (torch.arange(self.c.head_dim, device=positions.device) % half) % 3
+        n = positions.shape[1]
+        rows = row.expand(1, n, -1)
+        return cos.view(3, n, -1).gather(0, rows)[0], sin.view(3, n, -1).gather(0, rows)[0]
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.codec_head(hidden)
@@ -127,7 +159,15 @@ def reference_generate(model: ToyTalker, inputs: GenerationInput) -> tuple[torch
     pad = inputs.pad_embed if inputs.pad_embed is not None else torch.zeros(spec.hidden_size)
     x = model.embed_tokens(prompt) if prompt.dim() == 1 else prompt.to(spec.dtype)
     cache.prepare(length)
-    hidden = model(x, torch.arange(length, device=spec.device), cache)[-1:]
+    positions = torch.arange(length, device=spec.device)
+    if spec.position_rows == 3:
+        positions = positions.expand(3, -1) if inputs.positions is None else inputs.positions.to(spec.device)
+
+    def decode_position(k: int) -> torch.Tensor:  # cache length + rope_delta (on every row)
+        position = torch.tensor([length + k], device=spec.device)
+        return position if spec.position_rows == 1 else (position + inputs.rope_delta).expand(3, -1)
+
+    hidden = model(x, positions, cache)[-1:]
     frames = []
     for k in range(steps):
         code0 = sample(model.head_logits(hidden), sampling)
@@ -143,7 +183,7 @@ def reference_generate(model: ToyTalker, inputs: GenerationInput) -> tuple[torch
         frames.append(codes)
         row = (rows[k] if k < len(rows) else pad).to(spec.device, spec.dtype)
         cache.prepare(1)
-        hidden = model(model.next_input_embeds(codes, row[None]), torch.tensor([length + k], device=spec.device), cache)
+        hidden = model(model.next_input_embeds(codes, row[None]), decode_position(k), cache)
     return _frames(frames, groups), "length"
 
 

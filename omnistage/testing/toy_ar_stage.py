@@ -16,7 +16,7 @@ from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput, GenerationResult
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import StreamingScheduler, StreamState, ThreadedScheduler
-from omnistage.scheduling.ar import ARScheduler, RowFeed, StreamInput
+from omnistage.scheduling.ar import ARScheduler, FrameWithHidden, RowFeed, StreamInput
 from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 
@@ -34,16 +34,23 @@ class ToyARRequest:
     rows: int = 2
     given: int = 0
     gated: bool = False
+    token_ids: bool = False
+    return_hidden: bool = False
 
 
 def toy_ar_input(request: ToyARRequest, hidden_size: int = ToyARConfig.hidden_size,
                  dtype: torch.dtype = torch.float64) -> GenerationInput:
-    """The request with all its rows (what the streamed rows must reproduce)."""
+    """The request with all its rows (what the streamed rows must reproduce); the prompt
+    is token ids if ``request.token_ids``, else embeddings."""
     g = torch.Generator().manual_seed(request.seed)
+    if request.token_ids:
+        prompt = torch.randint(0, ToyARConfig.vocab_size, (request.prompt_len,), generator=g)
+    else:
+        prompt = torch.randn(request.prompt_len, hidden_size, generator=g, dtype=dtype)
     return GenerationInput(
-        torch.randn(request.prompt_len, hidden_size, generator=g, dtype=dtype), request.sampling,
-        request.max_new_tokens, step_embeds=torch.randn(request.rows, hidden_size, generator=g, dtype=dtype),
-        pad_embed=torch.randn(hidden_size, generator=g, dtype=dtype),
+        prompt, request.sampling, request.max_new_tokens,
+        step_embeds=torch.randn(request.rows, hidden_size, generator=g, dtype=dtype),
+        pad_embed=torch.randn(hidden_size, generator=g, dtype=dtype), return_hidden=request.return_hidden,
     )
 
 
@@ -112,17 +119,20 @@ class ToyStreamStart(StreamInput):
         return RowFeed(complete=True)
 
 
-def toy_ar_model() -> ToyTalker:
+def toy_ar_model(num_code_groups: int = ToyARConfig.num_code_groups, hidden_layers: tuple[int, ...] = ()) -> ToyTalker:
     """The model :func:`toy_ar_stage` serves (fp64, so batching never flips a greedy code)."""
-    return ToyTalker(ToyARConfig(), torch.float64)
+    return ToyTalker(ToyARConfig(num_code_groups=num_code_groups, hidden_layers=hidden_layers), torch.float64)
 
 
 def toy_ar_stage(ctx: StageBuildContext, max_num_seqs: int = 4, kv_cache_bytes: int = 1 << 20,
-                 start: str = "request") -> ARScheduler:
-    """An AR stage over :func:`toy_ar_model`. ``start``: where a request's input comes
-    from: ``"request"`` (built from the :class:`ToyARRequest`), or, fed by
-    :func:`toy_row_feeder`, ``"payload"`` (its result) or ``"chunk"`` (its first chunk)."""
-    engine = AREngine(toy_ar_model(), EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+                 start: str = "request", num_code_groups: int = ToyARConfig.num_code_groups,
+                 hidden_layers: tuple[int, ...] = ()) -> ARScheduler:
+    """An AR stage over :func:`toy_ar_model` (``num_code_groups`` 1: a plain token LM;
+    ``hidden_layers``: the states it can return).
+    ``start``: where a request's input comes from: ``"request"`` (built from the
+    :class:`ToyARRequest`), or, fed by :func:`toy_row_feeder`, ``"payload"`` (its result)
+    or ``"chunk"`` (its first chunk)."""
+    engine = AREngine(toy_ar_model(num_code_groups, tuple(hidden_layers)), EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
                                                    max_model_len=1024, prefill_hold_ms=1.0))
     if start == "chunk":
         return ARScheduler(engine, stream_input=lambda request_id: ToyStreamStart())
@@ -132,14 +142,16 @@ def toy_ar_stage(ctx: StageBuildContext, max_num_seqs: int = 4, kv_cache_bytes: 
 
 
 class _CollectFrames(StreamingScheduler):
-    """Terminal: passes every frame on to the client; result ``(streamed [T, G], the AR
-    stage's GenerationResult)``."""
+    """Terminal: passes every chunk on to the client; result ``(streamed frames [T, G],
+    the AR stage's GenerationResult)``."""
 
     def step(self, states: list[StreamState]) -> None:
         for state in states:
             frames = state.model_state = state.model_state or []
             for chunk in state.chunks:
-                frames.append(chunk.data)
+                frame = chunk.data.frame if isinstance(chunk.data, FrameWithHidden) else chunk.data
+                if frame is not None:
+                    frames.append(frame)
                 self.emit(state, chunk.data, chunk.modality)
             state.chunks.clear()
             if self.ready_to_finish(state):
@@ -153,7 +165,7 @@ def collect_frames(ctx: StageBuildContext) -> _CollectFrames:
     return _CollectFrames()
 
 
-def ar_pipeline_config(**engine_args: int) -> PipelineConfig:
+def ar_pipeline_config(**engine_args: object) -> PipelineConfig:
     """``engine`` (the toy AR stage, streaming frames) -> ``collect`` (terminal)."""
     here = "omnistage.testing.toy_ar_stage:"
     return PipelineConfig(
@@ -167,7 +179,7 @@ def ar_pipeline_config(**engine_args: int) -> PipelineConfig:
     )
 
 
-def ar_stream_pipeline_config(start_in_payload: bool = False, **engine_args: int) -> PipelineConfig:
+def ar_stream_pipeline_config(start_in_payload: bool = False, **engine_args: object) -> PipelineConfig:
     """``feed`` (streams step rows into ``engine``) -> ``engine`` (the toy AR stage) ->
     ``collect`` (terminal). The engine request starts from the first chunk, or with
     ``start_in_payload`` from the feeder's result."""

@@ -103,6 +103,31 @@ def test_a_seeded_request_samples_the_same_alone_and_in_a_batch():
     assert len(set(alone.codes[:, 1:].flatten().tolist())) > 1  # the predictor really sampled
 
 
+def test_a_token_lm_samples_token_prompts_like_the_reference_alone_and_batched():
+    """The thinker's path: G == 1 (no code predictor), token-id prompts, top-k/top-p,
+    temperature, repetition penalty, a seed and stop ids, one token per step."""
+    def sampled(seed, stop=()):
+        return SamplingParams(temperature=0.8, top_k=12, top_p=0.9, repetition_penalty=1.3, seed=seed,
+                              stop_token_ids=stop)
+
+    free = reference_generate(TOKEN_LM, request(5, 16, sampled(3), rows=0, seed=30, token_ids=True))[0]
+    stop = int(free[6, 0])
+    mine = request(5, 16, sampled(3, (stop,)), rows=0, seed=30, token_ids=True)
+    others = [(f"o{i}", request(2 + i, 10, sampled(40 + i), rows=0, seed=31 + i, token_ids=True)) for i in range(3)]
+    alone = run(engine_for(TOKEN_LM), {0: [("me", mine)]})["me"]
+    engine = engine_for(TOKEN_LM)
+    batched = run(engine, {0: others[:2], 2: [("me", mine)] + others[2:]})
+    expected, reason = reference_generate(TOKEN_LM, mine)
+    assert reason == "stop" and 0 < expected.shape[0] <= 6 and stop not in expected[:, 0].tolist()
+    for result in (alone, batched["me"]):
+        assert result.finish_reason == "stop" and torch.equal(result.codes, expected)
+    for request_id, inputs in others:
+        assert torch.equal(batched[request_id].codes, reference_generate(TOKEN_LM, inputs)[0])
+        assert batched[request_id].codes.shape == (10, 1)
+    assert len(set(free[:, 0].tolist())) > 3  # it really sampled
+    assert_nothing_held(engine)
+
+
 def test_a_stop_id_ends_with_stop_and_its_frame_is_not_emitted():
     plain = reference_generate(MULTI, request(3, 12, seed=11))[0][:, 0].tolist()
     stop = plain[3]

@@ -2,12 +2,15 @@
 results carry finish_reason, aborts free KV blocks at once, nothing is left behind."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 import torch
 
 from omnistage.core.errors import RequestAbortedError, RequestValidationError
+from omnistage.engine.sampler import SamplingParams
 from omnistage.pipeline.pipeline import Pipeline
+from omnistage.scheduling.ar import FrameWithHidden
 from omnistage.testing.leaks import assert_no_request_state
 from omnistage.testing.toy_ar import reference_generate
 from omnistage.testing.toy_ar_stage import (
@@ -50,6 +53,45 @@ async def test_concurrent_requests_stream_every_frame_and_match_the_reference():
         await assert_no_request_state(pipeline)
         engine = engine_of(pipeline)
         assert engine.kv_blocks.num_free_blocks == engine.kv_blocks.num_blocks
+
+
+async def test_a_plain_token_lm_stage_streams_one_token_per_step_and_stops_on_a_stop_id():
+    model = toy_ar_model(num_code_groups=1)
+    sampling = SamplingParams(temperature=0.7, top_k=10, top_p=0.95, repetition_penalty=1.2, seed=4)
+    plain = ToyARRequest(6, 20, seed=50, sampling=sampling, token_ids=True)
+    stop = int(reference_generate(model, toy_ar_input(plain))[0][5, 0])
+    requests = [replace(plain, sampling=replace(sampling, stop_token_ids=(stop,)))]
+    requests += [ToyARRequest(3 + i, 7, seed=51 + i, sampling=replace(sampling, seed=i), token_ids=True)
+                 for i in range(3)]
+    async with Pipeline(ar_pipeline_config(num_code_groups=1)) as pipeline:
+        results = await asyncio.gather(*(pipeline.submit(r).result() for r in requests))
+        for request, result in zip(requests, results, strict=True):
+            expected, reason = reference_generate(model, toy_ar_input(request))
+            streamed, generated = result.outputs["collect"]
+            assert result.finish_reason == generated.finish_reason == reason
+            assert torch.equal(streamed, expected) and expected.shape[1] == 1
+            assert all(chunk.data.shape == (1, 1) for chunk in result.chunks)  # one token per step
+        assert results[0].finish_reason == "stop" and stop not in results[0].outputs["collect"][1].codes
+        await assert_no_request_state(pipeline)
+
+
+async def test_hidden_rows_stream_out_with_each_token_of_the_requests_that_ask():
+    model = toy_ar_model(num_code_groups=1, hidden_layers=(0, 2))
+    plain = ToyARRequest(5, 6, seed=60, token_ids=True)
+    asking = replace(plain, seed=61, return_hidden=True)
+    async with Pipeline(ar_pipeline_config(num_code_groups=1, hidden_layers=[0, 2])) as pipeline:
+        without, with_rows = await asyncio.gather(*(pipeline.submit(r).result() for r in (plain, asking)))
+        assert all(isinstance(chunk.data, torch.Tensor) for chunk in without.chunks)
+        chunks = [chunk.data for chunk in with_rows.chunks]
+        assert all(isinstance(c, FrameWithHidden) and c.hidden.shape[1:] == (2, 32) for c in chunks)
+        assert [c.hidden.shape[0] for c in chunks] == [5] + [1] * 5  # the prompt, then one token a step
+        expected = reference_generate(model, toy_ar_input(asking))[0]
+        assert torch.equal(torch.cat([c.frame for c in chunks]), expected)
+        inputs = toy_ar_input(asking)
+        assert torch.equal(chunks[0].hidden[:, 0], model.embed_tokens(inputs.prompt))  # layer 0: the embeddings
+        fed = model.next_input_embeds(expected[:1], inputs.step_embeds[:1])  # token 0 + row 0, fed at step 1
+        assert torch.equal(chunks[1].hidden[:, 0], fed)
+        await assert_no_request_state(pipeline)
 
 
 async def test_abort_mid_decode_frees_the_kv_blocks_at_once():
