@@ -96,9 +96,9 @@ class SpeechTarget:
 
     def body(self, text: str, stream: bool, response_format: str) -> dict[str, Any]:
         """The JSON request body (the wire format, hence a dict)."""
-        body: dict[str, Any] = {"input": text, "response_format": response_format}
+        body: dict[str, Any] = {"input": text, "response_format": response_format, "stream": stream}
         if stream:
-            body.update(stream=True, stream_format="audio")
+            body.update(stream_format="audio")
         body.update({k: v for k, v in (("model", self.model), ("voice", self.voice)) if v})
         body.update(self.extra_fields)
         return body

@@ -86,6 +86,14 @@ def _media_domains(values: list[str] | None) -> tuple[str, ...]:
     return tuple(values or ())
 
 
+def _served_names(values: list[str] | None) -> tuple[str, ...]:
+    """The ``--served-model-name`` values; exits on a blank one."""
+    for value in values or ():
+        if not value.strip() or value != value.strip():
+            fail(f"--served-model-name {value!r}: give a non-empty name without surrounding spaces")
+    return tuple(values or ())
+
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -221,6 +229,15 @@ class ServeArgs:
             show_default=False,
         ),
     ] = None
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A name requests may give as 'model' (repeatable; the first is the id in "
+            "/v1/models), e.g. a Hugging Face id Qwen/Qwen3-TTS-12Hz-0.6B-Base or an OpenAI "
+            "alias tts-1; replaces the model's own names.",
+            show_default=False,
+        ),
+    ] = None
     log_level: Annotated[LogLevel, typer.Option(help="Server log level.")] = LogLevel.info
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Skip the warm-up request before reporting ready.")
@@ -238,6 +255,7 @@ class ServeArgs:
             media_policy=media,
             warmup=not self.no_warmup,
             playground=not self.no_playground,
+            served_model_names=_served_names(self.served_model_name),
         )
 
 

@@ -76,11 +76,13 @@ class VocoderPayload(Protocol):
         left_context_codes: ``[R, G]`` int64 codes decoded before the stream and never
             emitted (voice-clone reference codes), or None.
         stream: False = decode the whole utterance at stream-done, one audio chunk.
+        input_tokens: the request's input units, reported in its :class:`AudioResult`.
     """
 
     initial_codec_chunk_frames: int | None
     left_context_codes: torch.Tensor | None
     stream: bool
+    input_tokens: int
 
 
 @runtime_checkable
@@ -97,6 +99,7 @@ class VocoderInput:
     initial_codec_chunk_frames: int = 0
     left_context_codes: torch.Tensor | None = None
     stream: bool = True
+    input_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +253,9 @@ class VocoderScheduler(StreamingScheduler):
         voice: _Voice = state.model_state
         data = state.payload.data if state.payload is not None else None
         reason: FinishReason = data.finish_reason if isinstance(data, UpstreamFinish) else "stop"
-        self.complete(state, AudioResult(voice.samples_out, self.sample_rate, num_frames=voice.frames_out), reason)
+        tokens = self._payload(state).input_tokens
+        result = AudioResult(voice.samples_out, self.sample_rate, num_frames=voice.frames_out, input_tokens=tokens)
+        self.complete(state, result, reason)
 
     def _open(self, state: StreamState) -> bool:
         """Give the request a decoder slot if it has none; False if none is free."""

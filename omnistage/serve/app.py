@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server (FastAPI).
 
 Endpoints: ``POST /v1/audio/speech``, ``GET /v1/audio/voices``, ``GET /v1/models``,
-``GET /health`` (503 while starting or after a stage process died), ``GET /metrics``
+``GET /v1/models/{id}``, ``GET /health`` (503 while starting or after a stage process died), ``GET /metrics``
 (Prometheus), and the web playground at ``GET /`` (:mod:`omnistage.serve.playground`).
 Errors use the OpenAI envelope, mapped from the typed errors of :mod:`omnistage.core.errors`.
 Request flow: capped body -> parse -> validate against the model's capabilities -> the
@@ -44,9 +44,9 @@ from omnistage.core.errors import (
 )
 from omnistage.core.messages import StreamChunk
 from omnistage.core.payloads import AudioResult
-from omnistage.pipeline.coordinator import RequestHandle
+from omnistage.pipeline.coordinator import PipelineResult, RequestHandle
 from omnistage.pipeline.pipeline import Pipeline
-from omnistage.serve.audio import StreamingAudioEncoder, content_type, encode_audio, float_to_s16
+from omnistage.serve.audio import StreamingAudioEncoder, content_type, encode_audio, resample
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.metrics import ServerMetrics
 from omnistage.serve.model import SpeechModelConfig
@@ -59,8 +59,10 @@ from omnistage.serve.protocol import (
     SpeechUsage,
     body_too_large,
     error_envelope,
+    model_card,
     model_list,
     not_found_envelope,
+    output_sample_rate,
     parse_speech_request,
     sse_event,
     validate_speech_request,
@@ -84,6 +86,8 @@ class ServerSettings:
         warmup: run the model's warm-up request before reporting ready.
         playground: serve the web playground at ``/`` (its assets under ``/playground``;
             both public, the page sends its key to ``/v1`` itself).
+        served_model_names: the names requests may give as ``model`` (the first is the id
+            in ``/v1/models``), replacing the model's own; empty: the model's own names.
     """
 
     api_key: str | None = None
@@ -91,6 +95,7 @@ class ServerSettings:
     max_body_bytes: int = 32 * 1024 * 1024
     warmup: bool = True
     playground: bool = True
+    served_model_names: tuple[str, ...] = ()
 
 
 class SpeechServer:
@@ -99,6 +104,9 @@ class SpeechServer:
     def __init__(self, model: SpeechModelConfig, settings: ServerSettings) -> None:
         self.model, self.settings = model, settings
         self.capabilities = model.capabilities()
+        if settings.served_model_names:
+            names = tuple(dict.fromkeys(settings.served_model_names))
+            self.capabilities = self.capabilities.model_copy(update={"model_names": names})
         self.pipeline = Pipeline(model)
         self.metrics = ServerMetrics()
         self.ready = False
@@ -234,6 +242,15 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
     async def models() -> JSONResponse:
         return JSONResponse(model_list(caps, server.created).model_dump())
 
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id not in caps.model_names:
+            status, body = not_found_envelope(
+                f"model {model_id!r} is not served here; available models: {', '.join(caps.model_names)}"
+            )
+            return JSONResponse(body, status_code=status)
+        return JSONResponse(model_card(model_id, server.created).model_dump())
+
     @v1.get("/audio/voices")
     async def voices() -> JSONResponse:
         return JSONResponse(voices_response(caps).model_dump(mode="json"))
@@ -309,8 +326,10 @@ class _SpeechCall:
         self.server, self.request, self.speech, self.handle = server, request, speech, handle
         self.received = received
         self.sample_rate = server.capabilities.sample_rate
+        self.output_rate = output_sample_rate(speech, server.capabilities)
         self.samples_sent = 0
         self.first_audio_at: float | None = None
+        self.result: PipelineResult | None = None
         self._reported = False
 
     # -------------------------------------------------------------- whole file
@@ -328,14 +347,16 @@ class _SpeechCall:
         samples = np.concatenate(audio)
         fmt = self.speech.response_format
         try:
-            data = await run_in_threadpool(encode_audio, samples, self.sample_rate, fmt)
+            out = await run_in_threadpool(resample, samples, self.sample_rate, self.output_rate)
+            data = await run_in_threadpool(encode_audio, out, self.output_rate, fmt)
         except Exception as exc:
             self._finished(exc)
             raise
         self.samples_sent = len(samples)
         self._first_audio()
         self._finished(None, result.finish_reason)
-        return Response(data, media_type=content_type(fmt), headers=self._headers(result.outputs, result.finish_reason))
+        headers = self._headers(result.outputs, result.finish_reason, len(out))
+        return Response(data, media_type=content_type(fmt), headers=headers)
 
     # -------------------------------------------------------------- streaming
     async def respond_stream(self) -> Response:
@@ -349,7 +370,8 @@ class _SpeechCall:
             body, media_type = self._sse(first, stream), "text/event-stream"
         else:
             body, media_type = self._raw(first, stream), content_type(self.speech.response_format)
-        headers = {"X-Request-Id": self.handle.request_id, "X-Sample-Rate": str(self.sample_rate)}
+        headers = {"X-Request-Id": self.handle.request_id, "X-Sample-Rate": str(self.output_rate)}
+        headers.update(self._ignored_header())
         return StreamingResponse(body, media_type=media_type, headers=headers)
 
     async def _first_chunk(self, stream: AsyncIterator[StreamChunk]) -> np.ndarray:
@@ -365,22 +387,29 @@ class _SpeechCall:
             if chunk.modality == "audio":
                 yield _audio_of(chunk)
 
+    async def _encoded(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
+        """The response format's bytes as the chunks arrive, then the encoder's tail (only
+        after the request succeeded: a failed stream never looks complete)."""
+        encoder = StreamingAudioEncoder(self.speech.response_format, self.sample_rate, self.output_rate)
+        async for samples in self._audio_chunks(first, stream):
+            self.samples_sent += len(samples)
+            data = await run_in_threadpool(encoder.push, samples)
+            if data:
+                self._first_audio()
+                yield data
+        self.result = await self.handle.result()
+        tail = encoder.finish()
+        if tail:
+            self._first_audio()
+            yield tail
+
     async def _raw(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
-        encoder = StreamingAudioEncoder(self.speech.response_format, self.sample_rate)
         error: BaseException | None = None
         try:
-            async for samples in self._audio_chunks(first, stream):
-                self.samples_sent += len(samples)
-                data = encoder.push(samples)
-                if data:
-                    self._first_audio()
-                    yield data
-            result = await self.handle.result()
-            tail = encoder.finish()
-            if tail:
-                self._first_audio()
-                yield tail
-            self._finished(None, result.finish_reason)
+            async for data in self._encoded(first, stream):
+                yield data
+            assert self.result is not None
+            self._finished(None, self.result.finish_reason)
         except BaseException as exc:
             error = exc
             raise  # truncates the chunked body: the client sees no clean end
@@ -390,17 +419,11 @@ class _SpeechCall:
     async def _sse(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
         error: BaseException | None = None
         try:
-            async for samples in self._audio_chunks(first, stream):
-                self.samples_sent += len(samples)
-                self._first_audio()
-                yield sse_event(SpeechAudioDelta.from_bytes(float_to_s16(samples).tobytes()))
-            result = await self.handle.result()
-            usage = SpeechUsage(
-                input_characters=len(self.speech.input),
-                output_audio_seconds=self.samples_sent / self.sample_rate,
-            )
-            yield sse_event(SpeechAudioDone(usage=usage, finish_reason=result.finish_reason))
-            self._finished(None, result.finish_reason)
+            async for data in self._encoded(first, stream):
+                yield sse_event(SpeechAudioDelta.from_bytes(data))
+            assert self.result is not None
+            yield sse_event(SpeechAudioDone(usage=self.usage(self.result.outputs), finish_reason=self.result.finish_reason))
+            self._finished(None, self.result.finish_reason)
         except OmnistageError as exc:
             error = exc
             yield sse_event(ErrorEvent.from_exception(exc))
@@ -409,6 +432,19 @@ class _SpeechCall:
             raise
         finally:
             self._close(error)
+
+    def usage(self, outputs: dict[str, Any]) -> SpeechUsage:
+        """OpenAI's token usage from the terminal stages' :class:`AudioResult` s."""
+        results = [r for r in outputs.values() if isinstance(r, AudioResult)]
+        input_tokens = sum(r.input_tokens for r in results)
+        output_tokens = sum(r.num_frames for r in results)
+        return SpeechUsage(
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            total_tokens=input_tokens + output_tokens,
+            input_characters=len(self.speech.input),
+            output_audio_seconds=self.samples_sent / self.sample_rate,
+        )
 
     def _close(self, error: BaseException | None) -> None:
         if not self.handle.finished:  # the client went away mid-stream
@@ -448,15 +484,20 @@ class _SpeechCall:
         reason = "abort" if isinstance(error, RequestAbortedError) else "error"
         self.server.metrics.request_finished(status, reason, latency, audio_s)
 
-    def _headers(self, outputs: dict[str, Any], finish_reason: str) -> dict[str, str]:
+    def _ignored_header(self) -> dict[str, str]:
+        ignored = self.speech.ignored_fields
+        return {"X-Ignored-Fields": ", ".join(ignored)} if ignored else {}
+
+    def _headers(self, outputs: dict[str, Any], finish_reason: str, samples_out: int) -> dict[str, str]:
+        usage = self.usage(outputs)
         headers = {
             "X-Request-Id": self.handle.request_id,
             "X-Finish-Reason": finish_reason,
-            "X-Sample-Rate": str(self.sample_rate),
-            "X-Audio-Samples": str(self.samples_sent),
+            "X-Sample-Rate": str(self.output_rate),
+            "X-Audio-Samples": str(samples_out),
+            "X-Audio-Frames": str(usage.output_tokens),
+            "X-Input-Tokens": str(usage.input_tokens),
         }
-        results = [r for r in outputs.values() if isinstance(r, AudioResult)]
-        if results:
-            headers["X-Audio-Frames"] = str(sum(r.num_frames for r in results))
+        headers.update(self._ignored_header())
         return headers
 

@@ -7,7 +7,9 @@ Every format that stores integers gets its samples from :func:`float_to_s16` (cl
 [-1, 1], times 32767, round to nearest), so ``pcm``, ``wav`` and ``flac`` carry the very same
 sample values. Lossy codecs get the clipped float samples.
 
-Sample rates: ``opus`` is always encoded at 48 kHz (Ogg Opus decoders output 48 kHz), the
+Sample rates: :func:`resample` and the ``output_rate`` of :class:`StreamingAudioEncoder`
+use soxr's streaming resampler, which is chunk-independent: a stream resampled chunk by
+chunk equals the whole clip resampled at once, sample for sample. Then ``opus`` is always encoded at 48 kHz (Ogg Opus decoders output 48 kHz), the
 input is resampled with soxr. ``mp3`` and ``aac`` keep the input rate when the codec
 supports it (8-48 kHz, the usual TTS rates all are) and otherwise resample to the next
 supported rate above it (or the highest). ``wav``, ``pcm`` and ``flac`` keep the input rate.
@@ -51,6 +53,7 @@ __all__ = [
     "content_type",
     "encode_audio",
     "float_to_s16",
+    "resample",
 ]
 
 OPUS_SAMPLE_RATE: Final = 48_000
@@ -93,6 +96,18 @@ def float_to_s16(samples: np.ndarray) -> np.ndarray:
     return np.rint(_clean(samples) * 32767.0).astype(np.int16)
 
 
+def resample(samples: np.ndarray, sample_rate: int, output_rate: int) -> np.ndarray:
+    """A whole clip ``sample_rate`` -> ``output_rate`` Hz with the same soxr stream
+    :class:`StreamingAudioEncoder` uses, so a streamed response equals the whole file.
+
+    Args: ``samples`` mono float32 ``[N]``. Returns: float32 ``[M]``, M ~ N * out / in.
+
+    Raises:
+        ValueError: ``samples`` is not one-dimensional or a rate is not positive.
+    """
+    return _OutputResampler(sample_rate, output_rate).push(_as_mono(samples, sample_rate), last=True)
+
+
 def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     """Encode a whole clip into a complete file of format ``fmt``.
 
@@ -117,6 +132,24 @@ def encode_audio(samples: np.ndarray, sample_rate: int, fmt: str) -> bytes:
     return out.getvalue()
 
 
+class _OutputResampler:
+    """``sample_rate`` -> ``output_rate`` (soxr's stream; a no-op at equal rates)."""
+
+    def __init__(self, sample_rate: int, output_rate: int | None) -> None:
+        self.rate = sample_rate if output_rate is None else output_rate
+        _as_mono(np.zeros(0, np.float32), self.rate)
+        self._stream = (
+            soxr.ResampleStream(sample_rate, self.rate, 1, dtype="float32")
+            if self.rate != sample_rate
+            else None
+        )
+
+    def push(self, samples: np.ndarray, *, last: bool) -> np.ndarray:
+        if self._stream is None:
+            return samples
+        return self._stream.resample_chunk(np.ascontiguousarray(samples), last=last)
+
+
 class StreamingAudioEncoder:
     """Encode audio chunk by chunk; every call returns the bytes ready to send now.
 
@@ -126,20 +159,24 @@ class StreamingAudioEncoder:
     Args:
         fmt: one of :data:`FORMATS`.
         sample_rate: rate of the pushed samples in Hz.
+        output_rate: Hz to resample to first (None: ``sample_rate``).
 
     Raises:
         RequestValidationError: unknown ``fmt`` (``param="response_format"``).
-        ValueError: ``sample_rate`` is not positive.
+        ValueError: ``sample_rate`` or ``output_rate`` is not positive.
     """
 
-    def __init__(self, fmt: str, sample_rate: int) -> None:
+    def __init__(self, fmt: str, sample_rate: int, output_rate: int | None = None) -> None:
         _check_format(fmt)
         _as_mono(np.zeros(0, np.float32), sample_rate)
         self.fmt = fmt
         self.sample_rate = sample_rate
+        self._resampler = _OutputResampler(sample_rate, output_rate)
         self._sink = _ChunkSink()
         self._encoder = (
-            None if fmt == "pcm" else _AvEncoder(fmt, sample_rate, self._sink, streaming=True)
+            None
+            if fmt == "pcm"
+            else _AvEncoder(fmt, self._resampler.rate, self._sink, streaming=True)
         )
         self._finished = False
 
@@ -152,6 +189,7 @@ class StreamingAudioEncoder:
         """
         x = _as_mono(samples, self.sample_rate)
         self._check_open()
+        x = self._resampler.push(x, last=False)
         if self._encoder is None:
             return float_to_s16(x).astype("<i2").tobytes()
         self._encoder.encode(x, last=False)
@@ -165,9 +203,10 @@ class StreamingAudioEncoder:
         """
         self._check_open()
         self._finished = True
+        tail = self._resampler.push(np.zeros(0, np.float32), last=True)
         if self._encoder is None:
-            return b""
-        self._encoder.encode(np.zeros(0, np.float32), last=True)
+            return float_to_s16(tail).astype("<i2").tobytes()
+        self._encoder.encode(tail, last=True)
         return self._sink.take()
 
     def _check_open(self) -> None:

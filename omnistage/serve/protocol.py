@@ -50,8 +50,18 @@ RESPONSE_FORMATS: frozenset[str] = frozenset(get_args(ResponseFormat))
 
 #: Request fields every model accepts; ``supported_fields`` declares the others.
 ALWAYS_ALLOWED_FIELDS: frozenset[str] = frozenset(
-    {"model", "input", "response_format", "stream", "stream_format"}
+    {"model", "input", "response_format", "stream", "stream_format", "sample_rate"}
 )
+#: Fields OpenAI's ``/v1/audio/speech`` defines that a model may have no use for: sent to
+#: a model that does not use them they are accepted, dropped, and named in the response's
+#: ``X-Ignored-Fields`` header (an OpenAI client sends them without knowing the model).
+#: Every other field a model does not declare is a 400.
+OPENAI_OPTIONAL_FIELDS: frozenset[str] = frozenset({"voice", "instructions", "speed"})
+#: ``pcm`` has no header to carry its rate: OpenAI's is 24 kHz, so it is the default here
+#: whatever the model's own rate (the audio is resampled).
+OPENAI_PCM_SAMPLE_RATE = 24_000
+#: Formats whose output rate a request may choose (``sample_rate``).
+RESAMPLABLE_FORMATS: frozenset[str] = frozenset({"pcm", "wav"})
 #: Sampling fields whose unset value means "use the model's default".
 GENERATION_FIELDS: frozenset[str] = frozenset(
     {"max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed"}
@@ -90,12 +100,27 @@ class SpeechRequest(BaseModel):
 
     model: str | None = None
     input: str = Field(description="text to speak (alias: text)")
-    voice: str | None = Field(default=None, description="voice name (alias: speaker)")
+    voice: str | None = Field(
+        default=None, description='voice name, or {"id": name} (alias: speaker)'
+    )
     response_format: ResponseFormat = "wav"
-    speed: float = Field(default=1.0, ge=0.25, le=4.0, description="playback speed factor")
-    stream: bool = False
+    speed: float = Field(
+        default=1.0, ge=0.25, le=4.0, description="speaking rate: duration scales as 1/speed"
+    )
+    stream: bool | None = Field(
+        default=None,
+        description="false: one whole file; true: chunks as they are made; null (OpenAI's "
+        "behaviour): stream whenever the model can stream the format",
+    )
     stream_format: StreamFormat = Field(
         default="audio", description='"sse" streams JSON events and implies streaming'
+    )
+    sample_rate: int | None = Field(
+        default=None,
+        ge=8_000,
+        le=48_000,
+        description="Hz of pcm or wav output (resampled); null: 24000 for pcm, the "
+        "model's rate for wav",
     )
     language: str | None = None
     instructions: str | None = None
@@ -125,6 +150,11 @@ class SpeechRequest(BaseModel):
         description="model-declared extra generation parameters; filled by "
         "parse_speech_request from top-level fields, never sent under this name",
     )
+    ignored_fields: tuple[str, ...] = Field(
+        default=(),
+        description="OpenAI fields the client set that this model does not use; filled by "
+        "validate_speech_request, never sent under this name",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -132,6 +162,9 @@ class SpeechRequest(BaseModel):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
+        for key in ("voice", "speaker"):
+            if key in data:
+                data[key] = _voice_name(data[key])
         for alias, name in FIELD_ALIASES.items():
             if alias not in data:
                 continue
@@ -152,8 +185,9 @@ class SpeechRequest(BaseModel):
 
     @property
     def streaming(self) -> bool:
-        """True when the response is streamed: ``stream`` or ``stream_format == "sse"``."""
-        return self.stream or self.stream_format == "sse"
+        """True when the response is streamed: ``stream`` or ``stream_format == "sse"``
+        (:func:`validate_speech_request` resolves an unset ``stream``)."""
+        return bool(self.stream) or self.stream_format == "sse"
 
     @property
     def explicit_generation_params(self) -> frozenset[str]:
@@ -168,13 +202,26 @@ class SpeechRequest(BaseModel):
         return frozenset(sampling | set(self.extra_params))
 
 
+def _voice_name(value: Any) -> Any:
+    """``voice`` as OpenAI's SDK sends it: a name, or ``{"id": name}`` (its custom-voice
+    form) -> the name; anything else is left for the type check (a 400)."""
+    if isinstance(value, Mapping):
+        if set(value) != {"id"} or not isinstance(value["id"], str):
+            raise RequestValidationError(
+                'voice must be a string or {"id": "<voice name>"}', param="voice"
+            )
+        return value["id"]
+    return value
+
+
+_INTERNAL_FIELDS = frozenset({"extra_params", "ignored_fields"})
 #: Names a client may send in a speech request body (canonical fields and aliases).
 WIRE_FIELDS: frozenset[str] = (
-    frozenset(SpeechRequest.model_fields) - {"extra_params"}
+    frozenset(SpeechRequest.model_fields) - _INTERNAL_FIELDS
 ) | frozenset(FIELD_ALIASES)
 #: Fields a model may list in ``SpeechCapabilities.supported_fields``.
 OPTIONAL_FIELDS: frozenset[str] = (
-    frozenset(SpeechRequest.model_fields) - ALWAYS_ALLOWED_FIELDS - {"extra_params"}
+    frozenset(SpeechRequest.model_fields) - ALWAYS_ALLOWED_FIELDS - _INTERNAL_FIELDS
 )
 
 
@@ -256,7 +303,7 @@ def _check_caps_fields(caps: SpeechCapabilities) -> None:
             f"allowed: {', '.join(sorted(OPTIONAL_FIELDS))}"
         )
     for name in caps.extra_generation_params:
-        if not name.isidentifier() or name in WIRE_FIELDS or name == "extra_params":
+        if not name.isidentifier() or name in WIRE_FIELDS or name in _INTERNAL_FIELDS:
             raise ValueError(
                 f"extra generation parameter {name!r} must be an identifier that is not "
                 "a request field"
@@ -369,9 +416,16 @@ def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> Spe
     ``voice`` and ``language`` match the declared names case-insensitively (an exact match
     first), as model cards spell them ("Vivian", "English") in any case.
 
+    Field policy: an OpenAI field the model has no use for (:data:`OPENAI_OPTIONAL_FIELDS`:
+    ``instructions`` where the model takes none, ``voice`` on a model without named
+    voices, ``speed`` where it does not apply) is dropped and listed in
+    ``ignored_fields``; any other unsupported field, and a value the model would have to
+    change (an unknown voice of a model that has voices), is a 400.
+
     Returns:
-        ``req`` with ``voice`` and ``language`` in the spelling ``caps`` declares, so the
-        model sees only declared names (``req`` itself when nothing changes).
+        ``req`` with ``voice`` and ``language`` in the spelling ``caps`` declares, ``stream``
+        resolved (unset: streamed when the model streams ``response_format``, as OpenAI
+        does), ignored fields reset to their defaults and named in ``ignored_fields``.
 
     Raises:
         RequestValidationError: with ``param`` naming the field, when: ``model`` is not one
@@ -380,12 +434,20 @@ def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> Spe
             set field is not supported (the message lists the supported fields); a value
             is not among the declared choices (voice, language, task_type,
             response_format; the message lists them); ``speed`` or an extra parameter is
-            out of its declared range; reference fields are inconsistent.
+            out of its declared range; ``sample_rate`` is set for a format other than pcm
+            or wav; ``stream: false`` with ``stream_format: "sse"``; reference fields are
+            inconsistent.
     """
     _check_model(req, caps)
     _check_text("input", req.input, caps.max_input_chars, required=True)
+    ignored = _ignored_fields(req, caps)
+    if ignored:
+        defaults = {name: SpeechRequest.model_fields[name].get_default() for name in ignored}
+        req = req.model_copy(update={**defaults, "ignored_fields": tuple(sorted(ignored))})
     _check_supported(req, caps)
-    _check_formats(req, caps)
+    stream = _resolve_stream(req, caps)
+    _check_formats(req.model_copy(update={"stream": stream}), caps)
+    _check_sample_rate(req)
     voice = _check_voice(req, caps)
     language = _choice("language", req.language, caps.languages, ignore_case=True)
     _choice("task_type", req.task_type, caps.task_types)
@@ -394,10 +456,50 @@ def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> Spe
     _check_extra_params(req, caps)
     changed = {
         name: value
-        for name, value in (("voice", voice), ("language", language))
+        for name, value in (("voice", voice), ("language", language), ("stream", stream))
         if value != getattr(req, name)
     }
     return req.model_copy(update=changed) if changed else req
+
+
+def _ignored_fields(req: SpeechRequest, caps: SpeechCapabilities) -> set[str]:
+    """The OpenAI fields ``req`` sets that ``caps``' model has no use for."""
+    unused = {"voice"} if not (caps.voices or caps.default_voice) else set()
+    unused |= (OPENAI_OPTIONAL_FIELDS - {"voice"}) - caps.supported_fields
+    return unused & set(_set_fields(req))
+
+
+def _resolve_stream(req: SpeechRequest, caps: SpeechCapabilities) -> bool:
+    """``stream`` made explicit: unset means stream (OpenAI answers every speech request
+    with chunked audio) when the model can stream the format, else one whole file."""
+    if req.stream_format == "sse":
+        if req.stream is False:
+            raise RequestValidationError(
+                'stream_format "sse" streams; it cannot be combined with stream: false',
+                param="stream",
+            )
+        return True
+    if req.stream is None:
+        return req.response_format in caps.stream_response_formats
+    return req.stream
+
+
+def _check_sample_rate(req: SpeechRequest) -> None:
+    if req.sample_rate is not None and req.response_format not in RESAMPLABLE_FORMATS:
+        raise RequestValidationError(
+            f"sample_rate applies to {' and '.join(sorted(RESAMPLABLE_FORMATS))} only, not "
+            f"{req.response_format!r} (its rate is the codec's)",
+            param="sample_rate",
+        )
+
+
+def output_sample_rate(req: SpeechRequest, caps: SpeechCapabilities) -> int:
+    """Hz of the audio sent for ``req``: ``sample_rate`` when set, else
+    :data:`OPENAI_PCM_SAMPLE_RATE` for pcm and the model's own rate for every other format
+    (whose header or codec carries it)."""
+    if req.sample_rate is not None:
+        return req.sample_rate
+    return OPENAI_PCM_SAMPLE_RATE if req.response_format == "pcm" else caps.sample_rate
 
 
 def _check_model(req: SpeechRequest, caps: SpeechCapabilities) -> None:
@@ -442,7 +544,7 @@ def _set_fields(req: SpeechRequest) -> list[str]:
 
 
 def _check_supported(req: SpeechRequest, caps: SpeechCapabilities) -> None:
-    exempt = ALWAYS_ALLOWED_FIELDS | {"voice", "extra_params"}
+    exempt = ALWAYS_ALLOWED_FIELDS | {"voice"} | _INTERNAL_FIELDS
     for name in _set_fields(req):
         if name not in exempt and name not in caps.supported_fields:
             raise RequestValidationError(
@@ -472,10 +574,6 @@ def _check_voice(req: SpeechRequest, caps: SpeechCapabilities) -> str | None:
                 f"voice is required; available voices: {', '.join(caps.voices)}", param="voice"
             )
         return None
-    if not allowed:
-        raise RequestValidationError(
-            f"model {caps.model_name!r} does not accept a voice", param="voice"
-        )
     return _choice("voice", req.voice, allowed, ignore_case=True)
 
 
@@ -608,9 +706,14 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+def model_card(name: str, created: int, owned_by: str = "omnistage") -> ModelCard:
+    """The ``GET /v1/models/{id}`` body for served name ``name``; ``created`` in Unix s."""
+    return ModelCard(id=name, created=created, owned_by=owned_by)
+
+
 def model_list(caps: SpeechCapabilities, created: int, owned_by: str = "omnistage") -> ModelList:
     """One card per served name of ``caps`` (primary name first); ``created`` in Unix s."""
-    cards = [ModelCard(id=name, created=created, owned_by=owned_by) for name in caps.model_names]
+    cards = [model_card(name, created, owned_by) for name in caps.model_names]
     return ModelList(data=cards)
 
 
@@ -682,8 +785,10 @@ def body_too_large(limit_bytes: int, size_bytes: int | None = None) -> PayloadTo
 
 
 class SpeechAudioDelta(BaseModel):
-    """SSE event carrying one audio chunk: ``audio`` is base64 of the chunk's raw bytes
-    (the omnistage server sends 16-bit little-endian mono PCM at the model's sample rate)."""
+    """SSE event carrying one audio chunk: ``audio`` is base64 of the next bytes of the
+    requested ``response_format`` (the deltas of one stream, decoded and concatenated, are
+    a file of that format: raw s16le for pcm, a WAV with unknown-length sizes, mp3 frames,
+    Ogg pages, ...)."""
 
     type: Literal["speech.audio.delta"] = "speech.audio.delta"
     audio: str
@@ -695,13 +800,18 @@ class SpeechAudioDelta(BaseModel):
 
 
 class SpeechUsage(BaseModel):
-    """Usage of one speech request; unknown quantities are ``null``."""
+    """Usage of one speech request, OpenAI's three token counts first.
 
-    input_characters: int | None = Field(default=None, ge=0)
+    ``input_tokens``: the model's input units (Qwen3-TTS: talker prompt positions; Piper:
+    phoneme ids); ``output_tokens``: the units it generated (Qwen3-TTS: 12.5 Hz codec
+    frames; Piper: sentences synthesized); ``total_tokens`` their sum.
+    """
+
+    input_tokens: int = Field(ge=0)
+    output_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+    input_characters: int = Field(ge=0)
     output_audio_seconds: float = Field(ge=0.0)
-    input_tokens: int | None = Field(default=None, ge=0)
-    output_tokens: int | None = Field(default=None, ge=0)
-    total_tokens: int | None = Field(default=None, ge=0)
 
 
 class SpeechAudioDone(BaseModel):
@@ -727,16 +837,19 @@ class ErrorEvent(BaseModel):
 
 
 def sse_event(obj: BaseModel | Mapping[str, Any]) -> bytes:
-    """Format one Server-Sent Event: ``b"data: <compact json>\\n\\n"`` (UTF-8).
+    """Format one Server-Sent Event: ``b"event: <type>\ndata: <compact json>\n\n"``.
 
-    No ``event:`` line is written: the event kind is the JSON ``type`` field (as in
-    OpenAI's speech stream), so ``EventSource.onmessage`` and line-based clients see every
-    event. JSON never contains a raw newline, so one ``data:`` line always suffices.
+    The ``event:`` line repeats the JSON ``type`` field, so ``addEventListener(type)``
+    listeners get the event; ``onmessage`` and line-based clients read ``type`` from the
+    data. JSON never contains a raw newline, so one ``data:`` line always suffices.
 
     Raises:
-        ValueError: ``obj`` is a mapping holding a non-finite float (models serialize
-            non-finite floats as ``null``).
+        ValueError: ``obj`` has no string ``type``, or is a mapping holding a non-finite
+            float (models serialize non-finite floats as ``null``).
     """
     payload = obj.model_dump(mode="json") if isinstance(obj, BaseModel) else dict(obj)
+    kind = payload.get("type")
+    if not isinstance(kind, str) or not kind.isprintable() or "\n" in kind:
+        raise ValueError(f"an SSE event needs a one-line string 'type', got {kind!r}")
     text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    return b"data: " + text.encode("utf-8") + b"\n\n"
+    return f"event: {kind}\ndata: {text}\n\n".encode()

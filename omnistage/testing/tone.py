@@ -62,7 +62,9 @@ def tone_stage(ctx: StageBuildContext) -> SimpleScheduler:
                 scheduler.outbox.stream(payload.request_id, chunk, "audio", {"sample_rate": SAMPLE_RATE})
                 time.sleep(request.delay_s)
             finish = "length" if len(request.text) > request.max_chars else "stop"
-            result = AudioResult(sum(len(c) for c in chunks), SAMPLE_RATE, num_frames=len(chunks))
+            result = AudioResult(
+                sum(len(c) for c in chunks), SAMPLE_RATE, num_frames=len(chunks), input_tokens=len(request.text)
+            )
             out.append(ItemResult(result, finish))
         return out
 

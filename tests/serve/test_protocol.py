@@ -24,6 +24,7 @@ from omnistage.core.errors import (
     StageFailureError,
 )
 from omnistage.serve.protocol import (
+    OPENAI_PCM_SAMPLE_RATE,
     WIRE_FIELDS,
     ErrorEvent,
     SpeechAudioDelta,
@@ -35,6 +36,7 @@ from omnistage.serve.protocol import (
     error_envelope,
     model_list,
     not_found_envelope,
+    output_sample_rate,
     parse_speech_request,
     request_error_from_validation,
     sse_event,
@@ -91,7 +93,8 @@ def test_minimal_request_defaults():
     assert req.input == "hello"
     assert req.response_format == "wav"
     assert req.speed == 1.0
-    assert req.stream is False and req.stream_format == "audio" and not req.streaming
+    assert req.stream is None and req.stream_format == "audio" and not req.streaming
+    assert req.sample_rate is None and req.ignored_fields == ()
     assert req.voice is None and req.extra_params == {}
     assert req.explicit_generation_params == frozenset()
 
@@ -274,12 +277,23 @@ def test_unsupported_field_lists_supported_fields():
     assert "supported fields: input, model, noise_scale, noise_w, response_format" in str(err)
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [("speed", 1.5), ("seed", 0), ("instructions", ""), ("references", [{"audio": "a"}])],
-)
+@pytest.mark.parametrize(("field", "value"), [("seed", 0), ("references", [{"audio": "a"}])])
 def test_each_unsupported_field_is_named(field, value):
     rejects(field, valid, {"input": "hi", field: value}, PIPER)
+
+
+@pytest.mark.parametrize(("field", "value"), [("speed", 1.5), ("instructions", "calm")])
+def test_an_openai_field_the_model_does_not_use_is_ignored_and_named(field, value):
+    req = valid({"input": "hi", field: value}, PIPER)
+    assert req.ignored_fields == (field,)
+    assert getattr(req, field) == SpeechRequest.model_fields[field].get_default()
+
+
+def test_ignored_fields_are_sorted_and_default_values_are_not_named():
+    caps = SpeechCapabilities(model_names=("m",), model_type="t", sample_rate=16000)
+    body = {"input": "hi", "voice": "alloy", "speed": 2.0, "instructions": "x"}
+    assert valid(body, caps).ignored_fields == ("instructions", "speed", "voice")
+    assert valid({"input": "hi", "speed": 1.0}, caps).ignored_fields == ()
 
 
 def test_default_valued_fields_are_no_ops_on_any_model():
@@ -301,7 +315,7 @@ def test_voice_and_language_match_case_insensitively_in_the_declared_spelling():
 def test_validation_returns_a_normalized_copy_and_leaves_the_request_alone():
     req = parse_speech_request({"input": "hi", "voice": "Joe"}, QWEN)
     assert validate_speech_request(req, QWEN).voice == "joe" and req.voice == "Joe"
-    exact = parse_speech_request({"input": "hi", "voice": "joe"}, QWEN)
+    exact = parse_speech_request({"input": "hi", "voice": "joe", "stream": True}, QWEN)
     assert validate_speech_request(exact, QWEN) is exact
 
 
@@ -317,11 +331,45 @@ def test_default_only_voice():
     assert "available voices: lessac" in str(err)
 
 
-def test_voiceless_model_rejects_any_voice():
+def test_voiceless_model_ignores_any_voice():
     caps = SpeechCapabilities(model_names=("m",), model_type="t", sample_rate=16000)
-    valid({"input": "hi"}, caps)
-    err = rejects("voice", valid, {"input": "hi", "voice": "joe"}, caps)
-    assert "does not accept a voice" in str(err)
+    req = valid({"input": "hi", "voice": "joe"}, caps)
+    assert req.voice is None and req.ignored_fields == ("voice",)
+
+
+@pytest.mark.parametrize("voice", ["amy", {"id": "amy"}])
+def test_voice_is_a_name_or_the_sdk_object_form(voice):
+    assert valid({"input": "hi", "voice": voice}).voice == "amy"
+    assert valid({"input": "hi", "speaker": voice}).voice == "amy"
+
+
+@pytest.mark.parametrize("voice", [{"name": "amy"}, {"id": 3}, {"id": "amy", "x": 1}, 5])
+def test_other_voice_shapes_are_400(voice):
+    rejects("voice", valid, {"input": "hi", "voice": voice})
+
+
+def test_stream_unset_streams_what_the_model_can_stream():
+    assert valid({"input": "hi", "response_format": "pcm"}, PIPER).stream is True
+    assert valid({"input": "hi", "response_format": "pcm", "stream": False}, PIPER).stream is False
+    assert valid({"input": "hi", "response_format": "flac"}, QWEN).stream is False  # not streamable there
+    rejects("response_format", valid, {"input": "hi", "response_format": "flac", "stream": True})
+
+
+def test_sse_cannot_be_combined_with_stream_false():
+    assert valid({"input": "hi", "stream_format": "sse"}).stream is True
+    rejects("stream", valid, {"input": "hi", "stream_format": "sse", "stream": False})
+
+
+@pytest.mark.parametrize(("fmt", "rate"), [("pcm", None), ("pcm", 16000), ("wav", None), ("wav", 48000)])
+def test_output_sample_rate_defaults_to_openai_pcm_and_model_wav(fmt, rate):
+    req = valid({"input": "hi", "response_format": fmt, "sample_rate": rate})
+    default = OPENAI_PCM_SAMPLE_RATE if fmt == "pcm" else QWEN.sample_rate
+    assert output_sample_rate(req, QWEN) == (rate or default)
+
+
+def test_sample_rate_is_for_pcm_and_wav_only_and_within_range():
+    rejects("sample_rate", valid, {"input": "hi", "response_format": "mp3", "sample_rate": 16000})
+    rejects("sample_rate", valid, {"input": "hi", "response_format": "pcm", "sample_rate": 4000})
 
 
 def test_voice_required_without_default():
@@ -440,8 +488,8 @@ def test_voices_response():
         "languages": [],
         "task_types": [],
         "supported_fields": [
-            "input", "model", "noise_scale", "noise_w", "response_format", "stream",
-            "stream_format", "voice",
+            "input", "model", "noise_scale", "noise_w", "response_format", "sample_rate",
+            "stream", "stream_format", "voice",
         ],
         "extra_generation_params": {
             "noise_scale": {"min": 0.0, "max": None},
@@ -528,9 +576,13 @@ def test_auth_not_found_and_too_large_helpers():
 
 
 def parse_sse(frame: bytes) -> dict:
-    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
-    assert frame.count(b"\n") == 2
-    return json.loads(frame[len(b"data: ") : -2])
+    assert frame.startswith(b"event: ") and frame.endswith(b"\n\n")
+    assert frame.count(b"\n") == 3
+    event_line, data_line = frame[:-2].split(b"\n")
+    assert data_line.startswith(b"data: ")
+    data = json.loads(data_line[len(b"data: ") :])
+    assert event_line == b"event: " + data["type"].encode()
+    return data
 
 
 def test_sse_delta_round_trips_audio():
@@ -541,14 +593,16 @@ def test_sse_delta_round_trips_audio():
 
 
 def test_sse_done():
-    done = SpeechAudioDone(
-        usage=SpeechUsage(input_characters=5, output_audio_seconds=1.25), finish_reason="stop"
+    usage = SpeechUsage(
+        input_tokens=7, output_tokens=3, total_tokens=10, input_characters=5, output_audio_seconds=1.25
     )
-    event = parse_sse(sse_event(done))
+    event = parse_sse(sse_event(SpeechAudioDone(usage=usage, finish_reason="stop")))
     assert event["type"] == "speech.audio.done"
     assert event["finish_reason"] == "stop"
-    assert event["usage"]["input_characters"] == 5
-    assert event["usage"]["output_audio_seconds"] == 1.25
+    assert event["usage"] == {
+        "input_tokens": 7, "output_tokens": 3, "total_tokens": 10,
+        "input_characters": 5, "output_audio_seconds": 1.25,
+    }  # fmt: skip
 
 
 def test_sse_error_event():

@@ -15,16 +15,22 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from omnistage.serve.app import ServerSettings, create_app
-from omnistage.serve.audio import float_to_s16
+from omnistage.serve.audio import float_to_s16, resample
+from omnistage.serve.protocol import OPENAI_PCM_SAMPLE_RATE
 from omnistage.testing.tone import SAMPLE_RATE, ToneConfig, ToneRequest, tone_samples
 from tests.serve.conftest import run_uvicorn, serve, wait_health
 
 JSON = {"Content-Type": "application/json"}
 
 
-def expected_pcm(text: str, voice: str = "sine", speed: float = 1.0) -> bytes:
-    chunks = tone_samples(ToneRequest(text, voice, speed, 10_000, 0.0))
-    return float_to_s16(np.concatenate(chunks)).tobytes()
+def expected_samples(text: str, voice: str = "sine", speed: float = 1.0) -> np.ndarray:
+    """The tone model's float32 output at its own rate (16 kHz)."""
+    return np.concatenate(tone_samples(ToneRequest(text, voice, speed, 10_000, 0.0)))
+
+
+def expected_pcm(text: str, voice: str = "sine", speed: float = 1.0, rate: int = OPENAI_PCM_SAMPLE_RATE) -> bytes:
+    """What a pcm request returns: s16le at ``rate`` (24 kHz unless ``sample_rate`` is set)."""
+    return float_to_s16(resample(expected_samples(text, voice, speed), SAMPLE_RATE, rate)).tobytes()
 
 
 def speech(server, body: dict, **kwargs) -> httpx.Response:
@@ -58,23 +64,43 @@ def test_voice_in_another_case_reaches_the_model_as_declared(tone_server):
 
 def test_openai_sdk_streaming_equals_non_streaming(tone_server):
     client = openai.OpenAI(base_url=f"{tone_server.base_url}/v1", api_key="unused")
-    whole = client.audio.speech.create(model="tone-test", voice="sine", input="stream me", response_format="pcm")
+    whole = client.audio.speech.create(
+        model="tone-test", voice="sine", input="stream me", response_format="pcm", extra_body={"stream": False}
+    )
+    assert "x-finish-reason" in whole.response.headers  # a whole file: its headers come last
     with client.audio.speech.with_streaming_response.create(
-        model="tone-test", voice="sine", input="stream me", response_format="pcm", extra_body={"stream": True}
-    ) as response:
-        assert response.headers["x-sample-rate"] == str(SAMPLE_RATE)
+        model="tone-test", voice="sine", input="stream me", response_format="pcm"
+    ) as response:  # OpenAI's default: streamed
+        assert response.headers["x-sample-rate"] == str(OPENAI_PCM_SAMPLE_RATE)
+        assert "x-finish-reason" not in response.headers
         streamed = b"".join(response.iter_bytes(chunk_size=333))
     assert streamed == whole.content == expected_pcm("stream me")
 
 
-def test_sse_stream_sends_deltas_then_done(tone_server):
-    response = speech(tone_server, {"input": "sse", "stream_format": "sse"})
-    events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: ")]
-    assert [e["type"] for e in events] == ["speech.audio.delta"] * 3 + ["speech.audio.done"]
-    pcm = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+def sse_events(text: str) -> list[tuple[str, dict]]:
+    """(event line's name, data) of each SSE event in ``text``."""
+    events = []
+    for block in text.split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines() if line)
+        if lines:
+            events.append((lines.get("event"), json.loads(lines["data"])))
+    return events
+
+
+def test_sse_stream_sends_named_deltas_then_done_with_integer_usage(tone_server):
+    response = speech(tone_server, {"input": "sse", "stream_format": "sse", "response_format": "pcm"})
+    events = sse_events(response.text)
+    assert [name for name, _ in events] == [data["type"] for _, data in events]
+    deltas = len(events) - 1  # one per character, plus the resampler's tail (16 -> 24 kHz)
+    assert [name for name, _ in events] == ["speech.audio.delta"] * deltas + ["speech.audio.done"]
+    assert deltas >= 3
+    pcm = b"".join(base64.b64decode(data["audio"]) for _, data in events[:-1])
     assert pcm == expected_pcm("sse")
-    assert events[-1]["finish_reason"] == "stop"
-    assert events[-1]["usage"]["output_audio_seconds"] == pytest.approx(0.15)
+    done = events[-1][1]
+    assert done["finish_reason"] == "stop"
+    assert done["usage"]["output_audio_seconds"] == pytest.approx(0.15)
+    assert done["usage"]["input_tokens"] == 3 and done["usage"]["output_tokens"] == 3
+    assert done["usage"]["total_tokens"] == 6
 
 
 @pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus", "aac"])
@@ -82,9 +108,9 @@ def test_sse_stream_sends_deltas_then_done(tone_server):
 def test_every_format_decodes_to_the_expected_sample_count(tone_server, fmt, stream):
     response = speech(tone_server, {"input": "formats!", "response_format": fmt, "stream": stream})
     assert response.status_code == 200, response.text
-    expected = len(expected_pcm("formats!")) // 2
+    expected = len(expected_samples("formats!"))
     if fmt == "pcm":
-        assert len(response.content) // 2 == expected
+        assert response.content == expected_pcm("formats!")
         return
     count = decoded_samples(response.content)
     if fmt in ("wav", "flac"):
@@ -96,11 +122,13 @@ def test_every_format_decodes_to_the_expected_sample_count(tone_server, fmt, str
 
 
 def test_non_streaming_headers_report_finish_reason_and_counts(tone_server):
-    response = speech(tone_server, {"input": "abcdef", "max_new_tokens": 3, "response_format": "pcm"})
+    body = {"input": "abcdef", "max_new_tokens": 3, "response_format": "pcm", "stream": False}
+    response = speech(tone_server, body)
     assert response.status_code == 200
     assert response.headers["x-finish-reason"] == "length"
     assert response.headers["x-audio-frames"] == "3"
-    assert response.headers["x-sample-rate"] == str(SAMPLE_RATE)
+    assert response.headers["x-input-tokens"] == "6"
+    assert response.headers["x-sample-rate"] == str(OPENAI_PCM_SAMPLE_RATE)
     assert int(response.headers["x-audio-samples"]) == len(response.content) // 2
     assert response.headers["x-request-id"]
 
@@ -314,7 +342,7 @@ def test_server_still_serves_after_fuzzing(tone_server):
 def test_client_disconnect_aborts_a_whole_file_request_behind_auth(auth_server):
     """Auth must not hide disconnects from the route (it is a dependency, not an HTTP
     middleware): a non-streaming request whose client leaves is aborted."""
-    body = {"input": "y" * 60, "delay_s": 0.05, "response_format": "pcm"}
+    body = {"input": "y" * 60, "delay_s": 0.05, "response_format": "pcm", "stream": False}
     headers = {"Authorization": "Bearer sekret"}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{auth_server.base_url}/v1/audio/speech", json=body, headers=headers, timeout=0.5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from omnistage.core.errors import RequestValidationError
 from omnistage.models.piper.modeling import (
     PiperVoiceSpec,
-    length_scale_for_speed,
+    check_speed,
     normalize_text,
     split_sentences,
 )
@@ -35,7 +35,8 @@ def build_piper_request(request: SpeechRequest, spec: PiperVoiceSpec) -> PiperRe
     extra = request.extra_params
     return PiperRequest(
         sentences=sentences,
-        length_scale=length_scale_for_speed(request.speed, spec.length_scale),
+        length_scale=spec.length_scale,
+        speed=check_speed(request.speed),
         noise_scale=extra.get("noise_scale", spec.noise_scale),
         noise_w=extra.get("noise_w", spec.noise_w),
         speaker_id=speaker_id,

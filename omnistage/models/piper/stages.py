@@ -24,6 +24,7 @@ from omnistage.models.piper.modeling import (
     PiperSynthesizer,
     PiperVoiceSpec,
     SynthesisItem,
+    change_speed,
     load_voice_spec,
 )
 from omnistage.models.piper.payload_types import PhonemizedText, PiperRequest
@@ -78,7 +79,8 @@ def create_synthesis_stage(
 @dataclass(frozen=True)
 class OutputCap:
     """Audio seconds a request may produce: ``seconds_per_phoneme`` per phoneme id, scaled
-    by the request's length_scale, at least ``MIN_CAP_S`` and at most ``max_seconds``."""
+    by the request's length_scale and 1 / speed, at least ``MIN_CAP_S`` and at most
+    ``max_seconds``."""
 
     seconds_per_phoneme: float
     max_seconds: float
@@ -87,8 +89,8 @@ class OutputCap:
         if self.seconds_per_phoneme <= 0 or self.max_seconds < MIN_CAP_S:
             raise ValueError(f"need seconds_per_phoneme > 0 and max_seconds >= {MIN_CAP_S}")
 
-    def samples(self, items: list[SynthesisItem], sample_rate: int) -> int:
-        seconds = sum(len(i.phoneme_ids) * i.length_scale for i in items) * self.seconds_per_phoneme
+    def samples(self, items: list[SynthesisItem], sample_rate: int, speed: float = 1.0) -> int:
+        seconds = sum(len(i.phoneme_ids) * i.length_scale for i in items) * self.seconds_per_phoneme / speed
         return int(min(max(MIN_CAP_S, seconds), self.max_seconds) * sample_rate)
 
 
@@ -96,6 +98,7 @@ class OutputCap:
 class _Utterance:
     items: list[SynthesisItem]
     max_samples: int
+    speed: float = 1.0
     next: int = 0
     samples: int = 0
 
@@ -146,7 +149,9 @@ class SentenceScheduler(Scheduler):
         if isinstance(message, StagePayload):
             items: list[SynthesisItem] = []
             if self.run_batch([message.request_id], lambda: items.extend(_items(message.request, message.data))):
-                self.active[message.request_id] = _Utterance(items, self.cap.samples(items, self.sample_rate))
+                speed = message.request.speed
+                cap = self.cap.samples(items, self.sample_rate, speed)
+                self.active[message.request_id] = _Utterance(items, cap, speed)
         elif isinstance(message, Abort):
             if self.active.pop(message.request_id, None) is not None:
                 self.release(message.request_id)
@@ -169,7 +174,7 @@ class SentenceScheduler(Scheduler):
         picked = self._pick()
         ids = [request_id for request_id, _ in picked]
         waves: list[np.ndarray] = []
-        if not self.run_batch(ids, lambda: waves.extend(self.synthesizer.synthesize_batch([i for _, i in picked]))):
+        if not self.run_batch(ids, lambda: waves.extend(self._synthesize(picked))):
             for request_id in ids:
                 self.active.pop(request_id, None)
             return
@@ -182,7 +187,14 @@ class SentenceScheduler(Scheduler):
             capped = utterance.samples >= utterance.max_samples
             if capped or utterance.next == len(utterance.items):
                 del self.active[request_id]
-                result = AudioResult(utterance.samples, self.sample_rate, num_frames=utterance.next)
+                phonemes = sum(len(item.phoneme_ids) for item in utterance.items)
+                result = AudioResult(utterance.samples, self.sample_rate, num_frames=utterance.next, input_tokens=phonemes)
                 self.outbox.result(request_id, result, "length" if capped else "stop")
             else:
                 self.active.move_to_end(request_id)  # round robin: other requests go first
+
+    def _synthesize(self, picked: list[tuple[str, SynthesisItem]]) -> list[np.ndarray]:
+        """One ONNX call for the picked sentences, each then stretched to its request's speed."""
+        waves = self.synthesizer.synthesize_batch([item for _, item in picked])
+        speeds = [self.active[request_id].speed for request_id, _ in picked]
+        return [change_speed(w, self.sample_rate, s) for w, s in zip(waves, speeds, strict=True)]

@@ -6,17 +6,18 @@ served for what it does, and :func:`qwen3_tts_capabilities` declares it to the s
 ==============  =============================  ==========================================
 type            voice                          voice source
 ==============  =============================  ==========================================
-base            omitted or ``"default"``       ``ref_audio`` (required) + ``ref_text``
+base            none (a voice is ignored)      ``ref_audio`` (required) + ``ref_text``
 custom_voice    a speaker (required)           ``talker_config.spk_id``; ``instructions``
                                                optional (1.7B only, see below)
-voice_design    omitted or ``"default"``       ``instructions`` (required)
+voice_design    none (a voice is ignored)      ``instructions`` (required)
 ==============  =============================  ==========================================
 
 ``task_type`` accepts only the checkpoint's own type, spelled as in the qwen-tts API
 (``Base``, ``CustomVoice``, ``VoiceDesign``), so clients written for servers that host all
 three can address this one. The 0.6B CustomVoice model does not take instructions (the
 reference ``qwen-tts`` 0.1.1 drops them silently: ``generate_custom_voice`` sets
-``instruct = None`` for ``0b6``); here ``instructions`` is then an unsupported field (400).
+``instruct = None`` for ``0b6``); here ``instructions`` is then ignored, and named in the
+response's ``X-Ignored-Fields`` header (an OpenAI field this model has no use for).
 
 Languages are ``"auto"`` plus the ``codec_language_id`` keys without ``dialect`` in their
 name (as the reference's ``supported_languages``); dialects are reached through dialect
@@ -50,9 +51,6 @@ whole request still fits under :data:`MAX_NEW_TOKENS_LIMIT` frames when read at 
 normal pace: 2000 Chinese characters at 3.5 characters/s are 571 s (7143 frames); Latin
 text (about 14 characters/s) needs a fraction of that. Longer texts must be split by the
 client instead of being cut off at the frame cap."""
-DEFAULT_VOICE = "default"
-"""The one voice name of Base and VoiceDesign models (their voice comes from ``ref_audio``
-or ``instructions``); OpenAI clients always send a voice, so it has a name."""
 AUTO_LANGUAGE = "auto"
 
 TASK_TYPES: Mapping[ModelType, str] = {
@@ -77,7 +75,9 @@ class Qwen3TTSModelFacts:
         model_type: ``tts_model_type``.
         model_size: ``tts_model_size`` (``"0b6"`` or ``"1b7"``).
         voices: accepted ``voice`` values: the CustomVoice speakers
-            (``talker_config.spk_id`` keys, lower case), else ``("default",)``.
+            (``talker_config.spk_id`` keys, lower case), else none: Base and VoiceDesign
+            take their voice from ``ref_audio`` or ``instructions``, and the server ignores
+            the ``voice`` an OpenAI client always sends (named in ``X-Ignored-Fields``).
         languages: accepted ``language`` values: ``"auto"``, then the
             ``codec_language_id`` keys that are not dialects (lower case).
         codec_eos_id: the talker's end-of-speech code (2150).
@@ -101,7 +101,7 @@ class Qwen3TTSModelFacts:
         return cls(
             model_type=config.tts_model_type,
             model_size=config.tts_model_size,
-            voices=tuple(talker.spk_id) if custom else (DEFAULT_VOICE,),
+            voices=tuple(talker.spk_id) if custom else (),
             languages=(AUTO_LANGUAGE, *(name for name in talker.codec_language_id if "dialect" not in name)),
             codec_eos_id=talker.codec_eos_id,
             codec_vocab_size=talker.decoder.vocab_size,
@@ -128,7 +128,8 @@ def qwen3_tts_capabilities(
     Sampling fields, ``non_streaming_mode`` and ``initial_codec_chunk_frames`` are request
     fields (not ``extra_generation_params``: those carry floats, and these are typed ints
     and bools already in :class:`~omnistage.serve.protocol.SpeechRequest`). ``speed`` is
-    not supported (the model has no duration control).
+    ignored (the model has no duration control; the response names it in
+    ``X-Ignored-Fields``).
     """
     fields = set(_COMMON_FIELDS)
     if facts.model_type == "base":
@@ -140,7 +141,6 @@ def qwen3_tts_capabilities(
         model_type="qwen3_tts",
         supported_fields=frozenset(fields),
         voices=facts.voices,
-        default_voice=None if facts.model_type == "custom_voice" else DEFAULT_VOICE,
         languages=facts.languages,
         task_types=(facts.task_type,),
         sample_rate=SAMPLE_RATE,

