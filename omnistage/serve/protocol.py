@@ -78,12 +78,28 @@ _INT63_MAX = 2**63 - 1
 
 class SpeechReference(BaseModel):
     """One reference clip for voice cloning: ``audio`` (base64, data URI, URL or path, kept
-    as the raw string; resolved by the media layer) and its optional transcript ``text``."""
+    as the raw string; resolved by the media layer; alias ``audio_path``, SGLang-Omni's
+    spelling) and its optional transcript ``text``."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     audio: str = Field(min_length=1)
     text: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _audio_path_alias(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or "audio_path" not in data:
+            return data
+        data = dict(data)
+        path = data.pop("audio_path")
+        if "audio" in data and data["audio"] != path:
+            raise RequestValidationError(
+                "'audio' and its alias 'audio_path' are both set with different values; set only one",
+                param="references",
+            )
+        data["audio"] = path
+        return data
 
 
 class SpeechRequest(BaseModel):

@@ -355,6 +355,12 @@ def test_stream_unset_streams_what_the_model_can_stream():
     rejects("response_format", valid, {"input": "hi", "response_format": "flac", "stream": True})
 
 
+def test_references_audio_path_is_an_alias_of_audio():
+    req = valid({"input": "hi", "references": [{"audio_path": "clip.wav", "text": "t"}]})
+    assert req.references[0].audio == "clip.wav"
+    rejects("references", valid, {"input": "hi", "references": [{"audio_path": "a", "audio": "b"}]})
+
+
 def test_sse_cannot_be_combined_with_stream_false():
     assert valid({"input": "hi", "stream_format": "sse"}).stream is True
     rejects("stream", valid, {"input": "hi", "stream_format": "sse", "stream": False})

@@ -133,9 +133,9 @@ def test_custom_voice_capabilities_list_speakers_and_non_dialect_languages(check
             "initial_codec_chunk_frames", "non_streaming_mode"} <= caps.supported_fields  # fmt: skip
 
 
-def test_base_capabilities_take_reference_audio_and_one_default_voice(checkpoint):
+def test_base_capabilities_take_reference_audio_and_no_named_voice(checkpoint):
     caps = qwen3_tts_capabilities(checkpoint("base"), ("qwen3-tts",))
-    assert caps.voices == ("default",) and caps.default_voice == "default"
+    assert caps.voices == () and caps.default_voice is None
     assert {"ref_audio", "ref_text", "references", "x_vector_only_mode"} <= caps.supported_fields
     assert "instructions" not in caps.supported_fields and caps.task_types == ("Base",)
 
@@ -185,16 +185,15 @@ def test_dialects_are_not_languages_of_their_own(checkpoint):
 
 
 @pytest.mark.parametrize("model_type", ["base", "voice_design"])
-def test_voice_other_than_default_is_refused_without_speakers(checkpoint, model_type):
-    body = {"input": "Hi.", "voice": "vivian", "ref_audio": WAV_2S, "ref_text": "hello there"}
+def test_a_voice_is_ignored_without_speakers(checkpoint, model_type):
+    """OpenAI clients always send one (``alloy``): it means nothing to Base or VoiceDesign."""
+    body = {"input": "Hi.", "voice": "alloy", "ref_audio": WAV_2S, "ref_text": "hello there"}
     if model_type == "voice_design":
-        body = {"input": "Hi.", "voice": "vivian", "instructions": "calm"}
-    rejects("voice", checkpoint(model_type), body)
-
-
-def test_base_accepts_the_default_voice_name(checkpoint):
-    body = {"input": "Hi.", "voice": "default", "ref_audio": WAV_2S, "ref_text": "hello there"}
-    assert build(checkpoint("base"), body).speaker is None
+        body = {"input": "Hi.", "voice": "alloy", "instructions": "calm"}
+    caps = qwen3_tts_capabilities(checkpoint(model_type), ("qwen3-tts",))
+    request = validate_speech_request(parse_speech_request(body, caps), caps)
+    assert request.ignored_fields == ("voice",)
+    assert build(checkpoint(model_type), body).speaker is None
 
 
 def test_task_type_must_be_the_checkpoints_own(checkpoint):
@@ -241,17 +240,24 @@ def test_blank_instructions_are_refused(checkpoint, model_type):
     )
 
 
-def test_instructions_on_base_are_refused(checkpoint):
+def ignored(facts: Qwen3TTSModelFacts, body: dict) -> tuple[str, ...]:
+    caps = qwen3_tts_capabilities(facts, ("qwen3-tts",))
+    request = validate_speech_request(parse_speech_request(body, caps), caps)
+    assert build_qwen3_tts_request(request, facts, INLINE) is not None
+    return request.ignored_fields
+
+
+def test_instructions_on_base_are_ignored_and_named(checkpoint):
     body = {"input": "Hi.", "instructions": "calm", "ref_audio": WAV_2S, "ref_text": "hello there"}
-    rejects("instructions", checkpoint("base"), body)
+    assert ignored(checkpoint("base"), body) == ("instructions",)
+    assert build(checkpoint("base"), body).instructions is None
 
 
-def test_instructions_on_small_custom_voice_are_refused_not_dropped(checkpoint):
-    rejects(
-        "instructions",
-        checkpoint("custom_voice", "0b6"),
-        {"input": "Hi.", "voice": "ryan", "instructions": "whisper"},
-    )
+def test_instructions_on_small_custom_voice_are_named_as_ignored(checkpoint):
+    """The reference drops them silently for 0.6B; here the response says so."""
+    body = {"input": "Hi.", "voice": "ryan", "instructions": "whisper"}
+    assert ignored(checkpoint("custom_voice", "0b6"), body) == ("instructions",)
+    assert build(checkpoint("custom_voice", "0b6"), body).instructions is None
 
 
 def test_instructions_on_large_custom_voice_are_kept(checkpoint):
@@ -274,8 +280,9 @@ def test_reference_audio_without_a_base_model_is_refused(checkpoint, model_type)
     rejects("ref_audio", checkpoint(model_type), body)
 
 
-def test_speed_is_refused(checkpoint):
-    rejects("speed", checkpoint("custom_voice"), {"input": "Hi.", "voice": "ryan", "speed": 1.5})
+def test_speed_is_ignored_and_named(checkpoint):
+    """No duration control: OpenAI's speed cannot apply (named, not silently dropped)."""
+    assert ignored(checkpoint("custom_voice"), {"input": "Hi.", "voice": "ryan", "speed": 1.5}) == ("speed",)
 
 
 # --------------------------------------------------------------------------- generation params
