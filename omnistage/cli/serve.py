@@ -86,6 +86,13 @@ def _media_domains(values: list[str] | None) -> tuple[str, ...]:
     return tuple(values or ())
 
 
+def default_data_dir() -> Path:
+    """``$XDG_DATA_HOME/omnistage``, else ``~/.local/share/omnistage`` (the XDG base
+    directory default): per user, surviving restarts and upgrades."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base) / "omnistage"
+
+
 def _served_names(values: list[str] | None) -> tuple[str, ...]:
     """The ``--served-model-name`` values; exits on a blank one."""
     for value in values or ():
@@ -204,10 +211,21 @@ class ServeArgs:
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1"
     port: Annotated[int, typer.Option(help="Port to listen on.", min=1, max=65535)] = 8000
     api_key: Annotated[
-        str | None,
+        list[str] | None,
         typer.Option(
-            help="Require 'Authorization: Bearer KEY' on /v1/*.",
+            help="Require 'Authorization: Bearer KEY' on /v1/*; repeatable (several keys, "
+            f"each owning the voices it saves; {API_KEY_ENV} may hold several, space separated).",
             envvar=API_KEY_ENV,
+            show_default=False,
+        ),
+    ] = None
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(
+            help="Where saved voices are kept (SQLite database + audio files); "
+            "default $XDG_DATA_HOME/omnistage, else ~/.local/share/omnistage.",
+            file_okay=False,
+            resolve_path=True,
             show_default=False,
         ),
     ] = None
@@ -251,7 +269,8 @@ class ServeArgs:
             self.allowed_local_media_path, _media_domains(self.allowed_media_domain)
         )
         return ServerSettings(
-            api_key=self.api_key or None,
+            api_keys=tuple(key for key in self.api_key or () if key),
+            data_dir=self.data_dir or default_data_dir(),
             media_policy=media,
             warmup=not self.no_warmup,
             playground=not self.no_playground,

@@ -8,6 +8,8 @@ class                          HTTP    meaning
 =============================  ======  ==============================================
 ``RequestValidationError``     400     bad input, detected before any model work
 ``AuthenticationError``        401     missing or wrong API key
+``NotFoundError``              404     no such resource (model, saved voice) for this key
+``ConflictError``              409     the resource exists already (a saved voice's name)
 ``UnsupportedMediaTypeError``  415     a body that is not declared as JSON
 ``PayloadTooLargeError``       413     request body or media above its cap
 ``QueueFullError``             503     admission bound reached; retry later
@@ -78,6 +80,20 @@ class UnsupportedMediaTypeError(RequestValidationError):
     """The request body is not declared as JSON (``Content-Type: application/json``)."""
 
     http_status = 415
+
+
+class NotFoundError(RequestValidationError):
+    """The named resource does not exist, or not for this API key."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+
+class ConflictError(RequestValidationError):
+    """The resource exists already (a saved voice of the same name)."""
+
+    http_status = 409
+    error_type = "conflict_error"
 
 
 class AuthenticationError(OmnistageError):

@@ -20,9 +20,10 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
@@ -39,6 +40,7 @@ from omnistage.core.errors import (
     OmnistageError,
     PipelineUnhealthyError,
     RequestAbortedError,
+    RequestValidationError,
     StageFailureError,
     UnsupportedMediaTypeError,
 )
@@ -66,8 +68,9 @@ from omnistage.serve.protocol import (
     parse_speech_request,
     sse_event,
     validate_speech_request,
-    voices_response,
 )
+from omnistage.serve.voice_library import VoiceLibrary, data_uri, owner_of
+from omnistage.serve.voices_api import install_voice_routes
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,7 +83,8 @@ class ServerSettings:
     """Server policy.
 
     Attributes:
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        api_keys: when any, ``/v1/*`` requires ``Authorization: Bearer <one of them>``;
+            each key owns the voices it saves.
         media_policy: where reference audio may come from, and its caps.
         max_body_bytes: request body cap (413 above it).
         warmup: run the model's warm-up request before reporting ready.
@@ -88,14 +92,17 @@ class ServerSettings:
             both public, the page sends its key to ``/v1`` itself).
         served_model_names: the names requests may give as ``model`` (the first is the id
             in ``/v1/models``), replacing the model's own; empty: the model's own names.
+        data_dir: where saved voices live (:mod:`omnistage.serve.voice_library`); None:
+            no voice library.
     """
 
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)
     max_body_bytes: int = 32 * 1024 * 1024
     warmup: bool = True
     playground: bool = True
     served_model_names: tuple[str, ...] = ()
+    data_dir: Path | None = None
 
 
 class SpeechServer:
@@ -112,6 +119,33 @@ class SpeechServer:
         self.ready = False
         self.start_error: str | None = None
         self.created = int(time.time())
+        self.library = (
+            VoiceLibrary(settings.data_dir)
+            if settings.data_dir is not None and self.capabilities.saved_voices
+            else None
+        )
+
+    def prepare(self, body: bytes | Mapping[str, Any], owner: str) -> tuple[SpeechRequest, Any]:
+        """A speech request body -> (validated request, the model's typed request): parse,
+        resolve a saved voice of ``owner``, validate, build. CPU only (run it in a thread).
+
+        Raises:
+            OmnistageError: 4xx naming the field, before any model work.
+        """
+        speech_request = parse_speech_request(body, self.capabilities)
+        speech_request = self.with_saved_voice(speech_request, owner)
+        speech_request = validate_speech_request(speech_request, self.capabilities)
+        return speech_request, self.model.build_request(speech_request, self.settings.media_policy)
+
+    def with_saved_voice(self, request: SpeechRequest, owner: str) -> SpeechRequest:
+        """``request`` with its ``voice``, when it names one of ``owner``'s saved voices
+        (and no built-in voice), turned into the model's own clone fields."""
+        if self.library is None or request.voice is None or request.voice in self.capabilities.voices:
+            return request
+        voice = self.library.find(owner, request.voice)
+        if voice is None:
+            return request
+        return self.model.with_saved_voice(request, data_uri(voice.mime_type, self.library.audio(voice)), voice.ref_text)
 
     async def start(self) -> None:
         await self.pipeline.start()
@@ -129,6 +163,8 @@ class SpeechServer:
     async def stop(self) -> None:
         self.ready = False
         await self.pipeline.stop()
+        if self.library is not None:
+            self.library.close()
 
     def update_stage_metrics(self) -> None:
         """Sample queue depths of the stages in this process (for a /metrics scrape);
@@ -195,8 +231,13 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(FastAPIValidationError)
     async def validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
-        body = {"error": {"message": str(exc.errors()), "type": "invalid_request_error", "param": None, "code": None}}
-        return JSONResponse(body, status_code=400)
+        """A route's declared parameter (a form field, a path part) is missing or bad: 400
+        naming it, in the envelope."""
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query", "path")]
+        param = ".".join(loc) or None
+        message = f"{param}: {first.get('msg', 'invalid')}" if param else "invalid request"
+        return _error_response(RequestValidationError(message, param=param))
 
 
 def _require_api_key(server: SpeechServer) -> Callable[[Request], None]:
@@ -207,14 +248,26 @@ def _require_api_key(server: SpeechServer) -> Callable[[Request], None]:
     """
 
     def check(request: Request) -> None:
-        key = server.settings.api_key
-        if not key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-            raise AuthenticationError("invalid or missing API key")
+        request.state.owner = key_owner(server.settings.api_keys, request.headers.get("authorization", ""))
 
     return check
+
+
+def key_owner(api_keys: tuple[str, ...], authorization: str) -> str:
+    """The owner id (:func:`~omnistage.serve.voice_library.owner_of`) of an
+    ``Authorization`` header value; ``""`` when the server has no keys.
+
+    Raises:
+        AuthenticationError: keys are set and the header names none of them.
+    """
+    if not api_keys:
+        return owner_of(None)
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip().encode()
+    matches = [key for key in api_keys if secrets.compare_digest(token, key.encode())]
+    if scheme.lower() != "bearer" or not matches:
+        raise AuthenticationError("invalid or missing API key")
+    return owner_of(matches[0])
 
 
 def _install_routes(app: FastAPI, server: SpeechServer) -> None:
@@ -251,9 +304,7 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
             return JSONResponse(body, status_code=status)
         return JSONResponse(model_card(model_id, server.created).model_dump())
 
-    @v1.get("/audio/voices")
-    async def voices() -> JSONResponse:
-        return JSONResponse(voices_response(caps).model_dump(mode="json"))
+    install_voice_routes(v1, server)
 
     @v1.post("/audio/speech")
     async def speech(request: Request) -> Response:
@@ -263,11 +314,7 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
                 raise PipelineUnhealthyError(server.start_error or "the server is starting; see GET /health")
             _require_json(request)
             body = await _read_body(request, server.settings.max_body_bytes)
-            speech_request = await run_in_threadpool(parse_speech_request, body, caps)
-            speech_request = validate_speech_request(speech_request, caps)
-            model_request = await run_in_threadpool(
-                server.model.build_request, speech_request, server.settings.media_policy
-            )
+            speech_request, model_request = await run_in_threadpool(server.prepare, body, request.state.owner)
             handle = server.pipeline.submit(model_request, collect=not speech_request.streaming)
         except OmnistageError as exc:
             server.metrics.request_rejected(exc.http_status)

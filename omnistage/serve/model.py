@@ -62,6 +62,17 @@ class SpeechModelConfig(PipelineConfig):
         here, before model work."""
         raise NotImplementedError
 
+    def with_saved_voice(self, request: SpeechRequest, audio: str, ref_text: str | None) -> SpeechRequest:
+        """``request`` cloning a saved voice: ``audio`` is its clip as a data URI,
+        ``ref_text`` its transcript (None: none was saved). Called only for a model whose
+        capabilities declare ``saved_voices``; the result is validated and built as any
+        request.
+
+        Raises:
+            RequestValidationError: the request also carries its own reference.
+        """
+        raise NotImplementedError
+
     def warmup_request(self) -> SpeechRequest:
         """A small request the server runs once before reporting ready."""
         return SpeechRequest(input="Hello.")

@@ -269,6 +269,8 @@ class SpeechCapabilities(BaseModel):
             not request fields or aliases.
         response_formats: accepted ``response_format`` values (subset of the six).
         stream_response_formats: formats accepted when the request streams.
+        saved_voices: the model clones voices from a clip, so it takes voices saved with
+            ``POST /v1/audio/voices`` (its config implements ``with_saved_voice``).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -286,6 +288,7 @@ class SpeechCapabilities(BaseModel):
     extra_generation_params: dict[str, tuple[float, float]] = Field(default_factory=dict)
     response_formats: frozenset[ResponseFormat] = RESPONSE_FORMATS
     stream_response_formats: frozenset[ResponseFormat] = frozenset({"pcm", "wav"})
+    saved_voices: bool = False
 
     @property
     def model_name(self) -> str:
@@ -680,6 +683,7 @@ class VoicesResponse(BaseModel):
     response_formats: list[str]
     sample_rate: int = Field(description="Hz")
     max_input_chars: int
+    saved_voices: bool = Field(description="POST /v1/audio/voices saves voices for this model")
 
 
 def voices_response(caps: SpeechCapabilities) -> VoicesResponse:
@@ -703,6 +707,7 @@ def voices_response(caps: SpeechCapabilities) -> VoicesResponse:
         response_formats=sorted(caps.response_formats),
         sample_rate=caps.sample_rate,
         max_input_chars=caps.max_input_chars,
+        saved_voices=caps.saved_voices,
     )
 
 

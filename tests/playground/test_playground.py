@@ -64,7 +64,7 @@ def piper_server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def key_server() -> Iterator[RunningServer]:
-    yield from _serve_piper(ServerSettings(api_key=API_KEY, warmup=False))
+    yield from _serve_piper(ServerSettings(api_keys=(API_KEY,), warmup=False))
 
 
 @pytest.fixture(scope="module")
@@ -349,7 +349,7 @@ def test_playground_false_serves_no_page():
 
 def test_playground_assets_are_served_with_their_types():
     config = ModelRegistry.discover().resolve(None)
-    client = TestClient(create_app(config, ServerSettings(api_key="secret")))  # no lifespan
+    client = TestClient(create_app(config, ServerSettings(api_keys=("secret",))))  # no lifespan
     page = client.get("/")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "default-src 'self'" in page.headers["content-security-policy"]

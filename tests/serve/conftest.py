@@ -70,4 +70,4 @@ def tone_server() -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="module")
 def auth_server() -> Iterator[RunningServer]:
-    yield from serve(ServerSettings(api_key="sekret"))
+    yield from serve(ServerSettings(api_keys=("sekret",)))

@@ -504,6 +504,7 @@ def test_voices_response():
         "response_formats": ["pcm", "wav"],
         "sample_rate": 22050,
         "max_input_chars": 4096,
+        "saved_voices": False,
     }  # fmt: skip
     assert voices_response(QWEN).voices == ["joe", "amy"]
 

@@ -148,4 +148,5 @@ def qwen3_tts_capabilities(
         response_formats=RESPONSE_FORMATS,
         stream_response_formats=RESPONSE_FORMATS,
         extra_generation_params={"min_new_tokens": (0, MAX_NEW_TOKENS_LIMIT)},
+        saved_voices=facts.model_type == "base",
     )

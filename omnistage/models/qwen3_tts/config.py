@@ -18,6 +18,7 @@ import soundfile
 import torch
 
 from omnistage.config.pipeline import FactoryConfig, StageConfig
+from omnistage.core.errors import RequestValidationError
 from omnistage.models.qwen3_tts.capabilities import (
     SAMPLE_RATE,
     Qwen3TTSModelFacts,
@@ -85,6 +86,22 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
 
     def build_request(self, request: SpeechRequest, media: MediaPolicy) -> Qwen3TTSRequest:
         return build_qwen3_tts_request(request, self._facts(), media)
+
+    def with_saved_voice(self, request: SpeechRequest, audio: str, ref_text: str | None) -> SpeechRequest:
+        """Base: the saved clip as ``ref_audio``; its transcript as ``ref_text`` (ICL), or
+        without one ``x_vector_only_mode``.
+
+        Raises:
+            RequestValidationError: the request also sends ``ref_audio`` or
+                ``references`` (``param="voice"``).
+        """
+        if request.ref_audio is not None or request.references:
+            raise RequestValidationError(
+                f"voice {request.voice!r} is a saved voice; send it or ref_audio/references, not both",
+                param="voice",
+            )
+        clone = {"ref_audio": audio, "ref_text": ref_text, "x_vector_only_mode": ref_text is None}
+        return request.model_copy(update={**clone, "voice": None})
 
     def warmup_request(self) -> SpeechRequest:
         """A 4-frame request valid for the checkpoint's type (Base: an ICL clone of a 1 s

@@ -248,7 +248,8 @@ def _voice_clone(
         )
     if audio is None:
         raise RequestValidationError(
-            "a Base model clones a voice: send ref_audio (and ref_text, its transcript)",
+            "a Base model clones a voice: send ref_audio (and ref_text, its transcript), or name "
+            "a saved voice as voice (GET /v1/audio/voices lists them)",
             param="ref_audio",
         )
     if text is not None and not text.strip():
