@@ -16,6 +16,7 @@ clean end of the chunked body; SSE: an ``error`` event and never ``speech.audio.
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import logging
 import secrets
@@ -54,6 +55,9 @@ from omnistage.serve.metrics import ServerMetrics
 from omnistage.serve.model import SpeechModelConfig
 from omnistage.serve.playground import mount_playground
 from omnistage.serve.protocol import (
+    BatchItem,
+    BatchResponse,
+    ErrorBody,
     ErrorEvent,
     SpeechAudioDelta,
     SpeechAudioDone,
@@ -65,6 +69,7 @@ from omnistage.serve.protocol import (
     model_list,
     not_found_envelope,
     output_sample_rate,
+    parse_batch,
     parse_speech_request,
     sse_event,
     validate_speech_request,
@@ -308,25 +313,69 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
 
     @v1.post("/audio/speech")
     async def speech(request: Request) -> Response:
-        received = time.perf_counter()
-        try:
-            if not server.ready:
-                raise PipelineUnhealthyError(server.start_error or "the server is starting; see GET /health")
-            _require_json(request)
-            body = await _read_body(request, server.settings.max_body_bytes)
-            speech_request, model_request = await run_in_threadpool(server.prepare, body, request.state.owner)
-            handle = server.pipeline.submit(model_request, collect=not speech_request.streaming)
-        except OmnistageError as exc:
-            server.metrics.request_rejected(exc.http_status)
-            raise
-        server.metrics.request_started()
-        call = _SpeechCall(server, request, speech_request, handle, received)
-        if not speech_request.streaming:
+        call = await _open_call(server, request, time.perf_counter())
+        if not call.speech.streaming:
             return await call.respond_whole()
         return await call.respond_stream()
 
+    @v1.post("/audio/speech/batch")
+    async def speech_batch(request: Request) -> JSONResponse:
+        """Every request of the batch at once (the engine batches them), answered in order,
+        each with its own status; a client that leaves aborts them all."""
+        received = time.perf_counter()
+        _require_json(request)
+        bodies = parse_batch(await _read_body(request, server.settings.max_body_bytes))
+        items = await asyncio.gather(*(_batch_item(server, request, body, received) for body in bodies))
+        data = [item.model_copy(update={"index": i}) for i, item in enumerate(items)]
+        return JSONResponse(BatchResponse(data=data).model_dump(mode="json", exclude_none=True))
 
     app.include_router(v1)
+
+
+async def _open_call(
+    server: SpeechServer, request: Request, received: float, body: Mapping[str, Any] | None = None
+) -> _SpeechCall:
+    """Prepare and admit one speech request: ``body``, else the request's own JSON body
+    (4xx and 503 here, counted in the metrics).
+
+    Raises:
+        OmnistageError: the request is invalid, or the server cannot take it now.
+    """
+    try:
+        if not server.ready:
+            raise PipelineUnhealthyError(server.start_error or "the server is starting; see GET /health")
+        if body is None:
+            _require_json(request)
+            body = await _read_body(request, server.settings.max_body_bytes)
+        speech_request, model_request = await run_in_threadpool(server.prepare, body, request.state.owner)
+        handle = server.pipeline.submit(model_request, collect=not speech_request.streaming)
+    except OmnistageError as exc:
+        server.metrics.request_rejected(exc.http_status)
+        raise
+    server.metrics.request_started()
+    return _SpeechCall(server, request, speech_request, handle, received)
+
+
+async def _batch_item(server: SpeechServer, request: Request, body: dict[str, Any], received: float) -> BatchItem:
+    """One request of a batch, always a whole file: its result or its error, never raised."""
+    try:
+        if body.get("stream") or body.get("stream_format") == "sse":
+            raise RequestValidationError("a batch answers whole files: stream and stream_format sse are not allowed in it", param="stream")
+        call = await _open_call(server, request, received, {**body, "stream": False})
+        whole = await call.whole()
+    except OmnistageError as exc:
+        status, envelope = error_envelope(exc)
+        return BatchItem(index=0, status=status, error=ErrorBody(**envelope["error"]))
+    return BatchItem(
+        index=0,
+        status=200,
+        response_format=call.speech.response_format,
+        sample_rate=call.output_rate,
+        audio=base64.b64encode(whole.data).decode("ascii"),
+        finish_reason=whole.finish_reason,
+        usage=whole.usage,
+        ignored_fields=list(call.speech.ignored_fields),
+    )
 
 
 def _require_json(request: Request) -> None:
@@ -364,6 +413,16 @@ def _audio_of(chunk: StreamChunk) -> np.ndarray:
     return np.asarray(data, dtype=np.float32).reshape(-1)
 
 
+@dataclass(frozen=True)
+class WholeAudio:
+    """A finished request's audio as one file of its ``response_format``."""
+
+    data: bytes
+    finish_reason: str
+    usage: SpeechUsage
+    headers: dict[str, str]
+
+
 class _SpeechCall:
     """One speech request's response, with metrics and abort-on-disconnect."""
 
@@ -380,7 +439,12 @@ class _SpeechCall:
         self._reported = False
 
     # -------------------------------------------------------------- whole file
-    async def respond_whole(self) -> Response:
+    async def whole(self) -> WholeAudio:
+        """Wait for the request's end and encode its audio as one file.
+
+        Raises:
+            OmnistageError: the request failed, or produced no audio (500).
+        """
         try:
             result = await self._watch(self.handle.result())
         except OmnistageError as exc:
@@ -403,7 +467,11 @@ class _SpeechCall:
         self._first_audio()
         self._finished(None, result.finish_reason)
         headers = self._headers(result.outputs, result.finish_reason, len(out))
-        return Response(data, media_type=content_type(fmt), headers=headers)
+        return WholeAudio(data, result.finish_reason, self.usage(result.outputs), headers)
+
+    async def respond_whole(self) -> Response:
+        whole = await self.whole()
+        return Response(whole.data, media_type=content_type(self.speech.response_format), headers=whole.headers)
 
     # -------------------------------------------------------------- streaming
     async def respond_stream(self) -> Response:

@@ -874,3 +874,55 @@ def sse_event(obj: BaseModel | Mapping[str, Any]) -> bytes:
         raise ValueError(f"an SSE event needs a one-line string 'type', got {kind!r}")
     text = json.dumps(payload, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return f"event: {kind}\ndata: {text}\n\n".encode()
+
+
+# --------------------------------------------------------------------------- batch
+
+#: Most requests one ``POST /v1/audio/speech/batch`` may carry.
+MAX_BATCH_REQUESTS = 64
+
+
+def parse_batch(body: bytes | str | Mapping[str, Any]) -> list[dict[str, Any]]:
+    """``{"requests": [speech request, ...]}`` -> the request bodies (each checked later,
+    on its own, as a ``POST /v1/audio/speech`` body).
+
+    Raises:
+        RequestValidationError: not that shape, or 0 or more than
+            :data:`MAX_BATCH_REQUESTS` requests (``param="requests"``).
+    """
+    data = _decode_json_object(body)
+    unknown = set(data) - {"requests"}
+    if unknown:
+        raise RequestValidationError(f"unknown field {sorted(unknown)[0]!r}", param=sorted(unknown)[0])
+    requests = data.get("requests")
+    if not isinstance(requests, list) or not 1 <= len(requests) <= MAX_BATCH_REQUESTS:
+        raise RequestValidationError(
+            f"requests must be a list of 1 to {MAX_BATCH_REQUESTS} speech requests", param="requests"
+        )
+    for i, item in enumerate(requests):
+        if not isinstance(item, Mapping):
+            raise RequestValidationError(f"requests.{i} must be a JSON object", param=f"requests.{i}")
+    return [dict(item) for item in requests]
+
+
+class BatchItem(BaseModel):
+    """One result of a batch, at its request's ``index``: ``status`` 200 with the whole
+    file base64 in ``audio`` (and its format, rate, finish_reason, usage, ignored fields),
+    or the HTTP status the request alone would have got, with its ``error``."""
+
+    index: int
+    status: int
+    response_format: ResponseFormat | None = None
+    sample_rate: int | None = None
+    audio: str | None = None
+    finish_reason: str | None = None
+    usage: SpeechUsage | None = None
+    ignored_fields: list[str] | None = None
+    error: ErrorBody | None = None
+
+
+class BatchResponse(BaseModel):
+    """Body of ``POST /v1/audio/speech/batch``: one item per request, in order."""
+
+    object: Literal["list"] = "list"
+    data: list[BatchItem]

@@ -187,3 +187,46 @@ def test_get_model_by_id_including_a_hugging_face_id(named_server):
     response = httpx.get(f"{named_server.base_url}/v1/models/tts-2")
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "not_found_error" and "tts-1" in response.json()["error"]["message"]
+
+
+# ----------------------------------------------------------------- batch
+def batch(server: RunningServer, requests, **kwargs) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/audio/speech/batch", json={"requests": requests}, timeout=30, **kwargs)
+
+
+def test_batch_results_come_in_order_each_with_its_own_status(tone_server):
+    requests = [
+        {"input": "first", "response_format": "pcm"},
+        {"input": "hi", "voice": "nobody"},
+        {"input": "second", "voice": "square", "response_format": "pcm", "instructions": "x"},
+        {"input": "FAIL"},
+        {"input": "third", "response_format": "wav", "max_new_tokens": 2},
+    ]
+    response = batch(tone_server, requests)
+    assert response.status_code == 200
+    items = response.json()["data"]
+    assert [item["index"] for item in items] == [0, 1, 2, 3, 4]
+    assert [item["status"] for item in items] == [200, 400, 200, 500, 200]
+    assert base64.b64decode(items[0]["audio"]) == expected_pcm("first")
+    assert items[1]["error"]["param"] == "voice" and "audio" not in items[1]
+    assert base64.b64decode(items[2]["audio"]) == expected_pcm("second", "square")
+    assert items[2]["ignored_fields"] == ["instructions"]
+    assert items[3]["error"]["type"] == "stage_failure"
+    assert items[4]["finish_reason"] == "length" and items[4]["sample_rate"] == SAMPLE_RATE
+    assert items[4]["usage"]["output_tokens"] == 2
+    assert_decodes_to_the_text(base64.b64decode(items[4]["audio"]), "wav", "th")
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [({"requests": []}, "requests"), ({"requests": "x"}, "requests"), ({"requests": [1]}, "requests.0"),
+     ({"requests": [{"input": "a"}], "extra": 1}, "extra"), ({"requests": [{"input": "a"}] * 65}, "requests")],
+)
+def test_a_malformed_batch_is_400(tone_server, body, param):
+    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech/batch", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+
+
+def test_batch_items_cannot_stream(tone_server):
+    items = batch(tone_server, [{"input": "a", "stream": True}, {"input": "b", "stream_format": "sse"}]).json()["data"]
+    assert [(item["status"], item["error"]["param"]) for item in items] == [(400, "stream"), (400, "stream")]
