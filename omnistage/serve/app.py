@@ -19,7 +19,6 @@ import asyncio
 import base64
 import functools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
-import torch
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -46,10 +44,15 @@ from omnistage.core.errors import (
     UnsupportedMediaTypeError,
 )
 from omnistage.core.messages import StreamChunk
-from omnistage.core.payloads import AudioResult
 from omnistage.pipeline.coordinator import PipelineResult, RequestHandle
 from omnistage.pipeline.pipeline import Pipeline
-from omnistage.serve.audio import StreamingAudioEncoder, content_type, encode_audio, resample
+from omnistage.serve.audio import (
+    StreamingAudioEncoder,
+    audio_of_chunk,
+    content_type,
+    encode_audio,
+    resample,
+)
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.metrics import ServerMetrics
 from omnistage.serve.model import SpeechModelConfig
@@ -72,9 +75,11 @@ from omnistage.serve.protocol import (
     parse_batch,
     parse_speech_request,
     sse_event,
+    usage_of,
     validate_speech_request,
 )
-from omnistage.serve.voice_library import VoiceLibrary, data_uri, owner_of
+from omnistage.serve.speech_stream import install_speech_stream_route
+from omnistage.serve.voice_library import VoiceLibrary, data_uri, key_owner
 from omnistage.serve.voices_api import install_voice_routes
 
 logger = logging.getLogger(__name__)
@@ -258,23 +263,6 @@ def _require_api_key(server: SpeechServer) -> Callable[[Request], None]:
     return check
 
 
-def key_owner(api_keys: tuple[str, ...], authorization: str) -> str:
-    """The owner id (:func:`~omnistage.serve.voice_library.owner_of`) of an
-    ``Authorization`` header value; ``""`` when the server has no keys.
-
-    Raises:
-        AuthenticationError: keys are set and the header names none of them.
-    """
-    if not api_keys:
-        return owner_of(None)
-    scheme, _, token = authorization.partition(" ")
-    token = token.strip().encode()
-    matches = [key for key in api_keys if secrets.compare_digest(token, key.encode())]
-    if scheme.lower() != "bearer" or not matches:
-        raise AuthenticationError("invalid or missing API key")
-    return owner_of(matches[0])
-
-
 def _install_routes(app: FastAPI, server: SpeechServer) -> None:
     caps = server.capabilities
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(server))])
@@ -310,6 +298,7 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
         return JSONResponse(model_card(model_id, server.created).model_dump())
 
     install_voice_routes(v1, server)
+    install_speech_stream_route(app, server)
 
     @v1.post("/audio/speech")
     async def speech(request: Request) -> Response:
@@ -406,13 +395,6 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _audio_of(chunk: StreamChunk) -> np.ndarray:
-    data = chunk.data
-    if isinstance(data, torch.Tensor):
-        data = data.detach().to("cpu", torch.float32).numpy()
-    return np.asarray(data, dtype=np.float32).reshape(-1)
-
-
 @dataclass(frozen=True)
 class WholeAudio:
     """A finished request's audio as one file of its ``response_format``."""
@@ -450,7 +432,7 @@ class _SpeechCall:
         except OmnistageError as exc:
             self._finished(exc)
             raise
-        audio = [_audio_of(c) for c in result.chunks if c.modality == "audio"]
+        audio = [audio_of_chunk(c) for c in result.chunks if c.modality == "audio"]
         if not audio:
             error = StageFailureError("server", "the model produced no audio")
             self._finished(error)
@@ -492,7 +474,7 @@ class _SpeechCall:
     async def _first_chunk(self, stream: AsyncIterator[StreamChunk]) -> np.ndarray:
         async for chunk in stream:
             if chunk.modality == "audio":
-                return _audio_of(chunk)
+                return audio_of_chunk(chunk)
         await self.handle.result()  # raises the request's error, if any
         raise StageFailureError("server", "the model produced no audio")
 
@@ -500,7 +482,7 @@ class _SpeechCall:
         yield first
         async for chunk in stream:
             if chunk.modality == "audio":
-                yield _audio_of(chunk)
+                yield audio_of_chunk(chunk)
 
     async def _encoded(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
         """The response format's bytes as the chunks arrive, then the encoder's tail (only
@@ -549,17 +531,7 @@ class _SpeechCall:
             self._close(error)
 
     def usage(self, outputs: dict[str, Any]) -> SpeechUsage:
-        """OpenAI's token usage from the terminal stages' :class:`AudioResult` s."""
-        results = [r for r in outputs.values() if isinstance(r, AudioResult)]
-        input_tokens = sum(r.input_tokens for r in results)
-        output_tokens = sum(r.num_frames for r in results)
-        return SpeechUsage(
-            input_tokens=input_tokens,
-            output_tokens=output_tokens,
-            total_tokens=input_tokens + output_tokens,
-            input_characters=len(self.speech.input),
-            output_audio_seconds=self.samples_sent / self.sample_rate,
-        )
+        return usage_of(outputs, len(self.speech.input), self.samples_sent / self.sample_rate)
 
     def _close(self, error: BaseException | None) -> None:
         if not self.handle.finished:  # the client went away mid-stream

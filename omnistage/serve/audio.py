@@ -43,13 +43,16 @@ from typing import Final
 import av
 import numpy as np
 import soxr
+import torch
 
 from omnistage.core.errors import RequestValidationError
+from omnistage.core.messages import StreamChunk
 
 __all__ = [
     "FORMATS",
     "OPUS_SAMPLE_RATE",
     "StreamingAudioEncoder",
+    "audio_of_chunk",
     "content_type",
     "encode_audio",
     "float_to_s16",
@@ -76,6 +79,15 @@ _CONTENT_TYPES: Final = {
     "aac": "audio/aac",
 }
 FORMATS: Final = tuple(_CONTENT_TYPES)
+
+
+def audio_of_chunk(chunk: StreamChunk) -> np.ndarray:
+    """An audio stream chunk's samples: its ``data`` (tensor on any device, or array) as
+    mono float32 ``[N]`` on the CPU."""
+    data = chunk.data
+    if isinstance(data, torch.Tensor):
+        data = data.detach().to("cpu", torch.float32).numpy()
+    return np.asarray(data, dtype=np.float32).reshape(-1)
 
 
 def content_type(fmt: str) -> str:

@@ -43,6 +43,7 @@ from pydantic import (
 )
 
 from omnistage.core.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
+from omnistage.core.payloads import AudioResult
 
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 StreamFormat = Literal["audio", "sse"]
@@ -833,6 +834,21 @@ class SpeechUsage(BaseModel):
     total_tokens: int = Field(ge=0)
     input_characters: int = Field(ge=0)
     output_audio_seconds: float = Field(ge=0.0)
+
+
+def usage_of(outputs: Mapping[str, Any], input_characters: int, output_audio_seconds: float) -> SpeechUsage:
+    """A request's usage from its terminal stages' results (``outputs``, stage ->
+    result): token counts from the :class:`~omnistage.core.payloads.AudioResult` s."""
+    results = [r for r in outputs.values() if isinstance(r, AudioResult)]
+    input_tokens = sum(r.input_tokens for r in results)
+    output_tokens = sum(r.num_frames for r in results)
+    return SpeechUsage(
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        total_tokens=input_tokens + output_tokens,
+        input_characters=input_characters,
+        output_audio_seconds=output_audio_seconds,
+    )
 
 
 class SpeechAudioDone(BaseModel):

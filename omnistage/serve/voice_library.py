@@ -30,9 +30,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from omnistage.core.errors import ConflictError, NotFoundError, RequestValidationError
+from omnistage.core.errors import (
+    AuthenticationError,
+    ConflictError,
+    NotFoundError,
+    RequestValidationError,
+)
 
-__all__ = ["MAX_NAME_CHARS", "SavedVoice", "VoiceLibrary", "data_uri", "owner_of"]
+__all__ = ["MAX_NAME_CHARS", "SavedVoice", "VoiceLibrary", "data_uri", "key_owner", "owner_of"]
 
 MAX_NAME_CHARS = 128
 _SCHEMA = """
@@ -62,6 +67,23 @@ def owner_of(api_key: str | None) -> str:
     """The owner id of requests made with ``api_key``: its SHA-256 (hex), or ``""`` when
     the server has no keys."""
     return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
+
+
+def key_owner(api_keys: tuple[str, ...], authorization: str) -> str:
+    """The owner id (:func:`owner_of`) of an
+    ``Authorization`` header value; ``""`` when the server has no keys.
+
+    Raises:
+        AuthenticationError: keys are set and the header names none of them.
+    """
+    if not api_keys:
+        return owner_of(None)
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip().encode()
+    matches = [key for key in api_keys if secrets.compare_digest(token, key.encode())]
+    if scheme.lower() != "bearer" or not matches:
+        raise AuthenticationError("invalid or missing API key")
+    return owner_of(matches[0])
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import jiwer
 import numpy as np
 import pytest
 import uvicorn
+from websockets.sync.client import connect
 
 from omnistage.bench.asr import PocketSphinxASR
 from omnistage.bench.wer import normalize_for_wer
@@ -137,3 +138,32 @@ def test_instructions_are_ignored_and_named(piper_server):
     audio, response = synthesize(piper_server, "Hello.", instructions="cheerful", **DETERMINISTIC)
     assert response.headers["x-ignored-fields"] == "instructions"
     assert np.array_equal(audio, plain)
+
+
+def stream_text(server, deltas: list[str]) -> tuple[bytes, list[dict]]:
+    """One WebSocket session: config, the deltas, input.done -> (audio, JSON events)."""
+    url = server.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+    audio, events = [], []
+    with connect(url) as ws:
+        ws.send(json.dumps({"type": "session.config", "voice": "joe", "response_format": "pcm", **DETERMINISTIC}))
+        for delta in deltas:
+            ws.send(json.dumps({"type": "input.text", "text": delta}))
+        ws.send(json.dumps({"type": "input.done"}))
+        while not events or events[-1]["type"] not in ("session.done", "error"):
+            message = ws.recv(timeout=60)
+            audio.append(message) if isinstance(message, bytes) else events.append(json.loads(message))
+    return b"".join(audio), events
+
+
+def test_websocket_text_word_by_word_speaks_sentence_by_sentence_as_the_whole_text(piper_server):
+    text = "The quick brown fox jumps over the lazy dog. Is this the right way to the station?"
+    whole, whole_events = stream_text(piper_server, [text])
+    by_word, events = stream_text(piper_server, [w + " " for w in text.split(" ")])
+    assert by_word == whole and len(whole) > 0
+    assert [e["text"] for e in events if e["type"] == "audio.start"] == [
+        "The quick brown fox jumps over the lazy dog.", "Is this the right way to the station?"
+    ]
+    assert events[-1]["type"] == whole_events[-1]["type"] == "session.done"
+    # each sentence is what a speech request of that sentence alone gives (24 kHz pcm)
+    first, _ = synthesize(piper_server, "The quick brown fox jumps over the lazy dog.", **DETERMINISTIC)
+    assert np.abs(np.frombuffer(whole, "<i2")[: len(first)] / 32767 - first).max() < 2e-3

@@ -1,0 +1,376 @@
+"""``WebSocket /v1/audio/speech/stream``: text in as it is written, audio out as it is made.
+
+Protocol (message names as vLLM-Omni's streaming-text handler; docs/speech_api.md):
+
+Client -> server, JSON text messages::
+
+    {"type": "session.config", <speech request fields but input/stream/stream_format>}
+    {"type": "input.text", "text": "<delta>"}      # any number, any split
+    {"type": "input.done"}                          # flush: no more text
+
+Server -> client::
+
+    {"type": "session.started", "session_id", "model", "response_format", "sample_rate"}
+    {"type": "audio.start", "segment_index", "text"}    # before a segment's audio
+    <binary frames: the response_format's bytes>         # all frames of the session form one stream
+    {"type": "audio.done", "segment_index", "finish_reason", "usage"}
+    {"type": "session.done", "segments", "usage"}       # after input.done, once all audio is out
+    {"type": "error", "error": {message, type, param, code}, "segment_index"?}  # then the socket closes
+
+Segments: the text is cut into sentences as it arrives (after ``.!?;`` and their CJK forms
+when whitespace follows, at a newline, or at the last space before
+:data:`SEGMENT_MAX_CHARS`); each sentence becomes one speech request of the session's
+fields, admitted as soon as it is complete, so audio starts before the text is finished.
+The cut depends only on the text, never on how it was split into deltas: the same text
+word by word or at once gives the same segments and, with a seed, the same audio.
+
+Backpressure: at most :data:`MAX_PENDING_SEGMENTS` segments are admitted ahead of the one
+being sent; past that the server stops reading the socket (the client's sends block), and
+a client that stops reading blocks the server's sends, which holds back the next segments;
+each request's stream buffer is capped by the coordinator. A disconnect, an error or the
+end of the session aborts every request of the session it has not finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from starlette.concurrency import run_in_threadpool
+
+from omnistage.core.errors import OmnistageError, RequestAbortedError, RequestValidationError
+from omnistage.pipeline.coordinator import RequestHandle
+from omnistage.serve.audio import StreamingAudioEncoder, audio_of_chunk
+from omnistage.serve.protocol import (
+    ErrorBody,
+    SpeechUsage,
+    error_envelope,
+    output_sample_rate,
+    parse_speech_request,
+    usage_of,
+    validate_speech_request,
+)
+from omnistage.serve.voice_library import key_owner
+
+if TYPE_CHECKING:
+    from omnistage.serve.app import SpeechServer
+
+__all__ = ["MAX_PENDING_SEGMENTS", "SEGMENT_MAX_CHARS", "SentenceSegmenter", "install_speech_stream_route"]
+
+SEGMENT_MAX_CHARS = 400
+"""Longest segment (characters): a sentence longer than this is cut at its last space
+before it, so the first audio of a long sentence is not held back by its end."""
+MAX_PENDING_SEGMENTS = 2
+"""Segments admitted ahead of the one whose audio is being sent."""
+MAX_MESSAGE_CHARS = 64 * 1024
+_BOUNDARY = re.compile(r"[.!?;。！？；](?=\s)|\n")
+_SESSION_FIELDS_REFUSED = frozenset({"input", "text", "stream", "stream_format"})
+
+
+class SentenceSegmenter:
+    """Cuts text arriving in deltas into sentences, the same way however it is split.
+
+    Args:
+        max_chars: longest segment (>= 1).
+    """
+
+    def __init__(self, max_chars: int = SEGMENT_MAX_CHARS) -> None:
+        self.max_chars = max_chars
+        self._buffer = ""
+
+    def push(self, delta: str) -> list[str]:
+        """Add ``delta``; return the segments it completed (stripped, never blank)."""
+        self._buffer += delta
+        segments = []
+        while (cut := self._cut()) is not None:
+            segment, self._buffer = self._buffer[:cut], self._buffer[cut:]
+            segments.append(segment)
+        return [s.strip() for s in segments if s.strip()]
+
+    def flush(self) -> list[str]:
+        """The rest of the text as the last segment(s)."""
+        segments = self.push("")
+        rest, self._buffer = self._buffer.strip(), ""
+        return [*segments, rest] if rest else segments
+
+    def _cut(self) -> int | None:
+        """End of the first complete segment in the buffer, or None (wait for more)."""
+        match = _BOUNDARY.search(self._buffer, 0, self.max_chars + 1)
+        if match is not None and match.end() <= self.max_chars:
+            return match.end()
+        if len(self._buffer) <= self.max_chars:
+            return None
+        space = self._buffer.rfind(" ", 1, self.max_chars)
+        return space if space > 0 else self.max_chars
+
+
+@dataclass
+class _Segment:
+    index: int
+    text: str
+    handle: RequestHandle
+    received: float
+    samples: int = 0
+
+
+@dataclass
+class _Session:
+    """One WebSocket session's state: its fields, segmenter, admitted segments, usage."""
+
+    server: SpeechServer
+    websocket: WebSocket
+    owner: str
+    fields: dict[str, Any]
+    encoder: StreamingAudioEncoder
+    segmenter: SentenceSegmenter
+    session_id: str = field(default_factory=lambda: f"sess_{secrets.token_hex(8)}")
+    pending: asyncio.Queue[_Segment | None] = field(default_factory=asyncio.Queue)
+    room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_PENDING_SEGMENTS + 1))
+    live: dict[str, _Segment] = field(default_factory=dict)
+    usage: list[SpeechUsage] = field(default_factory=list)
+    next_index: int = 0
+
+    async def admit(self, text: str) -> None:
+        """Admit one segment, once fewer than MAX_PENDING_SEGMENTS wait behind the one
+        being sent.
+
+        Raises:
+            _SegmentError: the segment is invalid or the server cannot take it.
+        """
+        await self.room.acquire()
+        received = time.perf_counter()
+        body = {**self.fields, "input": text, "stream": True}
+        try:
+            _, model_request = await run_in_threadpool(self.server.prepare, body, self.owner)
+            handle = self.server.pipeline.submit(model_request)
+        except OmnistageError as exc:
+            self.room.release()
+            self.server.metrics.request_rejected(exc.http_status)
+            raise _SegmentError(self.next_index, exc) from exc
+        self.server.metrics.request_started()
+        segment = _Segment(self.next_index, text, handle, received)
+        self.live[handle.request_id] = segment
+        self.next_index += 1
+        await self.pending.put(segment)
+
+    def finish(self, segment: _Segment, error: OmnistageError | None, finish_reason: str = "stop") -> None:
+        """Count ``segment``'s end in the metrics and forget it (once)."""
+        if self.live.pop(segment.handle.request_id, None) is None:
+            return
+        self.room.release()
+        latency = time.perf_counter() - segment.received
+        audio_s = segment.samples / self.server.capabilities.sample_rate
+        if error is None:
+            self.server.metrics.request_finished(200, finish_reason, latency, audio_s)
+            return
+        reason = "abort" if isinstance(error, RequestAbortedError) else "error"
+        self.server.metrics.request_finished(error.http_status, reason, latency, audio_s)
+
+    def abort_all(self) -> None:
+        """Abort every segment not finished yet (the session ended early)."""
+        for segment in list(self.live.values()):
+            if not segment.handle.finished:
+                self.server.pipeline.abort(segment.handle.request_id)
+            segment.handle.close()
+            self.finish(segment, RequestAbortedError("the session ended"))
+
+
+class _SegmentError(Exception):
+    def __init__(self, index: int, error: OmnistageError) -> None:
+        super().__init__(str(error))
+        self.index, self.error = index, error
+
+
+def install_speech_stream_route(app: FastAPI, server: SpeechServer) -> None:
+    """Add ``/v1/audio/speech/stream`` (authenticated like ``/v1``: ``Authorization:
+    Bearer <key>`` on the upgrade request)."""
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket) -> None:
+        try:
+            owner = key_owner(server.settings.api_keys, websocket.headers.get("authorization", ""))
+        except OmnistageError:
+            await websocket.close(code=1008, reason="invalid or missing API key")
+            return
+        await websocket.accept()
+        await _run_session(server, websocket, owner)
+
+
+async def _run_session(server: SpeechServer, websocket: WebSocket, owner: str) -> None:
+    session: _Session | None = None
+    sender: asyncio.Task | None = None
+    try:
+        session = await _open_session(server, websocket, owner)
+        sender = asyncio.create_task(_send_audio(session))
+        await _read_text(session, sender)
+        await sender
+        await _send_json(websocket, {"type": "session.done", "segments": session.next_index, "usage": _total(session.usage)})
+        await websocket.close()
+    except (WebSocketDisconnect, OSError):
+        pass  # the client left (uvicorn's ClientDisconnected is an OSError): aborted below
+    except _SegmentError as exc:
+        await _send_error(websocket, exc.error, exc.index)
+    except OmnistageError as exc:
+        await _send_error(websocket, exc, None)
+    finally:
+        if sender is not None and not sender.done():
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
+        if session is not None:
+            session.abort_all()
+
+
+async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) -> _Session:
+    """Read ``session.config``, check its fields as a speech request's, announce the session.
+
+    Raises:
+        RequestValidationError: not a config message, or fields a request would fail on.
+    """
+    message = await _receive(websocket)
+    if message.get("type") != "session.config":
+        raise RequestValidationError('the first message must be {"type": "session.config", ...}', param="type")
+    fields = {k: v for k, v in message.items() if k != "type"}
+    refused = sorted(_SESSION_FIELDS_REFUSED & set(fields))
+    if refused:
+        raise RequestValidationError(
+            f"{refused[0]!r} is not a session field: text comes in input.text messages, and a session always streams",
+            param=refused[0],
+        )
+    caps = server.capabilities
+    probe = validate_speech_request(parse_speech_request({**fields, "input": "probe"}, caps), caps)
+    rate = output_sample_rate(probe, caps)
+    session = _Session(
+        server=server,
+        websocket=websocket,
+        owner=owner,
+        fields=fields,
+        encoder=StreamingAudioEncoder(probe.response_format, caps.sample_rate, rate),
+        segmenter=SentenceSegmenter(min(SEGMENT_MAX_CHARS, caps.max_input_chars)),
+    )
+    await _send_json(websocket, {
+        "type": "session.started", "session_id": session.session_id, "model": caps.model_name,
+        "response_format": probe.response_format, "sample_rate": rate,
+    })  # fmt: skip
+    return session
+
+
+async def _read_text(session: _Session, sender: asyncio.Task) -> None:
+    """Admit segments as text arrives, until ``input.done``; a sender that fails first
+    ends the reading (its error is raised by awaiting it)."""
+    while True:
+        message = await _first(_receive(session.websocket), sender)
+        kind = message.get("type")
+        if kind == "input.text":
+            text = message.get("text")
+            if not isinstance(text, str):
+                raise RequestValidationError("input.text needs a string text", param="text")
+            segments = session.segmenter.push(text)
+        elif kind == "input.done":
+            segments = session.segmenter.flush()
+        else:
+            raise RequestValidationError(f"unknown message type {kind!r}; expected input.text or input.done", param="type")
+        for text in segments:
+            await _first(session.admit(text), sender)
+        if kind == "input.done":
+            await session.pending.put(None)
+            return
+
+
+async def _first(awaitable, sender: asyncio.Task):
+    """Await ``awaitable`` unless the sender task ends first (then re-raise its error)."""
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task, sender}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    sender.result()  # raises the sender's error
+    raise RuntimeError("the audio sender ended before the input")
+
+
+async def _send_audio(session: _Session) -> None:
+    """Send each segment's audio in order, then the encoder's tail."""
+    websocket = session.websocket
+    while (segment := await session.pending.get()) is not None:
+        await _send_json(websocket, {"type": "audio.start", "segment_index": segment.index, "text": segment.text})
+        try:
+            async for data in _encoded(session, segment):
+                if data:
+                    await websocket.send_bytes(data)
+            result = await segment.handle.result()
+        except OmnistageError as exc:
+            session.finish(segment, exc)
+            raise _SegmentError(segment.index, exc) from exc
+        seconds = segment.samples / session.server.capabilities.sample_rate
+        usage = usage_of(result.outputs, len(segment.text), seconds)
+        session.usage.append(usage)
+        session.finish(segment, None, result.finish_reason)
+        await _send_json(websocket, {
+            "type": "audio.done", "segment_index": segment.index, "finish_reason": result.finish_reason,
+            "usage": usage.model_dump(),
+        })  # fmt: skip
+    tail = session.encoder.finish()
+    if tail:
+        await websocket.send_bytes(tail)
+
+
+async def _encoded(session: _Session, segment: _Segment) -> AsyncIterator[bytes]:
+    """The encoder's bytes per audio chunk of ``segment`` (maybe b"")."""
+    async for chunk in segment.handle.stream():
+        if chunk.modality == "audio":
+            samples = audio_of_chunk(chunk)
+            segment.samples += len(samples)
+            yield await run_in_threadpool(session.encoder.push, samples)
+
+
+def _total(usages: list[SpeechUsage]) -> dict[str, Any]:
+    keys = ("input_tokens", "output_tokens", "total_tokens", "input_characters", "output_audio_seconds")
+    return {key: sum(getattr(u, key) for u in usages) for key in keys}
+
+
+async def _receive(websocket: WebSocket) -> dict[str, Any]:
+    """The next client message as a JSON object.
+
+    Raises:
+        WebSocketDisconnect: the client left.
+        RequestValidationError: a binary frame, oversized or not a JSON object.
+    """
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    text = message.get("text")
+    if text is None:
+        raise RequestValidationError("messages are JSON text frames", param="type")
+    if len(text) > MAX_MESSAGE_CHARS:
+        raise RequestValidationError(f"a message may have at most {MAX_MESSAGE_CHARS} characters", param="text")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        raise RequestValidationError("a message is not valid JSON", param="type") from None
+    if not isinstance(data, dict):
+        raise RequestValidationError("a message must be a JSON object", param="type")
+    return data
+
+
+async def _send_json(websocket: WebSocket, data: dict[str, Any]) -> None:
+    await websocket.send_text(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
+
+
+async def _send_error(websocket: WebSocket, error: OmnistageError, index: int | None) -> None:
+    """Tell the client why the session ends, then close it (quietly if it is gone)."""
+    _, envelope = error_envelope(error)
+    event: dict[str, Any] = {"type": "error", "error": ErrorBody(**envelope["error"]).model_dump()}
+    if index is not None:
+        event["segment_index"] = index
+    try:
+        await _send_json(websocket, event)
+        await websocket.close(code=1008 if error.http_status < 500 else 1011)
+    except (WebSocketDisconnect, OSError, RuntimeError):
+        pass  # the client is gone already

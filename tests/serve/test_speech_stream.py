@@ -1,0 +1,171 @@
+"""WebSocket /v1/audio/speech/stream against the tone model: text in as deltas, audio out
+per sentence, the same audio however the text is split, backpressure and abort."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.sync.client import ClientConnection, connect
+
+from omnistage.serve.audio import float_to_s16, resample
+from omnistage.serve.speech_stream import MAX_PENDING_SEGMENTS, SentenceSegmenter
+from omnistage.testing.leaks import assert_no_request_state
+from omnistage.testing.tone import SAMPLE_RATE
+from tests.serve.test_server import expected_samples, wait_idle
+
+TEXT = "Hello there. How are you? Fine; thanks!"
+SEGMENTS = ["Hello there.", "How are you?", "Fine;", "thanks!"]
+
+
+def ws_url(server) -> str:
+    return server.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+
+
+@contextmanager
+def session(server, **fields) -> Iterator[ClientConnection]:
+    """A connected session, its config sent and ``session.started`` received."""
+    with connect(ws_url(server)) as ws:
+        ws.send(json.dumps({"type": "session.config", "voice": "sine", "response_format": "pcm", **fields}))
+        started = json.loads(ws.recv(timeout=10))
+        assert started["type"] == "session.started", started
+        assert started["response_format"] == fields.get("response_format", "pcm")
+        yield ws
+
+
+def send_text(ws: ClientConnection, *deltas: str) -> None:
+    for delta in deltas:
+        ws.send(json.dumps({"type": "input.text", "text": delta}))
+
+
+def read_all(ws: ClientConnection) -> tuple[bytes, list[dict]]:
+    """Every message until the session ends -> (binary frames joined, JSON events)."""
+    audio, events = [], []
+    while True:
+        message = ws.recv(timeout=30)
+        if isinstance(message, bytes):
+            audio.append(message)
+            continue
+        events.append(json.loads(message))
+        if events[-1]["type"] in ("session.done", "error"):
+            return b"".join(audio), events
+
+
+def speak(server, deltas: list[str], **fields) -> tuple[bytes, list[dict]]:
+    with session(server, **fields) as ws:
+        send_text(ws, *deltas)
+        ws.send(json.dumps({"type": "input.done"}))
+        return read_all(ws)
+
+
+def expected_stream(segments: list[str]) -> bytes:
+    """The tone model's audio of each segment, one 24 kHz pcm stream across them."""
+    samples = np.concatenate([expected_samples(s) for s in segments])
+    return float_to_s16(resample(samples, SAMPLE_RATE, 24_000)).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("deltas", "segments"),
+    [(["Hi. Bye"], ["Hi.", "Bye"]), (list("Hi. Bye"), ["Hi.", "Bye"]), (["Hi.", " ", "", "Bye."], ["Hi.", "Bye."]),
+     (["one\ntwo"], ["one", "two"]), (["a" * 10 + " " + "b" * 5], ["a" * 10, "b" * 5]), (["   "], [])],
+)
+def test_segmenter_cuts_the_same_however_the_text_is_split(deltas, segments):
+    segmenter = SentenceSegmenter(max_chars=12)
+    out = [s for d in deltas for s in segmenter.push(d)] + segmenter.flush()
+    assert out == segments
+
+
+def test_word_by_word_gives_the_same_audio_as_the_whole_text(tone_server):
+    whole_audio, whole_events = speak(tone_server, [TEXT])
+    words = [w + " " for w in TEXT.split(" ")]
+    word_audio, word_events = speak(tone_server, words)
+    assert word_audio == whole_audio == expected_stream(SEGMENTS)
+    starts = [e["text"] for e in word_events if e["type"] == "audio.start"]
+    assert starts == [e["text"] for e in whole_events if e["type"] == "audio.start"] == SEGMENTS
+    done = word_events[-1]
+    assert done["type"] == "session.done" and done["segments"] == 4
+    assert done["usage"]["input_characters"] == sum(len(s) for s in SEGMENTS)
+    assert done["usage"]["total_tokens"] == 2 * sum(len(s) for s in SEGMENTS)
+    segment_done = [e for e in word_events if e["type"] == "audio.done"]
+    assert [e["segment_index"] for e in segment_done] == [0, 1, 2, 3]
+    assert all(e["finish_reason"] == "stop" for e in segment_done)
+    wait_idle(tone_server)
+
+
+def test_first_audio_arrives_before_the_last_word_is_sent(tone_server):
+    with session(tone_server) as ws:
+        send_text(ws, "First", " sentence.", " ")
+        kinds = []
+        while not kinds or kinds[-1] != "binary":
+            message = ws.recv(timeout=10)
+            kinds.append("binary" if isinstance(message, bytes) else json.loads(message)["type"])
+        assert kinds[0] == "audio.start"
+        send_text(ws, "Last.")
+        ws.send(json.dumps({"type": "input.done"}))
+        _, events = read_all(ws)
+    assert events[-1]["type"] == "session.done" and events[-1]["segments"] == 2
+
+
+def test_disconnect_aborts_the_session_and_leaves_no_state(tone_server):
+    with session(tone_server, delay_s=0.05) as ws:
+        send_text(ws, "x" * 60 + ". ", "y" * 60 + ". ")
+        while not isinstance(ws.recv(timeout=10), bytes):
+            pass
+    wait_idle(tone_server, timeout=5)
+    future = asyncio.run_coroutine_threadsafe(
+        assert_no_request_state(tone_server.speech.pipeline), tone_server.speech.pipeline.coordinator.loop
+    )
+    future.result(timeout=10)
+
+
+def test_a_client_that_does_not_read_holds_back_the_next_segments(tone_server):
+    """Sending many sentences without reading: at most MAX_PENDING_SEGMENTS segments wait
+    behind the one being sent, so the server never runs ahead unbounded."""
+    with session(tone_server, delay_s=0.01) as ws:
+        send_text(ws, *[f"Sentence {i}. " for i in range(12)])
+        coordinator = tone_server.speech.pipeline.coordinator
+        peak, deadline = 0, time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            peak = max(peak, coordinator.in_flight)
+            time.sleep(0.01)
+        assert 1 <= peak <= MAX_PENDING_SEGMENTS + 1
+        ws.send(json.dumps({"type": "input.done"}))
+        _, events = read_all(ws)
+    assert events[-1]["type"] == "session.done" and events[-1]["segments"] == 12
+
+
+@pytest.mark.parametrize(
+    ("config", "param"),
+    [({"voice": "nobody"}, "voice"), ({"input": "hi"}, "input"), ({"stream_format": "sse"}, "stream_format"),
+     ({"bogus": 1}, "bogus")],
+)
+def test_a_bad_session_config_is_an_error_event_then_close(tone_server, config, param):
+    with connect(ws_url(tone_server)) as ws:
+        ws.send(json.dumps({"type": "session.config", **config}))
+        event = json.loads(ws.recv(timeout=10))
+        assert event["type"] == "error" and event["error"]["param"] == param and event["error"]["code"] == 400
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=10)
+        assert closed.value.rcvd.code == 1008
+
+
+def test_a_failing_segment_ends_the_session_with_its_index(tone_server):
+    _, events = speak(tone_server, ["Fine. ", "FAIL. ", "Never."])
+    assert events[-1]["type"] == "error" and events[-1]["segment_index"] == 1
+    assert events[-1]["error"]["type"] == "stage_failure"
+    assert not any(e["type"] == "session.done" for e in events)
+    wait_idle(tone_server)
+
+
+def test_the_stream_needs_the_api_key(auth_server):
+    with pytest.raises(InvalidStatus):
+        connect(ws_url(auth_server))
+    with connect(ws_url(auth_server), additional_headers={"Authorization": "Bearer sekret"}) as ws:
+        ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "session.started"
