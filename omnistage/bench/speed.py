@@ -1,8 +1,13 @@
 """Speed benchmark: latency, time to first audio and throughput of ``/v1/audio/speech``.
 
 An HTTP client (httpx) against any running OpenAI-compatible speech server; it never imports
-the server. For each concurrency level ``c`` it keeps ``c`` requests in flight until
-``num_requests`` have completed, cycling through the samples.
+the server. Two kinds of level, cycling through the samples:
+
+* closed loop, concurrency ``c``: ``c`` requests are kept in flight until ``num_requests``
+  have completed;
+* open loop, rate ``r`` (requests per second): ``num_requests`` requests are sent at
+  Poisson arrival times (exponential gaps of mean ``1/r``, seeded), however many are in
+  flight, as real traffic arrives.
 
 Metrics, per request:
 
@@ -15,6 +20,13 @@ Metrics, per request:
   the header is absent); wav is decoded with soundfile.
 * **RTF** (real-time factor): generation wall time / audio duration = latency / duration;
   below 1 is faster than real time.
+
+* **TTFA decomposition**: an omnistage server sends the request's timeline in the
+  ``X-Timeline`` header (marks in ms after it received the request; see
+  :mod:`omnistage.pipeline.timeline`). A phase is named by the mark that ends it; the
+  last one, ``client``, is the client's TTFA minus the last server mark (the first byte's
+  encoding, the network both ways, the client). Per level the mean of each phase is
+  reported (a request without a mark counts 0 for it), so the phases sum to the mean TTFA.
 
 Per level: TTFA and latency p50/p90/p99 and mean (linear-interpolated percentiles over the
 successful requests), RTF mean and p50, audio throughput (seconds of audio per wall-clock
@@ -60,11 +72,14 @@ __all__ = [
     "request_speech",
     "run_speed",
     "summarize_level",
+    "ttfa_phases",
     "write_speed_json",
 ]
 
 DEFAULT_PCM_SAMPLE_RATE = 24000  # OpenAI's documented rate for response_format="pcm"
 MAX_ERRORS_KEPT = 5
+TIMELINE_HEADER = "X-Timeline"  # omnistage.serve.app.TIMELINE_HEADER (no server import here)
+CLIENT_PHASE = "client"
 
 
 @dataclass(frozen=True)
@@ -109,6 +124,8 @@ class SpeechResult:
     """Outcome of one request; times in ms, ``audio_s`` in seconds (0 on failure).
 
     ``audio`` (float32 mono in [-1, 1] at ``sample_rate`` Hz) is kept only when asked for.
+    ``ttfa_phases_ms``: the decomposition of ``ttfa_ms`` (module docstring), empty when the
+    server sent no timeline.
     """
 
     sample_id: str
@@ -119,6 +136,7 @@ class SpeechResult:
     sample_rate: int = 0
     error: str | None = None
     audio: np.ndarray | None = field(default=None, repr=False, compare=False)
+    ttfa_phases_ms: tuple[tuple[str, float], ...] = ()
 
 
 def _decode(body: bytes, response_format: str, rate_header: str | None) -> tuple[np.ndarray, int]:
@@ -150,6 +168,7 @@ async def request_speech(
                 text = (await r.aread()).decode("utf-8", "replace")[:300]
                 raise RuntimeError(f"HTTP {r.status_code}: {text}")
             chunks = []
+            timeline = r.headers.get(TIMELINE_HEADER)
             async for chunk in r.aiter_bytes():
                 if chunk:
                     first = first if first is not None else time.perf_counter()
@@ -171,7 +190,28 @@ async def request_speech(
         audio_s=audio.size / rate,
         sample_rate=rate,
         audio=audio if keep_audio else None,
+        ttfa_phases_ms=ttfa_phases(timeline, (first - start) * 1e3),
     )
+
+
+def ttfa_phases(header: str | None, ttfa_ms: float) -> tuple[tuple[str, float], ...]:
+    """The decomposition of ``ttfa_ms`` from an ``X-Timeline`` header value (``name=ms;...``,
+    ms after the server received the request): one phase per mark after the first, named
+    by it, then :data:`CLIENT_PHASE`; they sum to ``ttfa_ms``. Empty without a header or
+    with a malformed one."""
+    if not header:
+        return ()
+    try:
+        marks = sorted(
+            ((n, float(ms)) for n, _, ms in (m.partition("=") for m in header.split(";") if m)),
+            key=lambda m: m[1],
+        )
+    except ValueError:
+        return ()
+    phases = [
+        (name, at - before) for (_, before), (name, at) in zip(marks, marks[1:], strict=False)
+    ]
+    return (*phases, (CLIENT_PHASE, ttfa_ms - (marks[-1][1] if marks else 0.0)))
 
 
 def _describe(error: BaseException) -> str:
@@ -216,7 +256,9 @@ class LevelStats:
     """Aggregates of one concurrency level (see the module docstring for each metric).
 
     Attributes:
-        concurrency: requests kept in flight.
+        concurrency: requests kept in flight (closed loop); for an open-loop level the most
+            that were in flight at once.
+        arrival_rate: requests per second of an open-loop level; None for a closed loop.
         num_requests: requests sent (successes + failures).
         num_ok, num_failed: their split.
         wall_s: wall-clock seconds of the level.
@@ -226,6 +268,9 @@ class LevelStats:
         audio_throughput: ``audio_s_total / wall_s`` (audio seconds per second).
         request_throughput: ``num_ok / wall_s`` (requests per second).
         errors: first distinct error messages (at most 5).
+        ttfa_phases_ms: mean ms per TTFA phase over successful requests (module
+            docstring), in timeline order; they sum to ``ttfa_ms.mean``. Empty when the
+            server sent no timelines.
     """
 
     concurrency: int
@@ -240,9 +285,28 @@ class LevelStats:
     audio_throughput: float
     request_throughput: float
     errors: list[str]
+    arrival_rate: float | None = None
+    ttfa_phases_ms: dict[str, float] = field(default_factory=dict)
 
 
-def summarize_level(concurrency: int, results: Sequence[SpeechResult], wall_s: float) -> LevelStats:
+def mean_phases(results: Sequence[SpeechResult]) -> dict[str, float]:
+    """Mean ms per TTFA phase over ``results`` (0 where one lacks a phase), ordered by first
+    appearance; empty unless every result has a decomposition."""
+    if not results or not all(r.ttfa_phases_ms for r in results):
+        return {}
+    totals: dict[str, float] = {}
+    for result in results:
+        for name, ms in result.ttfa_phases_ms:
+            totals[name] = totals.get(name, 0.0) + ms
+    return {name: total / len(results) for name, total in totals.items()}
+
+
+def summarize_level(
+    concurrency: int,
+    results: Sequence[SpeechResult],
+    wall_s: float,
+    arrival_rate: float | None = None,
+) -> LevelStats:
     """Aggregate one level's results measured over ``wall_s`` seconds (> 0)."""
     if wall_s <= 0:
         raise ValueError(f"wall_s must be > 0, got {wall_s}")
@@ -265,6 +329,8 @@ def summarize_level(concurrency: int, results: Sequence[SpeechResult], wall_s: f
         audio_throughput=audio_total / wall_s,
         request_throughput=len(ok) / wall_s,
         errors=errors,
+        arrival_rate=arrival_rate,
+        ttfa_phases_ms=mean_phases(ok),
     )
 
 
@@ -277,9 +343,13 @@ class SpeedOptions:
 
     Attributes:
         target: server, model, voice, key, extra fields, timeout.
-        concurrencies: levels to run, in order (each >= 1).
+        concurrencies: closed-loop levels to run, in order (each >= 1).
+        rates: open-loop levels (requests per second, each > 0), run after the closed
+            loops; at least one level of either kind.
+        arrival_seed: seed of the open loop's Poisson arrival times.
         stream: request ``stream=true`` (audio arrives in chunks).
-        num_requests: requests per level; ``None`` = ``max(len(samples), concurrency)``.
+        num_requests: requests per level; ``None`` = ``max(len(samples), concurrency)``
+            (open loop: ``max(len(samples), 10 x rate)``, about ten seconds of arrivals).
         warmup: unmeasured requests sent one by one before the first level.
         response_format: ``"pcm"`` (default) or ``"wav"`` (non-streaming only).
         show_progress: draw a rich progress bar.
@@ -287,6 +357,8 @@ class SpeedOptions:
 
     target: SpeechTarget
     concurrencies: tuple[int, ...] = (1,)
+    rates: tuple[float, ...] = ()
+    arrival_seed: int = 0
     stream: bool = True
     num_requests: int | None = None
     warmup: int = 1
@@ -294,8 +366,12 @@ class SpeedOptions:
     show_progress: bool = True
 
     def __post_init__(self) -> None:
-        if not self.concurrencies or min(self.concurrencies) < 1:
-            raise ValueError(f"concurrencies must be >= 1, got {self.concurrencies}")
+        if not (self.concurrencies or self.rates) or min(self.concurrencies, default=1) < 1:
+            raise ValueError(
+                f"concurrencies must be >= 1 (or rates given), got {self.concurrencies}"
+            )
+        if any(not (math.isfinite(rate) and rate > 0) for rate in self.rates):
+            raise ValueError(f"rates must be > 0 requests per second, got {self.rates}")
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
         if self.warmup < 0 or self.response_format not in ("pcm", "wav"):
@@ -353,6 +429,42 @@ async def _run_level(
     return summarize_level(concurrency, results, time.perf_counter() - start)
 
 
+async def _run_open_level(
+    client: httpx.AsyncClient,
+    options: SpeedOptions,
+    samples: Sequence[BenchSample],
+    rate: float,
+    progress: Progress,
+) -> LevelStats:
+    total = open_loop_requests(options, samples, rate)
+    task = progress.add_task(f"rate {rate:g}/s", total=total)
+    arrivals = np.cumsum(np.random.default_rng(options.arrival_seed).exponential(1 / rate, total))
+    in_flight = peak = 0
+
+    async def one(index: int, at: float) -> SpeechResult:
+        nonlocal in_flight, peak
+        await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+        in_flight += 1
+        peak = max(peak, in_flight)
+        try:
+            return await request_speech(
+                client, options.target, samples[index % len(samples)],
+                stream=options.stream, response_format=options.response_format,
+            )  # fmt: skip
+        finally:
+            in_flight -= 1
+            progress.advance(task)
+
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(i, float(at)) for i, at in enumerate(arrivals)))
+    return summarize_level(peak, results, time.perf_counter() - start, arrival_rate=rate)
+
+
+def open_loop_requests(options: SpeedOptions, samples: Sequence[BenchSample], rate: float) -> int:
+    """Requests of an open-loop level at ``rate`` (see :class:`SpeedOptions`)."""
+    return options.num_requests or max(len(samples), math.ceil(10 * rate))
+
+
 def make_client(
     target: SpeechTarget, connections: int, transport: httpx.AsyncBaseTransport | None = None
 ) -> httpx.AsyncClient:
@@ -373,7 +485,10 @@ async def run_speed(
     if not samples:
         raise ValueError("no samples to benchmark")
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    async with make_client(options.target, max(options.concurrencies), transport) as client:
+    connections = max(
+        [*options.concurrencies, *(open_loop_requests(options, samples, r) for r in options.rates)]
+    )
+    async with make_client(options.target, connections, transport) as client:
         for index in range(options.warmup):
             warm = await request_speech(
                 client,
@@ -388,6 +503,10 @@ async def run_speed(
             levels = [
                 await _run_level(client, options, samples, c, progress)
                 for c in options.concurrencies
+            ]
+            levels += [
+                await _run_open_level(client, options, samples, rate, progress)
+                for rate in options.rates
             ]
     return SpeedReport(
         base_url=options.target.base_url,
@@ -415,7 +534,7 @@ def print_speed_report(report: SpeedReport, console: Console | None = None) -> N
     mode = "stream" if report.stream else "non-stream"
     table = Table(title=f"TTS speed: {report.base_url} ({mode}, {report.response_format})")
     for name in (
-        "conc",
+        "load",
         "ok/fail",
         "TTFA p50/p90/p99 ms",
         "latency p50/p90/p99 ms",
@@ -428,7 +547,7 @@ def print_speed_report(report: SpeedReport, console: Console | None = None) -> N
     for s in report.levels:
         t, lat = s.ttfa_ms, s.latency_ms
         table.add_row(
-            str(s.concurrency),
+            _load(s),
             f"{s.num_ok}/{s.num_failed}",
             f"{_fmt(t.p50)}/{_fmt(t.p90)}/{_fmt(t.p99)}",
             f"{_fmt(lat.p50)}/{_fmt(lat.p90)}/{_fmt(lat.p99)}",
@@ -438,9 +557,32 @@ def print_speed_report(report: SpeedReport, console: Console | None = None) -> N
             _fmt(s.request_throughput, 2),
         )
     console.print(table)
+    _print_phases(report, console)
     for s in report.levels:
         for error in s.errors:
-            console.print(f"[red]concurrency {s.concurrency}: {error}[/red]")
+            console.print(f"[red]{_load(s)}: {error}[/red]")
+
+
+def _load(level: LevelStats) -> str:
+    """``c=8`` (closed loop) or ``8.0/s peak 12`` (open loop)."""
+    if level.arrival_rate is None:
+        return f"c={level.concurrency}"
+    return f"{level.arrival_rate:g}/s peak {level.concurrency}"
+
+
+def _print_phases(report: SpeedReport, console: Console) -> None:
+    """The mean TTFA decomposition per level (levels with server timelines only)."""
+    levels = [s for s in report.levels if s.ttfa_phases_ms]
+    if not levels:
+        return
+    names = list(dict.fromkeys(name for s in levels for name in s.ttfa_phases_ms))
+    table = Table(title="mean TTFA by phase, ms (each phase named by the mark that ends it)")
+    for name in ("load", *names, "= TTFA mean"):
+        table.add_column(name, justify="right")
+    for s in levels:
+        cells = [_fmt(s.ttfa_phases_ms.get(name, 0.0)) for name in names]
+        table.add_row(_load(s), *cells, _fmt(s.ttfa_ms.mean))
+    console.print(table)
 
 
 def write_speed_json(report: SpeedReport, path: str | Path) -> None:
@@ -449,7 +591,8 @@ def write_speed_json(report: SpeedReport, path: str | Path) -> None:
 
 
 def plot_speed_report(report: SpeedReport, path: str | Path) -> None:
-    """Save a PNG: TTFA/latency percentiles and audio throughput against concurrency.
+    """Save a PNG: TTFA/latency percentiles and audio throughput against concurrency
+    (closed-loop levels).
 
     Raises:
         ImportError: matplotlib is not installed (``pip install matplotlib``).
@@ -458,7 +601,8 @@ def plot_speed_report(report: SpeedReport, path: str | Path) -> None:
         from matplotlib.figure import Figure
     except ImportError as error:
         raise ImportError("plotting needs matplotlib: pip install matplotlib") from error
-    x = [s.concurrency for s in report.levels]
+    closed = [s for s in report.levels if s.arrival_rate is None]
+    x = [s.concurrency for s in closed]
     figure = Figure(figsize=(11, 4))
     left, right = figure.subplots(1, 2)
     for name, pick in (
@@ -467,11 +611,11 @@ def plot_speed_report(report: SpeedReport, path: str | Path) -> None:
         ("latency p50", lambda s: s.latency_ms.p50),
         ("latency p90", lambda s: s.latency_ms.p90),
     ):
-        values = [pick(s) for s in report.levels]
+        values = [pick(s) for s in closed]
         left.plot(x, [math.nan if v is None else v for v in values], marker="o", label=name)
     left.set(xlabel="concurrency", ylabel="ms", title="latency")
     left.legend()
-    right.plot(x, [s.audio_throughput for s in report.levels], marker="o")
+    right.plot(x, [s.audio_throughput for s in closed], marker="o")
     right.set(xlabel="concurrency", ylabel="audio s / wall s", title="audio throughput")
     figure.tight_layout()
     figure.savefig(str(path), format="png")

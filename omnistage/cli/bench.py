@@ -71,10 +71,10 @@ def spread_option_values(args: list[str], names: tuple[str, ...]) -> list[str]:
 
 
 class _SpreadConcurrencyCommand(TyperCommand):
-    """A command whose ``--concurrency`` takes several values (``--concurrency 1 4 16``)."""
+    """A command whose ``--concurrency`` and ``--rate`` take several values (``--concurrency 1 4 16``)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, spread_option_values(args, ("--concurrency",)))
+        return super().parse_args(ctx, spread_option_values(args, ("--concurrency", "--rate")))
 
 
 def parse_extra_fields(items: list[str]) -> dict[str, Any]:
@@ -182,9 +182,18 @@ class SpeedArgs:
     concurrency: Annotated[
         list[int] | None,
         typer.Option(
-            help="Concurrency level(s), run in order: --concurrency 1 4 16, or repeat the flag. "
-            "\\[default: 1]",
+            help="Closed-loop level(s), run in order: --concurrency 1 4 16, or repeat the flag. "
+            "\\[default: 1, unless --rate is given]",
             min=1,
+            show_default=False,
+        ),
+    ] = None
+    rate: Annotated[
+        list[float] | None,
+        typer.Option(
+            help="Open-loop level(s): Poisson arrivals at this many requests per second, run "
+            "after the concurrency levels: --rate 2 5, or repeat the flag.",
+            min=0.001,
             show_default=False,
         ),
     ] = None
@@ -219,7 +228,8 @@ class SpeedArgs:
         _check_writable(self.plot, "--plot")
         return SpeedOptions(
             target,
-            concurrencies=tuple(self.concurrency or (1,)),
+            concurrencies=tuple(self.concurrency or (() if self.rate else (1,))),
+            rates=tuple(self.rate or ()),
             stream=self.stream,
             num_requests=self.num_requests,
             warmup=self.warmup,
@@ -232,7 +242,8 @@ class SpeedArgs:
 @option_group(TargetArgs, "target")
 @option_group(SpeedArgs, "run")
 def speed(*, target: TargetArgs, run: SpeedArgs) -> None:
-    """Time to first audio, latency, RTF and throughput per concurrency level."""
+    """Time to first audio (and its decomposition), latency, RTF and throughput per
+    concurrency level (closed loop) and per arrival rate (open loop)."""
     _check_writable(target.output, "--output")
     options = run.options(target.speech_target())
     report = asyncio.run(run_speed(options, target.samples()))

@@ -4,7 +4,7 @@ Between stages: a :class:`StagePayload` (the request's input to a stage), a
 :class:`StreamChunk` (an item on a streaming edge), :class:`StreamDone` (the end of one
 producer's stream), and :class:`Abort`. Back to the coordinator: :class:`StageResult`
 (a terminal stage's completion), a :class:`StreamChunk` from a terminal stage (output for
-the client) and :class:`StageFailed`.
+the client), :class:`StageFailed` and :class:`StageMark` (a point of a request's timeline).
 
 Stream chunks and stream-done may arrive at a stage BEFORE its payload (they travel on a
 different edge); see ``StageConfig.can_accept_stream_before_payload``.
@@ -102,5 +102,17 @@ class StageDead:
     request_id: str = ""  # no request: the whole pipeline is affected
 
 
+@dataclass(frozen=True, slots=True)
+class StageMark:
+    """A point of a request's timeline, reached at ``stage``: ``mark`` (e.g.
+    ``"first_output"``, ``"prefill"``) at ``at``, ``time.monotonic()`` seconds (one clock for
+    every process of the host: Linux ``CLOCK_MONOTONIC``)."""
+
+    request_id: str
+    stage: str
+    mark: str
+    at: float
+
+
 StageInput = StagePayload | StreamChunk | StreamDone | Abort
-CoordinatorEvent = StageResult | StreamChunk | StageFailed | StageDead
+CoordinatorEvent = StageResult | StreamChunk | StageFailed | StageDead | StageMark

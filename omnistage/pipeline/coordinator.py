@@ -13,6 +13,7 @@ Thread model: every public method runs on the loop; stage threads hand events ov
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,7 @@ from omnistage.core.messages import (
     CoordinatorEvent,
     StageDead,
     StageFailed,
+    StageMark,
     StagePayload,
     StageResult,
     StreamChunk,
@@ -41,6 +43,7 @@ from omnistage.core.messages import (
 from omnistage.core.request import FINISH_SEVERITY, FinishReason, new_request_id
 from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.relay import RelayError
+from omnistage.pipeline.timeline import ADMITTED, RECEIVED, Timeline
 from omnistage.pipeline.topology import Topology
 
 
@@ -72,13 +75,15 @@ class RequestHandle:
     Queued chunks count against the coordinator's global stream byte cap until the client
     takes them (:meth:`stream`, :meth:`result`) or drops them (:meth:`close`); a handle
     made with ``collect=True`` (a client that wants the whole output at the end) is not
-    subject to the cap.
+    subject to the cap. ``timeline`` collects the request's marks
+    (:mod:`omnistage.pipeline.timeline`) as the stages report them.
     """
 
     request_id: str
     terminals: frozenset[str]
     _release_bytes: Callable[[int], None]
     collect: bool = False
+    timeline: Timeline = field(default_factory=Timeline)
     _queue: asyncio.Queue[tuple[StreamChunk, int] | None] = field(default_factory=asyncio.Queue)
     _done: asyncio.Event = field(default_factory=asyncio.Event)
     _outputs: dict[str, Any] = field(default_factory=dict)
@@ -171,10 +176,18 @@ class Coordinator:
         return len(self.requests)
 
     def submit(
-        self, request: Any, request_id: str | None = None, timeout_s: float | None = None, *, collect: bool = False
+        self,
+        request: Any,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        *,
+        collect: bool = False,
+        received_at: float | None = None,
     ) -> RequestHandle:
         """Admit ``request`` and start it at the entry stage. ``collect``: the client takes
         the output at the end (:meth:`RequestHandle.result`), not as a stream.
+        ``received_at``: ``time.monotonic()`` when the request was received (the origin of
+        its timeline; None: now).
 
         Raises:
             PipelineUnhealthyError: a stage process died.
@@ -193,6 +206,9 @@ class Coordinator:
             raise RequestValidationError(f"request id {request_id!r} is in use", "request_id")
         terminals = self.topology.terminal_set(request)
         handle = RequestHandle(request_id, terminals, self._release_bytes, collect)
+        now = time.monotonic()
+        handle.timeline.add(RECEIVED, now if received_at is None else received_at)
+        handle.timeline.add(ADMITTED, now)
         self.requests[request_id] = handle
         timeout_s = timeout_s if timeout_s is not None else self.request_timeout_s
         if timeout_s is not None:
@@ -220,7 +236,9 @@ class Coordinator:
         handle = self.requests.get(event.request_id)
         if handle is None:
             return  # the request already ended: a late event
-        if isinstance(event, StreamChunk):
+        if isinstance(event, StageMark):
+            handle.timeline.add(f"{event.stage}.{event.mark}", event.at)
+        elif isinstance(event, StreamChunk):
             self._enqueue(handle, event)
         elif isinstance(event, StageResult):
             if event.stage not in handle.terminals:

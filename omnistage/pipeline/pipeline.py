@@ -190,12 +190,21 @@ class Pipeline:
 
     # ------------------------------------------------------------------ requests
     def submit(
-        self, request: Any, request_id: str | None = None, timeout_s: float | None = None, *, collect: bool = False
+        self,
+        request: Any,
+        request_id: str | None = None,
+        timeout_s: float | None = None,
+        *,
+        collect: bool = False,
+        received_at: float | None = None,
     ) -> RequestHandle:
-        """Admit a request (see :meth:`Coordinator.submit` for ``collect`` and the errors)."""
+        """Admit a request (see :meth:`Coordinator.submit` for ``collect``, ``received_at``
+        and the errors)."""
         if self.coordinator is None:
             raise PipelineUnhealthyError("the pipeline is not started")
-        return self.coordinator.submit(request, request_id, timeout_s, collect=collect)
+        return self.coordinator.submit(
+            request, request_id, timeout_s, collect=collect, received_at=received_at
+        )
 
     def abort(self, request_id: str) -> None:
         """Abort a request everywhere; idempotent."""

@@ -6,12 +6,15 @@ and stream-done (counted over the stage's stream sources, forwarded once); abort
 messages. Outbound (the scheduler's :class:`~omnistage.scheduling.base.StageOutbox`, any
 thread): stream-done to the active stream targets before the payload goes on, routing
 via ``route_fn``, completions and stream output of terminal stages to the coordinator,
-failures to the coordinator as typed errors.
+failures to the coordinator as typed errors; timeline marks (a request's first stream
+item and its result at this stage, and the scheduler's own, :meth:`StageRuntime.mark`) to
+the coordinator (:mod:`omnistage.pipeline.timeline`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -23,6 +26,7 @@ from omnistage.core.messages import (
     StageDead,
     StageFailed,
     StageInput,
+    StageMark,
     StagePayload,
     StageResult,
     StreamChunk,
@@ -32,6 +36,7 @@ from omnistage.core.request import FinishReason
 from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.relay import RelayError
+from omnistage.pipeline.timeline import FIRST_OUTPUT, RESULT
 from omnistage.pipeline.topology import Topology
 from omnistage.scheduling.base import Scheduler
 
@@ -74,6 +79,7 @@ class _Active:
     stream_targets: list[str]
     payload: StagePayload | None = None
     announced: set[str] = field(default_factory=set)  # stream targets that got `request`
+    streamed: bool = False  # its first stream item went out (timeline mark sent)
 
 
 def describe_failure(stage: str, error: BaseException) -> OmnistageError:
@@ -195,6 +201,7 @@ class StageRuntime:
                 error = StageFailureError(self.name, "produced a result for a request without payload")
                 events.append(StageFailed(request_id, self.name, error))
             else:
+                events.append(StageMark(request_id, self.name, RESULT, time.monotonic()))
                 outgoing = [(t, StreamDone(request_id, self.name)) for t in active.stream_targets]
                 payload = StagePayload(request_id, active.request, data)
                 if self.config.terminal:
@@ -219,6 +226,9 @@ class StageRuntime:
             active = self._active.get(request_id)
             if active is None:
                 return  # ended (or failed) meanwhile
+            if not active.streamed:
+                active.streamed = True
+                events.append(StageMark(request_id, self.name, FIRST_OUTPUT, time.monotonic()))
             if self.config.terminal:
                 events.append(StreamChunk(request_id, self.name, data, modality, dict(metadata or {})))
             for target in active.stream_targets:
@@ -227,6 +237,14 @@ class StageRuntime:
                 request = active.request if first else None
                 outgoing.append((target, StreamChunk(request_id, self.name, data, modality, dict(metadata or {}), request)))
         self._emit(request_id, outgoing, events)
+
+    def mark(self, request_id: str, name: str) -> None:
+        """A point of the request's timeline at this stage (``<stage>.<name>``), now."""
+        at = time.monotonic()
+        with self._lock:
+            if request_id not in self._active:
+                return
+        self._emit(request_id, [], [StageMark(request_id, self.name, name, at)])
 
     def fail(self, request_id: str, error: BaseException) -> None:
         with self._lock:

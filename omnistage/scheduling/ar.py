@@ -33,6 +33,9 @@ start once the first chunks arrived, before the payload). A request whose result
 ready before its payload arrived keeps the result until it does (the stage runtime
 routes a result with its payload). Chunks and stream-done of a request that ended are
 dropped.
+
+Timeline: the stage marks ``prefill`` when a request's prefill is launched (its wait for
+admission ends there).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ from omnistage.core.tombstones import Tombstones
 from omnistage.engine.engine import AREngine, StepOutput
 from omnistage.engine.sequence import GenerationInput, GenerationResult
 from omnistage.scheduling.base import Scheduler
+
+PREFILL_MARK = "prefill"  # timeline: the request's prefill is launched
 
 
 def payload_data(payload: StagePayload) -> GenerationInput:
@@ -245,6 +250,9 @@ class ARScheduler(Scheduler):
         plan = self.engine.schedule()
         if not plan.request_ids:
             return
+        if plan.batch is not None and plan.batch.kind == "prefill":
+            for seq in plan.batch.seqs:
+                self.outbox.mark(seq.request_id, PREFILL_MARK)
         outputs = []
         if not self.run_batch(plan.request_ids, lambda: outputs.extend(self.engine.execute(plan))):
             return

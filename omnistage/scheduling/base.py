@@ -43,6 +43,10 @@ class StageOutbox(Protocol):
     ) -> None:
         """One stream chunk to this stage's stream targets (or to the client, if terminal)."""
 
+    def mark(self, request_id: str, name: str) -> None:
+        """A point of the request's timeline (e.g. ``"prefill"``), now
+        (:mod:`omnistage.pipeline.timeline`)."""
+
     def fail(self, request_id: str, error: BaseException) -> None:
         """The request failed here; the coordinator fails it and aborts it everywhere."""
 

@@ -11,6 +11,11 @@ client disconnect aborts the request in the pipeline.
 Streaming: headers go out only once the first audio chunk exists, so a failure before it
 is a JSON error with its status; a failure after it truncates the stream (raw audio: no
 clean end of the chunked body; SSE: an ``error`` event and never ``speech.audio.done``).
+
+Timeline: every speech response carries ``X-Timeline`` (the request's marks so far, ms
+after receipt); at the first audio byte the phases of the time to first audio go to the
+``omnistage_request_phase_seconds`` histograms and to a DEBUG log line
+(:mod:`omnistage.pipeline.timeline`).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from omnistage.core.errors import (
 from omnistage.core.messages import StreamChunk
 from omnistage.pipeline.coordinator import PipelineResult, RequestHandle
 from omnistage.pipeline.pipeline import Pipeline
+from omnistage.pipeline.timeline import FIRST_BYTE
 from omnistage.serve.audio import (
     StreamingAudioEncoder,
     audio_of_chunk,
@@ -86,6 +92,9 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 DISCONNECT_POLL_S = 0.25
+#: Response header with the request's timeline so far (``name=ms;...`` after receipt; see
+#: :mod:`omnistage.pipeline.timeline`): a client can decompose its TTFA.
+TIMELINE_HEADER = "X-Timeline"
 
 
 @dataclass(frozen=True)
@@ -302,7 +311,7 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
 
     @v1.post("/audio/speech")
     async def speech(request: Request) -> Response:
-        call = await _open_call(server, request, time.perf_counter())
+        call = await _open_call(server, request, time.monotonic())
         if not call.speech.streaming:
             return await call.respond_whole()
         return await call.respond_stream()
@@ -311,7 +320,7 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
     async def speech_batch(request: Request) -> JSONResponse:
         """Every request of the batch at once (the engine batches them), answered in order,
         each with its own status; a client that leaves aborts them all."""
-        received = time.perf_counter()
+        received = time.monotonic()
         _require_json(request)
         bodies = parse_batch(await _read_body(request, server.settings.max_body_bytes))
         items = await asyncio.gather(*(_batch_item(server, request, body, received) for body in bodies))
@@ -337,7 +346,7 @@ async def _open_call(
             _require_json(request)
             body = await _read_body(request, server.settings.max_body_bytes)
         speech_request, model_request = await run_in_threadpool(server.prepare, body, request.state.owner)
-        handle = server.pipeline.submit(model_request, collect=not speech_request.streaming)
+        handle = server.pipeline.submit(model_request, collect=not speech_request.streaming, received_at=received)
     except OmnistageError as exc:
         server.metrics.request_rejected(exc.http_status)
         raise
@@ -467,7 +476,11 @@ class _SpeechCall:
             body, media_type = self._sse(first, stream), "text/event-stream"
         else:
             body, media_type = self._raw(first, stream), content_type(self.speech.response_format)
-        headers = {"X-Request-Id": self.handle.request_id, "X-Sample-Rate": str(self.output_rate)}
+        headers = {
+            "X-Request-Id": self.handle.request_id,
+            "X-Sample-Rate": str(self.output_rate),
+            TIMELINE_HEADER: self.handle.timeline.header(),
+        }
         headers.update(self._ignored_header())
         return StreamingResponse(body, media_type=media_type, headers=headers)
 
@@ -555,14 +568,24 @@ class _SpeechCall:
 
     def _first_audio(self) -> None:
         if self.first_audio_at is None:
-            self.first_audio_at = time.perf_counter()
+            self.first_audio_at = time.monotonic()
             self.server.metrics.first_audio(self.first_audio_at - self.received)
+            timeline = self.handle.timeline
+            timeline.add(FIRST_BYTE, self.first_audio_at)
+            phases = timeline.phases(FIRST_BYTE)
+            self.server.metrics.first_audio_phases(phases)
+            if logger.isEnabledFor(logging.DEBUG):
+                steps = " ".join(f"{name}=+{seconds * 1e3:.1f}" for name, seconds in phases)
+                ttfa_ms = (self.first_audio_at - self.received) * 1e3
+                logger.debug(
+                    "request %s: TTFA %.1f ms = %s (ms)", self.handle.request_id, ttfa_ms, steps
+                )
 
     def _finished(self, error: BaseException | None, finish_reason: str = "stop") -> None:
         if self._reported:
             return
         self._reported = True
-        latency = time.perf_counter() - self.received
+        latency = time.monotonic() - self.received
         audio_s = self.samples_sent / self.sample_rate
         if error is None:
             self.server.metrics.request_finished(200, finish_reason, latency, audio_s)
@@ -584,6 +607,7 @@ class _SpeechCall:
             "X-Audio-Samples": str(samples_out),
             "X-Audio-Frames": str(usage.output_tokens),
             "X-Input-Tokens": str(usage.input_tokens),
+            TIMELINE_HEADER: self.handle.timeline.header(),
         }
         headers.update(self._ignored_header())
         return headers

@@ -9,6 +9,7 @@ name                                              kind       labels
 ================================================  =========  ===========================
 ``omnistage_requests_total``                      counter    ``status``, ``finish_reason``
 ``omnistage_time_to_first_audio_seconds``         histogram
+``omnistage_request_phase_seconds``               histogram  ``phase``
 ``omnistage_request_latency_seconds``             histogram
 ``omnistage_real_time_factor``                    histogram
 ``omnistage_requests_in_flight``                  gauge
@@ -16,6 +17,10 @@ name                                              kind       labels
 ``omnistage_stage_queue_depth``                   gauge      ``stage``
 ``omnistage_stage_batch_size``                    histogram  ``stage``
 ================================================  =========  ===========================
+
+The phases decompose each time to first audio: one observation per phase of a request's
+timeline up to its first byte (:mod:`omnistage.pipeline.timeline`; a phase is named by the
+mark that ends it), so per request they sum to its TTFA.
 
 The real-time factor is processing time over produced audio time (``latency_s / audio_s``):
 below 1 means faster than real time.
@@ -38,6 +43,11 @@ from prometheus_client import (
 TTFA_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
     0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+)  # fmt: skip
+#: Phase buckets, seconds: 0.1 ms .. 10 s.
+PHASE_BUCKETS = (
+    0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1,
+    0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
 #: End-to-end latency buckets, seconds: 10 ms .. 10 min (long syntheses).
 LATENCY_BUCKETS = (
@@ -76,6 +86,11 @@ class ServerMetrics:
             "Seconds from admission to the first audio chunk.",
             buckets=TTFA_BUCKETS, registry=r,
         )  # fmt: skip
+        self._phase = Histogram(
+            "omnistage_request_phase_seconds",
+            "Seconds of one phase of the time to first audio (named by the mark that ends it).",
+            ["phase"], buckets=PHASE_BUCKETS, registry=r,
+        )  # fmt: skip
         self._latency = Histogram(
             "omnistage_request_latency_seconds",
             "Seconds from admission to the end of the request.",
@@ -109,6 +124,17 @@ class ServerMetrics:
         """Record the time to first audio, seconds (>= 0). Raises ValueError otherwise."""
         _check_non_negative("ttfa_s", ttfa_s)
         self._ttfa.observe(ttfa_s)
+
+    def first_audio_phases(self, phases: list[tuple[str, float]]) -> None:
+        """Record the phases ``(name, seconds >= 0)`` of one request's time to first audio.
+
+        Raises:
+            ValueError: a negative or non-finite duration (nothing recorded).
+        """
+        for name, seconds in phases:
+            _check_non_negative(f"phase {name}", seconds)
+        for name, seconds in phases:
+            self._phase.labels(name).observe(seconds)
 
     def request_finished(
         self, status: int, finish_reason: str | None, latency_s: float, audio_s: float = 0.0

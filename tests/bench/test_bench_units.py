@@ -7,6 +7,7 @@ import asyncio
 import io
 import json
 import sys
+import time
 
 import httpx
 import jiwer
@@ -31,6 +32,7 @@ from omnistage.bench.speed import (
     request_speech,
     run_speed,
     summarize_level,
+    ttfa_phases,
     write_speed_json,
 )
 from omnistage.bench.wer import (
@@ -452,3 +454,69 @@ def test_normalizer_joins_meridiem_letters_as_an_asr_writes_them():
     assert normalize_for_wer("Gate B12 at 6:45 p.m.") == normalize_for_wer("gate b twelve at six forty five pm")
     assert normalize_for_wer("nine thirty a m") == "nine thirty am"
     assert normalize_for_wer("a map") == "a map"
+
+
+def test_ttfa_phases_from_a_timeline_header_sum_to_the_ttfa():
+    phases = ttfa_phases(
+        "received=0.00;admitted=1.50;engine.prefill=4.00;vocoder.first_output=9.25", 12.0
+    )
+    assert [name for name, _ in phases] == [
+        "admitted",
+        "engine.prefill",
+        "vocoder.first_output",
+        "client",
+    ]
+    assert [ms for _, ms in phases] == pytest.approx([1.5, 2.5, 5.25, 2.75])
+    assert sum(ms for _, ms in phases) == pytest.approx(12.0)
+    assert ttfa_phases(None, 5.0) == ()
+    assert ttfa_phases("received=zero", 5.0) == ()
+
+
+def _timed_server(arrivals: list[float]):
+    """A fake endpoint that records arrival times and sends a timeline header."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        arrivals.append(time.perf_counter())
+        headers = {
+            "X-Sample-Rate": str(RATE),
+            "X-Timeline": "received=0.00;admitted=0.50;vocoder.first_output=2.00",
+        }
+        return httpx.Response(200, content=_pcm(0.1), headers=headers)
+
+    return httpx.MockTransport(handle)
+
+
+def test_open_loop_sends_poisson_arrivals_at_the_rate_and_decomposes_ttfa():
+    """An open-loop level at 200 requests/s: 40 requests whose gaps are exponential with
+    mean 1/200 s (the seeded draw, checked against the arrival times within the event
+    loop's slack), reported with its rate, and a TTFA decomposition that sums to the mean."""
+    arrivals: list[float] = []
+    options = SpeedOptions(
+        SpeechTarget("http://h"),
+        concurrencies=(),
+        rates=(200.0,),
+        num_requests=40,
+        warmup=0,
+        show_progress=False,
+    )
+    report = asyncio.run(
+        run_speed(options, [BenchSample("a", "hi")], transport=_timed_server(arrivals))
+    )
+    (level,) = report.levels
+    assert level.arrival_rate == 200.0 and level.num_ok == 40
+    planned = np.cumsum(np.random.default_rng(0).exponential(1 / 200.0, 40))
+    sent = np.asarray(sorted(arrivals)) - min(arrivals)
+    assert np.abs(sent - (planned - planned[0])).max() < 0.05
+    assert list(level.ttfa_phases_ms) == ["admitted", "vocoder.first_output", "client"]
+    assert sum(level.ttfa_phases_ms.values()) == pytest.approx(level.ttfa_ms.mean)
+    console = Console(file=io.StringIO(), width=200)
+    print_speed_report(report, console)
+    assert (
+        "200/s peak" in console.file.getvalue() and "mean TTFA by phase" in console.file.getvalue()
+    )
+
+
+@pytest.mark.parametrize("rates", [(0.0,), (-1.0,), (float("nan"),)])
+def test_bad_arrival_rates_are_refused(rates):
+    with pytest.raises(ValueError, match="rates"):
+        SpeedOptions(SpeechTarget("http://h"), concurrencies=(), rates=rates)

@@ -31,6 +31,7 @@ def test_render_content_type_and_prefix():
     assert {name for name in names if not name.endswith("_created")} == {
         "omnistage_requests_total",
         "omnistage_time_to_first_audio_seconds",
+        "omnistage_request_phase_seconds",
         "omnistage_request_latency_seconds",
         "omnistage_real_time_factor",
         "omnistage_requests_in_flight",
@@ -129,3 +130,14 @@ def test_bad_observations_raise_and_record_nothing(call):
     with pytest.raises(ValueError):
         call(m)
     assert samples(m) == before
+
+
+def test_first_audio_phases_are_observed_per_phase_and_bad_ones_refused():
+    m = ServerMetrics()
+    m.first_audio_phases([("admitted", 0.001), ("vocoder.first_output", 0.02)])
+    exposed = samples(m)
+    assert exposed[("omnistage_request_phase_seconds_sum", (("phase", "admitted"),))] == pytest.approx(0.001)
+    assert exposed[("omnistage_request_phase_seconds_count", (("phase", "vocoder.first_output"),))] == 1
+    with pytest.raises(ValueError, match="phase first_byte"):
+        m.first_audio_phases([("admitted", 0.001), ("first_byte", -1.0)])
+    assert samples(m)[("omnistage_request_phase_seconds_count", (("phase", "admitted"),))] == 1

@@ -37,6 +37,7 @@ from omnistage.models.qwen3_tts.modeling.generate import TalkerSampling, generat
 from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
 from omnistage.models.qwen3_tts.modeling.weights import load_checkpoint
+from omnistage.pipeline.timeline import parse_header
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.audio import float_to_s16
 from omnistage.testing.leaks import assert_no_request_state
@@ -422,3 +423,41 @@ def test_initial_codec_chunk_frames_sets_the_first_chunk(servers):
     sizes = [len(d) for d in delta_samples(sse_events(post(servers["custom_voice"], body)))]
     assert sizes[0] == 4 * SAMPLES_PER_FRAME
     assert sum(sizes) == FRAMES * SAMPLES_PER_FRAME
+
+
+# ------------------------------------------------------------------ 8. timeline
+def phase_sums(server: RunningServer) -> dict[str, float]:
+    """phase -> seconds recorded so far in omnistage_request_phase_seconds."""
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    return {
+        m[1]: float(m[2])
+        for m in re.finditer(
+            r'^omnistage_request_phase_seconds_sum\{phase="([^"]+)"\} (\S+)$', metrics, re.M
+        )
+    }
+
+
+def test_timeline_marks_are_ordered_and_its_phases_sum_to_the_ttfa(servers):
+    """A streamed voice clone: the X-Timeline header lists the pipeline's marks in the
+    order the request passes them, and the phases recorded server-side sum to the TTFA the
+    server measured (the TTFA histogram's increase), phase by phase from receipt to the
+    first byte."""
+    server = servers["base"]
+    phases_before = phase_sums(server)
+    ttfa_before = metric(server, "omnistage_time_to_first_audio_seconds_sum")
+    response = post(server, request_body("base_icl", response_format="pcm", stream=True))
+    assert len(pcm(response)) == FRAMES * SAMPLES_PER_FRAME
+    marks = parse_header(response.headers["x-timeline"])
+    names = [name for name, _ in marks]
+    assert names == [
+        "received", "admitted", "preprocessing.first_output", "preprocessing.result",
+        "tts_engine.prefill", "tts_engine.first_output", "vocoder.first_output",
+    ]  # fmt: skip
+    offsets = [ms for _, ms in marks]
+    assert offsets[0] == 0 and offsets == sorted(offsets)
+    phases = {k: v - phases_before.get(k, 0.0) for k, v in phase_sums(server).items()}
+    assert set(names[1:]) | {"first_byte"} <= set(phases)
+    ttfa = metric(server, "omnistage_time_to_first_audio_seconds_sum") - ttfa_before
+    assert ttfa > 0
+    assert sum(phases.values()) == pytest.approx(ttfa, abs=1e-6)
+    assert all(seconds >= 0 for seconds in phases.values())
