@@ -9,8 +9,12 @@ Usage::
             ...  # out.frame [1, G] as soon as it exists; out.result once the request ended
 
 A step is :meth:`AREngine.schedule` (host: pick the batch) then :meth:`AREngine.execute`
-(launch it, then resolve frames). On CUDA the host side of step ``t`` (reading code 0 back
-for the stop check, handing frames on) overlaps the device running step ``t + 1``: the next
+(launch it, then resolve frames). Frames leave the engine on the host: the stop check reads
+code 0 back anyway, and the whole ``[B, G]`` frame of a step is one copy of ``16 B`` int64
+into pinned memory, so consumers (a vocoder on its own CUDA stream, another process)
+never wait on the engine's stream or map its memory. On CUDA the host side of step ``t``
+(reading the frames back for the stop check, handing them on) overlaps the device running
+step ``t + 1``: the next
 step needs nothing from the host (its input embeddings are already on the device), so
 ``execute`` launches step ``t + 1`` first and then waits for step ``t``'s frames. A
 request that stopped at step ``t`` has therefore also run in step ``t + 1``; that frame is
@@ -84,7 +88,7 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one request got from a step: a new ``frame`` (``[1, G] int64``, on the device)
+    """What one request got from a step: a new ``frame`` (``[1, G] int64``, on the host)
     and/or, if it ended, its ``result``; for a request with ``return_hidden``, ``hidden``:
     the states of ``spec.hidden_layers`` ``[n, K, H]`` (model dtype, on the device) of the
     tokens this step fed: the ``L`` prompt tokens with frame 0, then the previous frame's
@@ -109,8 +113,7 @@ class StepPlan:
 @dataclass
 class _InFlight:
     seqs: list[Sequence]
-    codes: torch.Tensor  # [B, G] device
-    code0: torch.Tensor  # [B] host
+    codes: torch.Tensor  # [B, G] host (pinned on CUDA; complete once `done` is reached)
     done: torch.cuda.Event | None
     hidden: list[torch.Tensor | None]  # per request: its hidden-layer rows, if it asked
 
@@ -296,14 +299,13 @@ class AREngine:
         ]
         for seq in seqs:
             seq.num_scheduled += 1
-        codes = codes.clone()
         if self.device.type != "cuda":
-            return _InFlight(seqs, codes, codes[:, 0], None, hidden)
-        code0 = torch.empty(len(seqs), dtype=torch.int64, pin_memory=True)
-        code0.copy_(codes[:, 0], non_blocking=True)
+            return _InFlight(seqs, codes.clone(), None, hidden)  # graph outputs are overwritten by the next replay
+        host = torch.empty(codes.shape, dtype=torch.int64, pin_memory=True)
+        host.copy_(codes, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        return _InFlight(seqs, codes, code0, done, hidden)
+        return _InFlight(seqs, host, done, hidden)
 
     def _decode(self, seqs: list[Sequence], sampling: StepSampling) -> tuple[torch.Tensor, torch.Tensor | None]:
         meta = self.runner.decode_meta(seqs)
@@ -317,7 +319,7 @@ class AREngine:
         if step.done is not None:
             step.done.synchronize()
         outputs = []
-        for i, (seq, code0) in enumerate(zip(step.seqs, step.code0.tolist(), strict=True)):
+        for i, (seq, code0) in enumerate(zip(step.seqs, step.codes[:, 0].tolist(), strict=True)):
             if seq.status is not SequenceStatus.RUNNING:  # aborted, or stopped a step ago
                 continue
             if code0 in seq.stop_ids:
@@ -332,7 +334,7 @@ class AREngine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> GenerationResult:
         self.scheduler.finish(seq, reason)
         groups = self.runner.spec.num_code_groups
-        codes = torch.cat(seq.frames) if seq.frames else torch.empty(0, groups, dtype=torch.int64, device=self.device)
+        codes = torch.cat(seq.frames) if seq.frames else torch.empty(0, groups, dtype=torch.int64)
         return GenerationResult(codes, reason, seq.prompt_len)
 
     def _fail(self, plan: StepPlan) -> None:

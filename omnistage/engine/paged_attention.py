@@ -6,10 +6,14 @@ Two kinds of forward, announced by the runner before the first layer:
 - prefill (:meth:`PagedAttention.prepare_prefill`): whole prompts of several requests,
   concatenated (variable lengths); each new token attends causally within its own
   sequence. There is no cached prefix yet (no prefix caching), so attention needs only
-  the new tokens: one causal SDPA call per sequence. (One call with a block-diagonal
-  ``[N, N]`` mask was simpler, but a mask sends SDPA to its math path, which materializes
-  ``Hq x N x N`` scores: at 64 coalesced voice-clone prompts, ~6,400 tokens, that ran an
-  H200 out of memory.)
+  the new tokens. On CUDA in half precision it is ONE variable-length flash-attention
+  call per layer (``torch.nn.attention.varlen.varlen_attn``, cumulative sequence
+  offsets); elsewhere, and where a start-up probe finds that kernel missing or wrong, one
+  causal SDPA call per sequence (:func:`varlen_prefill_attention`, also the test oracle; a
+  profile at 64 concurrent streams showed that Python loop). (One call with a
+  block-diagonal ``[N, N]`` mask was simpler, but a mask sends SDPA to its math path,
+  which materializes ``Hq x N x N`` scores: at 64 coalesced voice-clone prompts, ~6,400
+  tokens, that ran an H200 out of memory.)
 - decode (:meth:`PagedAttention.prepare_decode`): one new token per sequence, attending to
   its whole cached context through its block table.
 
@@ -22,12 +26,17 @@ oracle) and a Triton kernel (:mod:`omnistage.engine.triton_decode`) used on CUDA
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import itertools
+import logging
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from omnistage.engine.kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
 
 # (q [B, Hq, D], k_cache [S, Hkv, D], v_cache [S, Hkv, D], block_tables [B, MB] int64,
 #  context_lens [B] int64, block_size) -> [B, Hq, D]
@@ -79,6 +88,53 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return torch.cat(outs)
 
 
+def flash_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """Causal attention of concatenated sequences in one flash-attention call: q ``[N, Hq,
+    D]``, k/v ``[N, Hkv, D]`` (fp16/bf16, CUDA), ``cu_seqlens [S + 1] int32`` (cumulative
+    sequence lengths from 0), ``max_len`` the longest sequence; returns ``[N, Hq, D]``.
+
+    Raises:
+        ImportError: this torch has no ``varlen_attn``.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    kwargs: dict[str, object] = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+    if "is_causal" in params:  # torch 2.9-2.11 spell causal masking so
+        kwargs["is_causal"] = True
+    else:
+        kwargs["window_size"] = (-1, 0)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+
+
+def flash_varlen_usable(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether :func:`flash_varlen_prefill` runs here and matches the per-sequence loop,
+    checked once on a small random batch (a torch without the kernel, a GPU or dtype it
+    does not support, or a signature it changed all answer False, logged with the reason)."""
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    lengths = [5, 17, 1, 40]
+    n = sum(lengths)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(n, num_heads, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    try:
+        fused = flash_varlen_prefill(q, k, v, cu, max(lengths))
+    except (ImportError, RuntimeError, TypeError, ValueError) as exc:
+        logger.warning("prefill attention: varlen flash attention unavailable (%r); one SDPA call per sequence", exc)
+        return False
+    error = (fused.float() - varlen_prefill_attention(q, k, v, lengths).float()).abs().max().item()
+    if error > 2e-2:
+        logger.warning("prefill attention: varlen flash attention differs by %.3g; one SDPA call per sequence", error)
+        return False
+    return True
+
+
 def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
@@ -107,13 +163,18 @@ class PagedAttention:
     Args:
         cache: the pool.
         decode_attention: from :func:`decode_attention_for`.
+        fused_prefill: prefill with :func:`flash_varlen_prefill` instead of one SDPA call
+            per sequence; None: decided by :func:`flash_varlen_usable` on the first prefill
+            (from its shapes, dtype and device).
     """
 
-    def __init__(self, cache: PagedKVCache, decode_attention: DecodeAttention) -> None:
+    def __init__(self, cache: PagedKVCache, decode_attention: DecodeAttention, fused_prefill: bool | None = None) -> None:
         self.cache = cache
         self.decode_attention = decode_attention
+        self.fused_prefill = fused_prefill
         self._slots = torch.empty(0, dtype=torch.int64)
         self._seq_lens: list[int] | None = None  # set for a prefill forward
+        self._cu_seqlens: torch.Tensor | None = None  # set for a fused prefill forward
         self._block_tables = self._context_lens = self._slots
 
     def prepare_prefill(self, slot_mapping: torch.Tensor, seq_lens: list[int]) -> None:
@@ -121,6 +182,10 @@ class PagedAttention:
         its sequences (host ints summing to ``N``, in token order)."""
         self._slots = slot_mapping
         self._seq_lens = list(seq_lens)
+        self._cu_seqlens = None
+        if self.fused_prefill is not False and slot_mapping.is_cuda:
+            offsets = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32).pin_memory()
+            self._cu_seqlens = offsets.to(slot_mapping.device, non_blocking=True)
 
     def prepare_decode(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """A decode forward of ``B`` tokens, one per sequence: ``slot_mapping [B]``,
@@ -136,6 +201,10 @@ class PagedAttention:
         k_cache.index_copy_(0, self._slots, k)
         v_cache.index_copy_(0, self._slots, v)
         if self._seq_lens is not None:
+            if self.fused_prefill is None:
+                self.fused_prefill = flash_varlen_usable(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
+            if self.fused_prefill and self._cu_seqlens is not None:
+                return flash_varlen_prefill(q, k, v, self._cu_seqlens, max(self._seq_lens))
             return varlen_prefill_attention(q, k, v, self._seq_lens)
         return self.decode_attention(
             q, k_cache, v_cache, self._block_tables, self._context_lens, self.cache.block_size

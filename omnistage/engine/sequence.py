@@ -115,8 +115,7 @@ class GenerationResult:
     """A finished request.
 
     Attributes:
-        codes: ``[T, G] int64`` every emitted frame (the stop frame excluded), on the
-            engine's device.
+        codes: ``[T, G] int64`` every emitted frame (the stop frame excluded), on the host.
         finish_reason: ``"stop"`` (a stop id), ``"length"`` (``max_new_tokens``).
         num_prompt_tokens: ``L``.
     """
@@ -148,7 +147,7 @@ class Sequence:
         rows_complete: no more rows will come (always, unless ``inputs.more_rows``).
         pending_rows: rows appended while it waits for admission (host side until then).
         num_scheduled: steps launched so far (= frames that are or will be produced).
-        frames: ``[1, G] int64`` frames emitted so far (device tensors).
+        frames: ``[1, G] int64`` frames emitted so far (host tensors).
         stop_ids: ``inputs.sampling.stop_token_ids`` as a set (host-side stop check).
         finish_reason: set once it finished.
     """

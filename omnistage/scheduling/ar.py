@@ -9,8 +9,8 @@ engine cannot take fails at once with a typed error (``QueueFullError`` when the
 queue is full, ``RequestValidationError`` when it can never fit).
 
 Output: every frame goes to the stage's stream targets as soon as the host has it, as a
-``[1, G] int64`` chunk on the engine's device (modality ``"audio_codes"``): on CUDA one
-step after it was computed (the host reads step t's frames while the device runs step
+``[1, G] int64`` host tensor (modality ``"audio_codes"``; small enough to travel by value):
+on CUDA one step after it was computed (the host reads step t's frames while the device runs step
 t+1). A request with ``return_hidden`` gets :class:`FrameWithHidden` chunks instead
 (modality ``"frame_hidden"``): each frame with the hidden-layer rows of the tokens its
 step fed, plus, when a stop id ends it, a last chunk with no frame and the rows of its

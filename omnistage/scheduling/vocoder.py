@@ -5,7 +5,8 @@ on CUDA) from the AR engine; the scheduler cuts them into a chunk plan (a ramp o
 frames, then 8 at a time by default, so the first audio needs one frame) and decodes each
 due chunk with a :class:`StreamingCodecDecoder`, whose carried per-stream state makes the
 concatenated chunks equal the offline decode. Due chunks of several requests with the same
-length are decoded as ONE batch. At stream-done the remainder is flushed.
+length are decoded as ONE batch, and the streams that start in the same tick are opened
+as one batch (:meth:`StreamingCodecDecoder.allocate_many`). At stream-done the remainder is flushed.
 
 Each request's setup is a :class:`VocoderPayload` (:class:`VocoderInput` is a ready-made
 one): the first chunk size, the left context (a voice clone's reference codes: decoded
@@ -43,20 +44,21 @@ SETUP_MODALITY = "vocoder_setup"
 
 class StreamingCodecDecoder(Protocol):
     """What the scheduler needs from a codec decoder (e.g. Qwen3-TTS's
-    ``StreamingDecoderArena``). Audio is PCM in [-1, 1] on the decoder's device."""
+    ``StreamingDecoderArena``). Audio is PCM in [-1, 1]."""
 
     samples_per_frame: int
 
     @property
     def num_free(self) -> int:
-        """Streams :meth:`allocate` can still open."""
+        """Streams :meth:`allocate_many` can still open."""
 
-    def allocate(self, left_context: torch.Tensor | None = None) -> int:
-        """Open a stream (decoding ``left_context [R, G]`` into its state, silently);
-        returns its slot."""
+    def allocate_many(self, left_contexts: Sequence[torch.Tensor | None]) -> list[int]:
+        """Open one stream per entry, as one batch (decoding each ``left_context [R, G]``
+        into its state, silently); returns their slots."""
 
     def decode(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
-        """The next ``n`` frames of each slot, ``codes [B, n, G]`` -> ``[B, n * spf]``."""
+        """The next ``n`` frames of each slot, ``codes [B, n, G]`` -> ``[B, n * spf]``
+        float32 on the host."""
 
     def free(self, slot: int) -> None:
         """Close a stream; idempotent."""
@@ -152,7 +154,7 @@ class VocoderScheduler(StreamingScheduler):
     """Streams audio from code-frame chunks through a :class:`StreamingCodecDecoder`.
 
     Args:
-        decoder: the codec decoder (its ``allocate`` bounds concurrent streams: a request
+        decoder: the codec decoder (its slots bound concurrent streams: a request
             that finds no free slot waits, buffering its frames, until one frees).
         sample_rate: Hz of the decoder's output (24000 for Qwen3-TTS).
         plan: the chunk plan.
@@ -197,8 +199,9 @@ class VocoderScheduler(StreamingScheduler):
         for state in (s for s in ready if self._payload(s).stream):
             if state.request_id not in self._slots and state.model_state.buffered == 0 and self.ready_to_finish(state):
                 empty.append(state)  # no frames at all: finishes without a slot
-            elif self._open(state):
+            else:
                 streaming.append(state)
+        streaming = self._open(streaming)
         while due := [(s, n) for s in streaming if (n := self._due(s)) > 0]:
             groups: dict[int, list[StreamState]] = defaultdict(list)
             for state, n in due:
@@ -257,15 +260,17 @@ class VocoderScheduler(StreamingScheduler):
         result = AudioResult(voice.samples_out, self.sample_rate, num_frames=voice.frames_out, input_tokens=tokens)
         self.complete(state, result, reason)
 
-    def _open(self, state: StreamState) -> bool:
-        """Give the request a decoder slot if it has none; False if none is free."""
-        if state.request_id in self._slots:
-            return True
-        if self.decoder.num_free == 0:
+    def _open(self, states: list[StreamState]) -> list[StreamState]:
+        """Give the requests without a decoder slot one, all in one batch, in order while
+        slots are free (the others wait); returns the states that have a slot."""
+        new = [s for s in states if s.request_id not in self._slots]
+        opened, waiting = new[: self.decoder.num_free], new[self.decoder.num_free :]
+        for state in waiting:
             self._waiting[state.request_id] = state
-            return False
-        self._slots[state.request_id] = self.decoder.allocate(self._payload(state).left_context_codes)
-        return True
+        if opened:
+            slots = self.decoder.allocate_many([self._payload(s).left_context_codes for s in opened])
+            self._slots.update((s.request_id, slot) for s, slot in zip(opened, slots, strict=True))
+        return [s for s in states if s.request_id in self._slots]
 
     def _due(self, state: StreamState) -> int:
         """Frames to decode now: the planned chunk once buffered, or the remainder after
@@ -278,8 +283,7 @@ class VocoderScheduler(StreamingScheduler):
 
     def _decode_group(self, group: list[StreamState], n: int) -> None:
         codes = torch.stack([s.model_state.take(n) for s in group])
-        audio = self.decoder.decode([self._slots[s.request_id] for s in group], codes)
-        pcm = audio.float().cpu().numpy()  # one device-to-host copy per group
+        pcm = self.decoder.decode([self._slots[s.request_id] for s in group], codes).numpy()
         for state, row in zip(group, pcm, strict=True):
             self._emit_audio(state, row, n)
 

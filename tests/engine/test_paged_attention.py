@@ -1,6 +1,8 @@
 """Paged attention: the PyTorch reference paths equal dense SDPA; the Triton kernel (GPU)
 equals the reference."""
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,6 +12,8 @@ from omnistage.engine.kv_cache import PagedKVCache
 from omnistage.engine.paged_attention import (
     PagedAttention,
     decode_attention_for,
+    flash_varlen_prefill,
+    flash_varlen_usable,
     paged_decode_reference,
     triton_available,
     varlen_prefill_attention,
@@ -105,6 +109,32 @@ def test_paged_backend_prefill_then_decode_equals_the_dense_cache():
             torch.testing.assert_close(out[i : i + 1], dense[i](0, q[i : i + 1], k[i : i + 1], v[i : i + 1]),
                                        rtol=1e-5, atol=1e-6)
             context[i] += 1
+
+
+def test_cpu_prefills_one_sequence_at_a_time():
+    """The fused varlen kernel is CUDA-only; a CPU backend decides for the per-sequence
+    loop on its first prefill (the path the other tests pin)."""
+    assert not flash_varlen_usable(torch.device("cpu"), torch.float32, 4, 2, 8)
+    cache = PagedKVCache(num_blocks=4, num_layers=1, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32, device="cpu")
+    attn = PagedAttention(cache, paged_decode_reference)
+    attn.prepare_prefill(torch.arange(5), [2, 3])
+    q, k, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
+    torch.testing.assert_close(attn(0, q, k, v), varlen_prefill_attention(q, k, v, [2, 3]))
+    assert attn.fused_prefill is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("lengths", "hq", "hkv"), [([1], 16, 8), ([7, 64, 65, 300], 16, 8), ([100] * 64, 16, 8)])
+def test_fused_varlen_prefill_matches_the_per_sequence_loop(lengths, hq, hkv):
+    d = 128
+    q = torch.randn(sum(lengths), hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
+    assert flash_varlen_usable(q.device, q.dtype, hq, hkv, d)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    out = flash_varlen_prefill(q, k, v, cu, max(lengths))
+    torch.testing.assert_close(out.float(), varlen_prefill_attention(q, k, v, lengths).float(), rtol=2e-2, atol=2e-2)
 
 
 def test_cpu_selects_the_reference_and_refuses_triton():

@@ -35,15 +35,20 @@ class FakeArena:
         self.positions: dict[int, int] = {}
         self.num_slots = num_slots
         self.calls: list[tuple[int, int]] = []  # (batch, frames) per decode
+        self.opens: list[int] = []  # streams per allocate_many call
 
     @property
     def num_free(self) -> int:
         return self.num_slots - len(self.positions)
 
-    def allocate(self, left_context: torch.Tensor | None = None) -> int:
-        slot = min(set(range(self.num_slots)) - set(self.positions))
-        self.positions[slot] = 0 if left_context is None else left_context.shape[0]
-        return slot
+    def allocate_many(self, left_contexts: Sequence[torch.Tensor | None]) -> list[int]:
+        self.opens.append(len(left_contexts))
+        slots = []
+        for left_context in left_contexts:
+            slot = min(set(range(self.num_slots)) - set(self.positions))
+            self.positions[slot] = 0 if left_context is None else left_context.shape[0]
+            slots.append(slot)
+        return slots
 
     def free(self, slot: int) -> None:
         self.positions.pop(slot, None)
@@ -55,7 +60,7 @@ class FakeArena:
             start = self.positions[slot]
             rows.append(_fake_audio(frames, start))
             self.positions[slot] = start + frames.shape[0]
-        return torch.stack(rows)
+        return torch.stack(rows).float()
 
     def decode_full(self, items: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         self.calls.append((len(items), -1))
@@ -334,3 +339,17 @@ def test_streamed_audio_from_the_real_codec_equals_its_offline_decode(make, tmp_
     assert streamed.dtype == np.float32 and streamed.shape == expected.shape
     assert np.abs(streamed - expected).max() <= 1e-5
     assert arena.num_free == 2
+
+
+def test_streams_starting_in_the_same_tick_open_as_one_batch(make) -> None:
+    arena = FakeArena(num_slots=4)
+    scheduler, outbox = make(arena, start=False)
+    for request_id in "abc":
+        scheduler.put(_payload(request_id, left_context_codes=_codes(3)))
+        scheduler.put(_chunk(request_id, _codes(1, seed=ord(request_id))))
+        scheduler.put(StreamDone(request_id, "tts_engine"))
+    scheduler.start()
+    outbox.wait("a", "b", "c")
+    assert arena.opens == [3]
+    for request_id in "abc":
+        assert np.array_equal(outbox.audio(request_id), _fake_audio(_codes(1, seed=ord(request_id)), 3).numpy())

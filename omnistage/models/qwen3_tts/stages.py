@@ -44,7 +44,10 @@ from omnistage.models.qwen3_tts.modeling.speech_tokenizer.encoder import (
     SpeechTokenizerEncoder,
     load_encoder,
 )
-from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import StreamingDecoderArena
+from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import (
+    DEFAULT_CONTEXT_CACHE_SIZE,
+    StreamingDecoderArena,
+)
 from omnistage.models.qwen3_tts.modeling.weights import (
     LoadedCheckpoint,
     default_dtype,
@@ -137,8 +140,8 @@ class ReferenceEncoder:
 
     def encode(self, clip: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """``clip``: mono float32 ``[S]`` at 24 kHz -> (x-vector ``[H]`` in the speaker
-        encoder's dtype, reference codes ``[ceil(S / 1920), 16] int64``), on the encoders'
-        device.
+        encoder's dtype on the encoders' device, reference codes ``[ceil(S / 1920), 16]
+        int64`` on the host).
 
         Raises:
             ValueError / RuntimeError: the encoders failed on this clip or on its batch.
@@ -210,7 +213,10 @@ class ReferenceEncoder:
         device = next(self.codec_encoder.parameters()).device
         tensors = [torch.from_numpy(np.ascontiguousarray(c, dtype=np.float32)).to(device) for c in clips]
         codes = self.codec_encoder.encode_batch(tensors)
-        return [(self.speaker_encoder.embed(t), c) for t, c in zip(tensors, codes, strict=True)]
+        # the codes go to the host once here (a preprocessing worker's sync), not on the
+        # vocoder's or the engine's thread: the prompt copies them back, the vocoder
+        # hashes them (its left-context cache) and copies them in on its own stream
+        return [(self.speaker_encoder.embed(t), c.cpu()) for t, c in zip(tensors, codes, strict=True)]
 
 
 def create_preprocessing_stage(
@@ -333,12 +339,15 @@ def create_vocoder_stage(
     ramp: tuple[int, ...] = (1, 2, 4),
     steady: int = 8,
     cuda_graphs: bool = True,
+    left_context_cache_size: int = DEFAULT_CONTEXT_CACHE_SIZE,
 ) -> VocoderScheduler:
     """The speech-tokenizer decoder, streaming (bf16 on CUDA, fp32 on CPU). ``num_slots``:
-    concurrent streams with decoder state (more wait for a slot, buffering frames)."""
+    concurrent streams with decoder state (more wait for a slot, buffering frames);
+    ``left_context_cache_size``: decoder states after a voice clone's reference codes,
+    cached by their content (0: decode the reference codes for every stream)."""
     where = resolve_device(ctx)
     decoder = load_decoder(Path(_model_path(ctx)) / "speech_tokenizer", where, default_dtype(where))
-    arena = StreamingDecoderArena(decoder, num_slots)
+    arena = StreamingDecoderArena(decoder, num_slots, left_context_cache_size)
     if where.type == "cuda" and cuda_graphs:
         arena.capture_graphs()
     return VocoderScheduler(arena, SAMPLE_RATE, ChunkPlan(tuple(ramp), steady))

@@ -145,3 +145,62 @@ def test_cuda_graph_replay_equals_eager_decoding(decoder, monkeypatch) -> None:
     together = torch.cat(pieces, dim=1).cpu()
     for s, utterance in enumerate(utterances):
         assert (together[s] - _offline(decoder, utterance.cpu())).abs().max() <= 1e-4
+
+
+def _continue(arena: StreamingDecoderArena, slots: list[int], codes: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each slot's audio for its codes, decoded in chunks 1, 2 then the rest, all slots batched."""
+    pieces = [arena.decode(slots, torch.stack([c[a:b] for c in codes])) for a, b in ((0, 1), (1, 3), (3, codes[0].shape[0]))]
+    return list(torch.cat(pieces, dim=1))
+
+
+def test_a_batch_of_opens_equals_the_same_opens_one_by_one(decoder) -> None:
+    """Opens of fresh, repeated and different-length left contexts in one call continue
+    exactly as the same streams opened one at a time in arenas without a cache."""
+    a, b, c = _codes(5, seed=11), _codes(5, seed=12), _codes(7, seed=13)
+    contexts = [a, None, b, a, c]
+    utterances = [_codes(6, seed=20 + s) for s in range(len(contexts))]
+    arena = StreamingDecoderArena(decoder, num_slots=len(contexts))
+    slots = arena.allocate_many(contexts)
+    assert [arena.position(s) for s in slots] == [5, 0, 5, 5, 7]
+    together = _continue(arena, slots, utterances)
+    for context, utterance, audio in zip(contexts, utterances, together, strict=True):
+        single = StreamingDecoderArena(decoder, num_slots=1, context_cache_size=0)
+        alone = _continue(single, [single.allocate(context)], [utterance])[0]
+        assert (audio - alone).abs().max() <= TOLERANCE
+        full = utterance if context is None else torch.cat([context, utterance])
+        skip = 0 if context is None else context.shape[0] * SPF
+        assert (audio - _offline(decoder, full)[skip:]).abs().max() <= TOLERANCE
+
+
+def test_a_cached_left_context_continues_exactly_like_a_decoded_one(decoder) -> None:
+    reference, codes = _codes(9, seed=31), _codes(6, seed=32)
+    arena = StreamingDecoderArena(decoder, num_slots=1, context_cache_size=4)
+    arena.free(arena.allocate(reference))  # decodes it and caches the state after it
+    slot = arena.allocate(reference.clone())  # same content: the cached state
+    assert arena.position(slot) == 9
+    expected = _offline(decoder, torch.cat([reference, codes]))[9 * SPF :]
+    assert (_continue(arena, [slot], [codes])[0] - expected).abs().max() <= TOLERANCE
+
+
+def test_two_different_references_never_share_a_cached_state(decoder) -> None:
+    """Same length, one code different: the second reference is decoded on its own, and
+    its stream continues its own audio, not the first one's."""
+    first = _codes(6, seed=41)
+    second = first.clone()
+    second[3, 5] = (second[3, 5] + 1) % 2048
+    codes = _codes(5, seed=42)
+    arena = StreamingDecoderArena(decoder, num_slots=2, context_cache_size=4)
+    arena.free(arena.allocate(first))
+    slots = arena.allocate_many([second, first])
+    got = _continue(arena, slots, [codes, codes])
+    for context, audio in zip((second, first), got, strict=True):
+        expected = _offline(decoder, torch.cat([context, codes]))[6 * SPF :]
+        assert (audio - expected).abs().max() <= TOLERANCE
+    assert (got[0] - got[1]).abs().max() > 100 * TOLERANCE
+
+
+def test_opening_more_streams_than_free_slots_takes_none(decoder) -> None:
+    arena = StreamingDecoderArena(decoder, num_slots=2)
+    with pytest.raises(ArenaFullError):
+        arena.allocate_many([None, None, None])
+    assert arena.num_free == 2

@@ -12,13 +12,26 @@ On CUDA, :meth:`StreamingDecoderArena.capture_graphs` records one CUDA graph per
 bucket, chunk length); a call pads its batch to the bucket with a scratch slot and
 replays, which removes the ~13 ms launch floor of the eager decoder (peer-baseline-h200.md).
 All decoding runs on a dedicated high-priority stream, so vocoder chunks are not queued
-behind the AR engine's kernels.
+behind the AR engine's kernels: codes that come from the host (the engine's frames) are
+copied in on that stream, and the audio is copied out to the host on it, so a chunk never
+waits for the engine's step on the default stream.
+
+Opening streams (:meth:`StreamingDecoderArena.allocate_many`) is batched: the new slots are
+reset together, and a left context (a voice clone's reference codes) is decoded ONCE per
+content: the state after it is cached by the SHA-256 of the codes (architecture rule 8: a
+content key, so one voice's state can never stand in for another's), and a stream that
+opens with known reference codes copies that state instead of decoding them again (a
+profile at 64 concurrent voice clones had a third of the vocoder thread in eager left-
+context decodes, one stream at a time).
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import contextlib
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +39,7 @@ import torch
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import SpeechTokenizerDecoder
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+DEFAULT_CONTEXT_CACHE_SIZE = 64  # left-context states kept (2.6 MB each at real dims, bf16)
 DEFAULT_GRAPH_CHUNK_LENGTHS = tuple(range(1, 9))  # the ramp 1, 2, 4, 8 and flushes of 1..8
 FULL_DECODE_CHUNK_FRAMES = 128
 
@@ -48,13 +62,17 @@ class StreamingDecoderArena:
     Args:
         decoder: the decoder (its device and dtype are the arena's).
         num_slots: concurrent streams (64 by default: the reference server's arena size).
+        context_cache_size: left-context states cached by content (0: none; least
+            recently used out first).
 
     Not thread-safe: one scheduler thread drives it.
     """
 
-    def __init__(self, decoder: SpeechTokenizerDecoder, num_slots: int = 64) -> None:
-        if num_slots < 1:
-            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+    def __init__(
+        self, decoder: SpeechTokenizerDecoder, num_slots: int = 64, context_cache_size: int = DEFAULT_CONTEXT_CACHE_SIZE
+    ) -> None:
+        if num_slots < 1 or context_cache_size < 0:
+            raise ValueError(f"num_slots must be >= 1 and context_cache_size >= 0, got {num_slots}, {context_cache_size}")
         self.decoder = decoder
         self.num_slots = num_slots
         self.samples_per_frame = decoder.samples_per_frame
@@ -69,6 +87,8 @@ class StreamingDecoderArena:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._buckets: list[int] = []
         self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self.context_cache_size = context_cache_size
+        self._contexts: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # key -> state rows [1, ...]
 
     @property
     def num_free(self) -> int:
@@ -76,26 +96,72 @@ class StreamingDecoderArena:
         return len(self._free)
 
     def allocate(self, left_context: torch.Tensor | None = None) -> int:
-        """Take a slot with a fresh state; with ``left_context`` (``[R, G]`` int64 codes, e.g.
-        a voice clone's reference codes) decode it into the state first, once, discarding
-        its audio: later chunks then continue the decode of ``left_context ++ codes``.
+        """:meth:`allocate_many` of one stream."""
+        return self.allocate_many([left_context])[0]
+
+    @torch.inference_mode()
+    def allocate_many(self, left_contexts: Sequence[torch.Tensor | None]) -> list[int]:
+        """Take a slot with a fresh state per entry; with a left context (``[R, G]`` int64
+        codes, e.g. a voice clone's reference codes) the state continues after it, its
+        audio discarded: later chunks then continue the decode of ``left_context ++ codes``.
+        Contexts not seen before are decoded once each, batched by length; known ones
+        (by content) copy their cached state.
 
         Raises:
-            ArenaFullError: no free slot.
-            ValueError: ``left_context`` is not ``[R >= 1, G]``.
+            ArenaFullError: fewer free slots than entries (nothing is taken).
+            ValueError: a left context is not ``[R >= 1, G]``.
         """
-        if not self._free:
-            raise ArenaFullError(f"all {self.num_slots} vocoder state slots are in use")
-        if left_context is not None and (left_context.dim() != 2 or left_context.shape[0] < 1):
-            raise ValueError(f"left_context must be [R>=1, {self.num_code_groups}], got {tuple(left_context.shape)}")
-        slot = self._free.pop()
-        self._used.add(slot)
-        for tensor in self._state:
-            tensor[slot].zero_()
-        self._positions[slot] = 0
-        if left_context is not None:
-            self.decode([slot], left_context[None])
-        return slot
+        if len(left_contexts) > len(self._free):
+            raise ArenaFullError(f"{len(left_contexts)} streams asked for; {len(self._free)} of {self.num_slots} vocoder state slots are free")
+        for context in left_contexts:
+            if context is not None and (context.dim() != 2 or context.shape[0] < 1 or context.shape[1] != self.num_code_groups):
+                raise ValueError(f"left_context must be [R>=1, {self.num_code_groups}], got {tuple(context.shape)}")
+        slots = [self._free.pop() for _ in left_contexts]
+        self._used.update(slots)
+        with self._on_stream(*(c for c in left_contexts if c is not None)):
+            index = torch.tensor(slots, device=self.device)
+            for tensor in self._state:
+                tensor.index_fill_(0, index, 0)
+            self._positions.index_fill_(0, index, 0)
+            with_context = [(slot, c) for slot, c in zip(slots, left_contexts, strict=True) if c is not None]
+            if with_context:
+                self._restore_contexts(with_context)
+        return slots
+
+    def _restore_contexts(self, items: list[tuple[int, torch.Tensor]]) -> None:
+        """Put each slot's state after its left context (fresh slots, on the arena's stream)."""
+        hosts = [context.to("cpu", torch.int64) for _, context in items]
+        keys = [hashlib.sha256(host.numpy().tobytes() + bytes(str(tuple(host.shape)), "ascii")).hexdigest() for host in hosts]
+        first: dict[str, int] = {}  # an uncached key -> the item that decodes it
+        for i, key in enumerate(keys):
+            if key not in self._contexts and key not in first:
+                first[key] = i
+        by_length: dict[int, list[int]] = {}
+        for i in first.values():
+            by_length.setdefault(hosts[i].shape[0], []).append(i)
+        fresh: dict[str, list[torch.Tensor]] = {}
+        for group in by_length.values():
+            group_slots = [items[i][0] for i in group]
+            codes = torch.stack([hosts[i] for i in group]).to(self.device, non_blocking=True)
+            self._decode_on_stream(group_slots, codes)
+            for i, slot in zip(group, group_slots, strict=True):
+                fresh[keys[i]] = [tensor[slot : slot + 1].clone() for tensor in self._state]
+        lengths = {key: hosts[i].shape[0] for i, key in enumerate(keys)}
+        rest = [(slot, key) for (slot, _), key, i in zip(items, keys, range(len(items)), strict=True) if first.get(key) != i]
+        if rest:
+            index = torch.tensor([slot for slot, _ in rest], device=self.device)
+            states = [fresh.get(key) or self._contexts[key] for _, key in rest]
+            for layer, tensor in enumerate(self._state):
+                tensor.index_copy_(0, index, torch.cat([state[layer] for state in states]))
+            self._positions.index_copy_(0, index, torch.tensor([lengths[key] for _, key in rest], device=self.device))
+        for key in keys:
+            if key in self._contexts:
+                self._contexts.move_to_end(key)
+        if self.context_cache_size:
+            for key, state in fresh.items():
+                self._contexts[key] = state
+            while len(self._contexts) > self.context_cache_size:
+                self._contexts.popitem(last=False)
 
     def free(self, slot: int) -> None:
         """Return ``slot`` to the arena; idempotent (freeing a free slot does nothing)."""
@@ -113,10 +179,11 @@ class StreamingDecoderArena:
 
         Args:
             slots: ``B`` distinct allocated slots.
-            codes: ``[B, n, G]`` int64 (any device), ``n >= 1``.
+            codes: ``[B, n, G]`` int64 (any device; from the host, nothing waits for the
+                device's other work), ``n >= 1``.
 
         Returns:
-            ``[B, n * samples_per_frame]`` PCM in [-1, 1], the arena's dtype and device.
+            ``[B, n * samples_per_frame]`` float32 PCM in [-1, 1], on the host.
 
         Raises:
             ValueError: a slot is not allocated or repeated, or ``codes`` has the wrong shape.
@@ -126,15 +193,32 @@ class StreamingDecoderArena:
             raise ValueError(f"slots must be distinct allocated slots, got {list(slots)}")
         if codes.dim() != 3 or codes.shape[0] != batch or codes.shape[1] < 1 or codes.shape[2] != self.num_code_groups:
             raise ValueError(f"codes must be [{batch}, n>=1, {self.num_code_groups}], got {tuple(codes.shape)}")
+        with self._on_stream(codes):
+            audio = self._decode_on_stream(slots, codes).float()
+            if self._stream is None:
+                return audio
+            host = torch.empty(audio.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(audio, non_blocking=True)
+            self._stream.synchronize()
+            return host
+
+    @contextlib.contextmanager
+    def _on_stream(self, *inputs: torch.Tensor) -> Iterator[None]:
+        """Run the block on the arena's stream (CUDA); it waits for the caller's stream only
+        when an input lives on the device (host inputs are copied in on the arena's stream)."""
+        if self._stream is None:
+            yield
+            return
+        if any(t.is_cuda for t in inputs):
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            yield
+
+    def _decode_on_stream(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
+        """Decode on the current stream (the arena's, on CUDA): ``[B, n * spf]``, arena dtype."""
         if self._stream is None:
             return self._decode_eager(torch.tensor(slots, device=self.device), codes.to(self.device))
-        caller = torch.cuda.current_stream(self.device)
-        self._stream.wait_stream(caller)
-        with torch.cuda.stream(self._stream):
-            audio = self._decode_cuda(slots, codes)
-        caller.wait_stream(self._stream)
-        audio.record_stream(caller)
-        return audio
+        return self._decode_cuda(slots, codes)
 
     def _decode_eager(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
         state = [t.index_select(0, index) for t in self._state]
