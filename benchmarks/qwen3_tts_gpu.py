@@ -1,17 +1,31 @@
-"""Qwen3-TTS served by omnistage on one GPU: TTFA, RTF and audio throughput by concurrency.
+"""Qwen3-TTS served by omnistage on one GPU: TTFA (and where it goes), RTF and audio
+throughput, closed and open loop, against faster-qwen3-tts on the same checkpoint.
 
 For each size (0.6b, 1.7b) this builds a random Base checkpoint with the REAL dimensions
 (``omnistage init-random --device cuda``), serves it with ``omnistage serve`` and drives
 it with ``omnistage bench speed`` (streaming PCM; voice clone (ICL) with one fixed 3 s
 reference, so after the first request the reference is a cache hit; a fixed target text;
 every request exactly ``--frames`` frames: ``min_new_tokens = max_new_tokens``, so EOS
-cannot end it early). Then it measures TTFA with a FRESH 3 s reference per request
-(encoded on the request path), and reads GPU memory.
+cannot end it early):
 
-Prints a table and writes ``OUT_DIR/qwen3_tts_gpu.json`` (every level's ``bench speed``
-record) and the server logs. Run on the device (see benchmarks/README.md)::
+1. closed loop at each ``--concurrency`` level;
+2. open loop (Poisson arrivals) at ``--open-fraction`` (0.8) of the saturation rate, the
+   best request throughput the closed levels reached;
+3. TTFA with a FRESH 3 s reference per request (encoded on the request path), one at a time;
+4. GPU memory.
 
-    python benchmarks/qwen3_tts_gpu.py --out-dir results --sizes 0.6b 1.7b
+Every level records the server's TTFA decomposition (``X-Timeline``: admission,
+preprocessing, engine queue, prefill + first frame, first vocoder chunk, client). Then
+``benchmarks/peers_gpu.py`` measures faster-qwen3-tts streaming TTFA (chunk 1 is its
+smallest) on the first size's checkpoint, in the image's own transformers, and the ratio
+of our concurrency-1 TTFA p50 to it is reported.
+
+``--budget-s`` bounds the whole run (a device call is limited): a step that would not fit
+is skipped and recorded as skipped; the JSON is saved after every step. Prints a table
+and writes ``OUT_DIR/qwen3_tts_gpu.json`` (copied to ``--copy-to`` as well) and the server
+logs. Run on the device (see benchmarks/README.md)::
+
+    python benchmarks/qwen3_tts_gpu.py --out-dir $OUT --sizes 0.6b 1.7b
 """
 
 from __future__ import annotations
@@ -21,6 +35,8 @@ import asyncio
 import base64
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -105,17 +121,21 @@ def start_server(model_dir: Path, port: int, max_conc: int, log: Path) -> tuple[
     raise RuntimeError("server did not become healthy in 600 s")
 
 
-def bench_level(port: int, conc: int, frames: int, ref: Path, out: Path) -> dict:
-    """One ``omnistage bench speed`` level; ``ref`` is a WAV under the server's allowed
-    local media directory (a 3 s data URI is longer than one command-line argument may be).
-    A level that fails is recorded (``{"concurrency": c, "error": ...}``), not raised, so
-    the levels after it still run."""
-    n = max(8, 2 * conc)
+def bench_level(port: int, frames: int, ref: Path, out: Path, conc: int | None = None, rate: float | None = None, n: int | None = None) -> dict:
+    """One ``omnistage bench speed`` level: closed loop at ``conc`` or open loop at ``rate``
+    requests per second (``n`` requests); ``ref`` is a WAV under the server's allowed local
+    media directory (a 3 s data URI is longer than one command-line argument may be). A
+    level that fails is recorded (``{"concurrency"/"rate": ..., "error": ...}``), not raised,
+    so the levels after it still run."""
     fields = {"ref_audio": str(ref), "ref_text": REF_TEXT, "max_new_tokens": frames, "min_new_tokens": frames, "language": "english"}
     cmd = [
         sys.executable, "-m", "omnistage.cli", "bench", "speed", "--base-url", f"http://127.0.0.1:{port}",
-        "--concurrency", str(conc), "--num-requests", str(n), "--warmup", "2", "--stream", "--output", str(out),
+        "--warmup", "2", "--stream", "--output", str(out),
     ]  # fmt: skip
+    if rate is None:
+        cmd += ["--concurrency", str(conc), "--num-requests", str(n or max(8, 2 * conc))]
+    else:
+        cmd += ["--rate", f"{rate:.3f}", "--num-requests", str(n)]
     for key, value in fields.items():
         cmd += ["--extra", f"{key}={json.dumps(value)}"]
     meta = out.with_suffix(".lst")
@@ -124,7 +144,7 @@ def bench_level(port: int, conc: int, frames: int, ref: Path, out: Path) -> dict
     done = subprocess.run(cmd, capture_output=True, text=True)
     print(done.stdout[-3000:], flush=True)
     if done.returncode != 0:
-        return {"concurrency": conc, "error": (done.stdout + done.stderr)[-1500:]}
+        return {"concurrency": conc, "rate": rate, "error": (done.stdout + done.stderr)[-1500:]}
     return json.loads(out.read_text())["levels"][0]
 
 
@@ -142,9 +162,29 @@ async def fresh_reference_ttfa(port: int, frames: int, count: int) -> list[float
     return ttfa
 
 
-def run_size(size: str, args: argparse.Namespace, record: dict, save) -> None:
+class Budget:
+    """Seconds left of ``--budget-s``; ``fits(cost)`` says whether a step of about ``cost``
+    seconds still fits (with the time the closing steps need kept aside)."""
+
+    def __init__(self, total_s: float) -> None:
+        self.deadline = time.perf_counter() + total_s
+
+    def left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def fits(self, cost_s: float) -> bool:
+        return self.left() > cost_s
+
+
+def level_cost_s(conc: int, frames: int) -> float:
+    """A rough upper bound of one closed level's wall time: two rounds of requests at the
+    issue's measured ~80 ms per frame at 128 streams, plus the bench client's start."""
+    return 10 + 2 * frames * 0.08 * max(1, conc / 64)
+
+
+def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Budget) -> Path:
     """Fill ``record`` for one size, calling ``save()`` after every step (a later failure
-    or the device's time limit keeps what was measured)."""
+    or the device's time limit keeps what was measured); returns the checkpoint dir."""
     model_dir = Path(args.work_dir) / f"qwen3_tts_{size}_base"
     t0 = time.perf_counter()
     subprocess.run(
@@ -157,6 +197,7 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save) -> None:
     proc, startup_s = start_server(model_dir, port, max(args.concurrency), Path(args.out_dir) / f"server_{size}.log")
     record["server_startup_s"] = round(startup_s, 1)
     record["gpu_mib"]["after_startup"] = gpu_memory_mib()
+    record["skipped"] = []
     save()
     try:
         ref = model_dir.parent / f"reference_{size}.wav"
@@ -164,54 +205,134 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save) -> None:
         record["levels"], peak = [], MemoryPeak()
         peak.start()
         for conc in args.concurrency:
-            level = bench_level(port, conc, args.frames, ref, Path(args.work_dir) / f"bench_{size}_c{conc}.json")
+            if not budget.fits(level_cost_s(conc, args.frames) + args.reserve_s):
+                record["skipped"].append(f"concurrency {conc}")
+                continue
+            level = bench_level(port, args.frames, ref, Path(args.work_dir) / f"bench_{size}_c{conc}.json", conc=conc)
             record["levels"].append(level)
             save()
         record["gpu_mib"] |= {"peak_during_bench": peak.stop()}
-        fresh = asyncio.run(fresh_reference_ttfa(port, args.frames, 8))
-        record["fresh_reference_ttfa_ms"] = {"p50": float(np.median(fresh)), "all": [round(x, 1) for x in fresh]}
+        saturation = max((lv["request_throughput"] for lv in record["levels"] if "error" not in lv), default=0.0)
+        record["saturation_requests_per_s"] = saturation
+        rate = args.open_fraction * saturation
+        n = max(16, int(rate * args.open_seconds))
+        if rate > 0 and budget.fits(args.open_seconds + 2 * args.frames * 0.08 + 10 + args.reserve_s):
+            level = bench_level(port, args.frames, ref, Path(args.work_dir) / f"bench_{size}_open.json", rate=rate, n=n)
+            record["open_loop"] = level | {"fraction_of_saturation": args.open_fraction}
+        else:
+            record["skipped"].append("open loop")
+        save()
+        if budget.fits(8 * (0.3 + args.frames * 0.01) + args.reserve_s):
+            fresh = asyncio.run(fresh_reference_ttfa(port, args.frames, 8))
+            record["fresh_reference_ttfa_ms"] = {"p50": float(np.median(fresh)), "all": [round(x, 1) for x in fresh]}
+        else:
+            record["skipped"].append("fresh reference")
         save()
     finally:
         proc.terminate()
         proc.wait(30)
+    return model_dir
 
 
-def print_table(results: list[dict], frames: int) -> None:
-    print(f"\n{'size':6} {'conc':>5} {'TTFA p50':>9} {'TTFA p99':>9} {'RTF p50':>8} {'RTF p99':>8} {'audio s/s':>10} {'ms/frame':>9} {'fail':>5}")
-    for r in results:
-        for lv in r.get("levels", []):
+def run_peer(model_dir: Path, args: argparse.Namespace, results: dict, save) -> None:
+    """faster-qwen3-tts on ``model_dir`` (``peers_gpu.py --only faster``), in the image's
+    transformers: ``PYTHONPATH`` without the ``--tf-site`` entry that our processes use."""
+    out = Path(args.out_dir) / "peers_faster.json"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != args.tf_site)
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "benchmarks/peers_gpu.py", str(model_dir), "--out", str(out), "--runs", "2", "--only", "faster", "--frames", str(args.frames)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=max(60, int(args.peer_timeout_s)))
+    print(done.stdout[-2500:], done.stderr[-1500:], flush=True)
+    record: dict = {"wall_s": round(time.perf_counter() - t0, 1), "returncode": done.returncode}
+    if out.exists():
+        data = json.loads(out.read_text())
+        record["records"] = [
+            {k: r.get(k) for k in ("implementation", "mode", "ttfa_ms", "ms_per_frame", "rtf")} for r in data.get("records", [])
+        ]
+        record["errors"] = data.get("errors", [])
+    results["peer"] = record
+    save()
+
+
+def print_table(results: dict, frames: int) -> None:
+    print(f"\n{'size':6} {'load':>14} {'TTFA p50':>9} {'TTFA p99':>9} {'RTF p50':>8} {'RTF p99':>8} {'audio s/s':>10} {'req/s':>7} {'ms/frame':>9} {'fail':>5}")
+    for r in results["sizes"]:
+        levels = list(r.get("levels", [])) + ([r["open_loop"]] if "open_loop" in r else [])
+        for lv in levels:
+            load = f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s pk{lv['concurrency']}"
             if "error" in lv:
-                print(f"{r['size']:6} {lv['concurrency']:>5} FAILED: {lv['error'][-200:]}")
+                print(f"{r['size']:6} {lv.get('concurrency') or lv.get('rate')!s:>14} FAILED: {lv['error'][-200:]}")
                 continue
             ttfa, rtf = lv["ttfa_ms"], lv["rtf"]
             per_frame = lv["latency_ms"]["p50"] / frames
             print(
-                f"{r['size']:6} {lv['concurrency']:>5} {ttfa['p50']:>9.1f} {ttfa['p99']:>9.1f} {rtf['p50']:>8.3f} "
-                f"{rtf['p99']:>8.3f} {lv['audio_throughput']:>10.1f} {per_frame:>9.2f} {lv['num_failed']:>5}"
+                f"{r['size']:6} {load:>14} {ttfa['p50']:>9.1f} {ttfa['p99']:>9.1f} {rtf['p50']:>8.3f} "
+                f"{rtf['p99']:>8.3f} {lv['audio_throughput']:>10.1f} {lv['request_throughput']:>7.2f} {per_frame:>9.2f} {lv['num_failed']:>5}"
             )
+        print(f"\n{r['size']}: mean TTFA by phase, ms (phase named by the mark that ends it)")
+        for lv in levels:
+            if "error" not in lv and lv.get("ttfa_phases_ms"):
+                load = f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s"
+                print(f"  {load:>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in lv["ttfa_phases_ms"].items()))
         if "fresh_reference_ttfa_ms" in r:
             print(f"{r['size']:6} fresh 3 s reference, concurrency 1: TTFA p50 {r['fresh_reference_ttfa_ms']['p50']:.1f} ms")
-        print(f"{r['size']:6} startup {r.get('server_startup_s')} s; GPU MiB {r.get('gpu_mib')}")
+        print(f"{r['size']:6} startup {r.get('server_startup_s')} s; GPU MiB {r.get('gpu_mib')}; skipped {r.get('skipped')}")
+    peer = results.get("peer")
+    if peer:
+        for rec in peer.get("records", []):
+            print(f"peer {rec['implementation']} {rec['mode']}: TTFA {rec['ttfa_ms']} ms, {rec['ms_per_frame']} ms/frame, RTF {rec['rtf']}")
+        if "ttfa_ratio_ours_to_peer_chunk1" in results:
+            print(f"our c=1 TTFA p50 / faster-qwen3-tts streaming chunk 1 TTFA: {results['ttfa_ratio_ours_to_peer_chunk1']:.3f}")
+        for err in peer.get("errors", []):
+            print(f"peer error: {err}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
+    parser.add_argument("--copy-to", default="benchmarks/results", help="also copy the JSON here")
     parser.add_argument("--work-dir", default="/tmp")
     parser.add_argument("--sizes", nargs="+", default=["0.6b", "1.7b"])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64, 128])
     parser.add_argument("--frames", type=int, default=125)
+    parser.add_argument("--open-fraction", type=float, default=0.8)
+    parser.add_argument("--open-seconds", type=float, default=12.0, help="seconds of open-loop arrivals")
+    parser.add_argument("--budget-s", type=float, default=520.0)
+    parser.add_argument("--reserve-s", type=float, default=20.0, help="kept for saving and the closing steps")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--peer-timeout-s", type=float, default=150.0)
+    parser.add_argument("--tf-site", default="/tmp/site_tf", help="PYTHONPATH entry of transformers 5.24 (dropped for the peer)")
     args = parser.parse_args()
+    budget = Budget(args.budget_s)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: list[dict] = []
+    results: dict = {"frames": args.frames, "sizes": []}
 
     def save() -> None:
-        (out_dir / "qwen3_tts_gpu.json").write_text(json.dumps({"frames": args.frames, "results": results}, indent=2))
+        text = json.dumps(results, indent=2)
+        (out_dir / "qwen3_tts_gpu.json").write_text(text)
+        if args.copy_to and Path(args.copy_to).is_dir():
+            shutil.copy(out_dir / "qwen3_tts_gpu.json", Path(args.copy_to) / "qwen3_tts_gpu.json")
 
-    for size in args.sizes:
-        results.append({})
-        run_size(size, args, results[-1], save)
+    first_model: Path | None = None
+    for i, size in enumerate(args.sizes):
+        # a size needs its start-up (~2 min for 0.6b, more for 1.7b) and a few levels
+        peer_s = args.peer_timeout_s if args.peer and i == 0 else 0
+        if i > 0 and not budget.fits(180 + peer_s + args.reserve_s):
+            results.setdefault("skipped", []).append(f"size {size}")
+            continue
+        results["sizes"].append({})
+        model_dir = run_size(size, args, results["sizes"][-1], save, budget)
+        first_model = first_model or model_dir
+        if i == 0 and args.peer and budget.fits(60):
+            run_peer(model_dir, args, results, save)
+    peer = results.get("peer", {})
+    chunk1 = next((r["ttfa_ms"] for r in peer.get("records", []) if r["mode"] == "streaming chunk 1"), None)
+    ours = next((lv["ttfa_ms"]["p50"] for lv in results["sizes"][0].get("levels", []) if lv.get("concurrency") == 1 and "error" not in lv), None) if results["sizes"] else None
+    if chunk1 and ours:
+        results["ttfa_ratio_ours_to_peer_chunk1"] = ours / chunk1
+    save()
     print_table(results, args.frames)
 
 
