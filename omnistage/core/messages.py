@@ -1,8 +1,9 @@
 """Messages that travel between stages and back to the coordinator.
 
 Between stages: a :class:`StagePayload` (the request's input to a stage), a
-:class:`StreamChunk` (an item on a streaming edge), :class:`StreamDone` (the end of one
-producer's stream), and :class:`Abort`. Back to the coordinator: :class:`StageResult`
+:class:`StreamChunk` (an item on a streaming edge) or a :class:`StreamBatch` of them (one
+producer step's chunks for many requests), :class:`StreamDone` (the end of one producer's
+stream), and :class:`Abort`. Back to the coordinator: :class:`StageResult`
 (a terminal stage's completion), a :class:`StreamChunk` from a terminal stage (output for
 the client), :class:`StageFailed` and :class:`StageMark` (a point of a request's timeline).
 
@@ -60,6 +61,23 @@ class StreamChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class StreamBatch:
+    """The stream chunks one producer step sends to one target, as ONE message (an AR
+    engine's frames of every running request): the target's runtime takes them in order,
+    as if they had come one by one, and the per-step cost of a stream edge (a lock, a
+    message; across processes a serialization and a send) does not grow per request.
+
+    Attributes:
+        source: the producing stage.
+        chunks: the chunks (each with its own request id), in the order they were made.
+    """
+
+    source: str
+    chunks: tuple[StreamChunk, ...]
+    request_id: str = ""  # a batch belongs to no single request
+
+
+@dataclass(frozen=True, slots=True)
 class StreamDone:
     """The producer ``source`` will send no more chunks for ``request_id``."""
 
@@ -114,5 +132,5 @@ class StageMark:
     at: float
 
 
-StageInput = StagePayload | StreamChunk | StreamDone | Abort
+StageInput = StagePayload | StreamChunk | StreamBatch | StreamDone | Abort
 CoordinatorEvent = StageResult | StreamChunk | StageFailed | StageDead | StageMark

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +30,7 @@ from omnistage.core.messages import (
     StageMark,
     StagePayload,
     StageResult,
+    StreamBatch,
     StreamChunk,
     StreamDone,
 )
@@ -113,31 +115,40 @@ class StageRuntime:
 
     # ------------------------------------------------------------------- inbound
     def deliver(self, message: StageInput, source: str) -> None:
-        """Thread-safe entry for every message addressed to this stage.
+        """Thread-safe entry for every message addressed to this stage (a
+        :class:`StreamBatch` is taken chunk by chunk, in order, under one lock).
 
         The scheduler gets the message under the stage's lock, so an abort can never
         overtake the payload it aborts on the way into the scheduler's inbox.
         """
-        request_id = message.request_id
-        events: list[CoordinatorEvent] = []
+        messages = message.chunks if isinstance(message, StreamBatch) else (message,)
+        failed: list[StageFailed] = []
         with self._lock:
-            if isinstance(message, Abort):
-                self._forget(request_id)
-                self.scheduler.put(message)
-                return
-            if request_id in self._ended:
-                return
-            try:
-                if isinstance(message, StagePayload):
-                    forward = self._on_payload(message, source)
-                else:
-                    forward = self._on_stream(message, source)
-            except StageFailureError as exc:  # a dynamic hook failed or broke its contract
-                forward = None
-                events.append(self._fail_locked(request_id, exc))
-            if forward is not None:
-                self.scheduler.put(forward)
-        self._emit(request_id, [], events)
+            for item in messages:
+                failure = self._deliver_locked(item, source)
+                if failure is not None:
+                    failed.append(failure)
+        for failure in failed:
+            self._emit(failure.request_id, [], [failure])
+
+    def _deliver_locked(self, message: StageInput, source: str) -> StageFailed | None:
+        request_id = message.request_id
+        if isinstance(message, Abort):
+            self._forget(request_id)
+            self.scheduler.put(message)
+            return None
+        if request_id in self._ended:
+            return None
+        try:
+            if isinstance(message, StagePayload):
+                forward = self._on_payload(message, source)
+            else:
+                forward = self._on_stream(message, source)
+        except StageFailureError as exc:  # a dynamic hook failed or broke its contract
+            return self._fail_locked(request_id, exc)
+        if forward is not None:
+            self.scheduler.put(forward)
+        return None
 
     def _on_payload(self, payload: StagePayload, source: str) -> StagePayload | None:
         request_id = payload.request_id
@@ -223,20 +234,54 @@ class StageRuntime:
         outgoing: Outgoing = []
         events: list[CoordinatorEvent] = []
         with self._lock:
-            active = self._active.get(request_id)
-            if active is None:
-                return  # ended (or failed) meanwhile
-            if not active.streamed:
-                active.streamed = True
-                events.append(StageMark(request_id, self.name, FIRST_OUTPUT, time.monotonic()))
-            if self.config.terminal:
-                events.append(StreamChunk(request_id, self.name, data, modality, dict(metadata or {})))
-            for target in active.stream_targets:
-                first = target not in active.announced
-                active.announced.add(target)
-                request = active.request if first else None
-                outgoing.append((target, StreamChunk(request_id, self.name, data, modality, dict(metadata or {}), request)))
+            self._stream_locked(request_id, data, modality, dict(metadata or {}), outgoing, events)
         self._emit(request_id, outgoing, events)
+
+    def stream_many(self, items: Sequence[tuple[str, Any]], modality: str = "data") -> None:
+        """:meth:`stream` of many requests' chunks under one lock, as ONE
+        :class:`StreamBatch` per stream target."""
+        outgoing: Outgoing = []
+        events: list[CoordinatorEvent] = []
+        with self._lock:
+            for request_id, data in items:
+                self._stream_locked(request_id, data, modality, {}, outgoing, events)
+        by_target: dict[str, list[StreamChunk]] = {}
+        for target, chunk in outgoing:
+            assert isinstance(chunk, StreamChunk)
+            by_target.setdefault(target, []).append(chunk)
+        batches: Outgoing = [(t, StreamBatch(self.name, tuple(chunks))) for t, chunks in by_target.items()]
+        try:
+            for target, message in batches:
+                self.links.send(target, message, self.name)
+            for event in events:
+                self.links.to_coordinator(event)
+        except RelayError as exc:  # every request of the batch fails (none is half-sent)
+            for request_id in dict.fromkeys(request_id for request_id, _ in items):
+                self._forget_now(request_id)
+                self.links.to_coordinator(StageFailed(request_id, self.name, exc))
+
+    def _stream_locked(
+        self,
+        request_id: str,
+        data: Any,
+        modality: str,
+        metadata: dict[str, int | float | str | bool],
+        outgoing: Outgoing,
+        events: list[CoordinatorEvent],
+    ) -> None:
+        active = self._active.get(request_id)
+        if active is None:
+            return  # ended (or failed) meanwhile
+        if not active.streamed:
+            active.streamed = True
+            events.append(StageMark(request_id, self.name, FIRST_OUTPUT, time.monotonic()))
+        if self.config.terminal:
+            events.append(StreamChunk(request_id, self.name, data, modality, metadata))
+        for target in active.stream_targets:
+            first = target not in active.announced
+            active.announced.add(target)
+            request = active.request if first else None
+            outgoing.append((target, StreamChunk(request_id, self.name, data, modality, metadata, request)))
 
     def mark(self, request_id: str, name: str) -> None:
         """A point of the request's timeline at this stage (``<stage>.<name>``), now."""

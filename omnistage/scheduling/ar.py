@@ -9,7 +9,8 @@ engine cannot take fails at once with a typed error (``QueueFullError`` when the
 queue is full, ``RequestValidationError`` when it can never fit).
 
 Output: every frame goes to the stage's stream targets as soon as the host has it, as a
-``[1, G] int64`` host tensor (modality ``"audio_codes"``; small enough to travel by value):
+``[1, G] int64`` host tensor (modality ``"audio_codes"``; small enough to travel by value),
+a step's frames of every request in one message per target (``StageOutbox.stream_many``):
 on CUDA one step after it was computed (the host reads step t's frames while the device runs step
 t+1). A request with ``return_hidden`` gets :class:`FrameWithHidden` chunks instead
 (modality ``"frame_hidden"``): each frame with the hidden-layer rows of the tokens its
@@ -256,11 +257,14 @@ class ARScheduler(Scheduler):
         outputs = []
         if not self.run_batch(plan.request_ids, lambda: outputs.extend(self.engine.execute(plan))):
             return
+        # one message per stream target for the whole step (per modality)
+        frames = [(o.request_id, o.frame) for o in outputs if o.hidden is None and o.frame is not None]
+        with_hidden = [(o.request_id, FrameWithHidden(o.frame, o.hidden)) for o in outputs if o.hidden is not None]
+        if frames:
+            self.outbox.stream_many(frames, self.modality)
+        if with_hidden:
+            self.outbox.stream_many(with_hidden, "frame_hidden")
         for out in outputs:
-            if out.hidden is not None:
-                self.outbox.stream(out.request_id, FrameWithHidden(out.frame, out.hidden), "frame_hidden")
-            elif out.frame is not None:
-                self.outbox.stream(out.request_id, out.frame, self.modality)
             if out.result is not None:
                 self._on_result(out)
 

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +42,10 @@ class StageOutbox(Protocol):
         metadata: dict[str, int | float | str | bool] | None = None,
     ) -> None:
         """One stream chunk to this stage's stream targets (or to the client, if terminal)."""
+
+    def stream_many(self, items: Sequence[tuple[str, Any]], modality: str = "data") -> None:
+        """``(request_id, data)`` chunks of many requests (e.g. one engine step's frames):
+        as :meth:`stream` for each, sent as one message per stream target."""
 
     def mark(self, request_id: str, name: str) -> None:
         """A point of the request's timeline (e.g. ``"prefill"``), now

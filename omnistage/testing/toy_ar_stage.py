@@ -165,14 +165,15 @@ def collect_frames(ctx: StageBuildContext) -> _CollectFrames:
     return _CollectFrames()
 
 
-def ar_pipeline_config(**engine_args: object) -> PipelineConfig:
-    """``engine`` (the toy AR stage, streaming frames) -> ``collect`` (terminal)."""
+def ar_pipeline_config(engine_process: str | None = None, **engine_args: object) -> PipelineConfig:
+    """``engine`` (the toy AR stage, streaming frames; in process group ``engine_process``,
+    None: the server's) -> ``collect`` (terminal)."""
     here = "omnistage.testing.toy_ar_stage:"
     return PipelineConfig(
         name="toy-ar",
         stages=[
             StageConfig(name="engine", factory=FactoryConfig(path=here + "toy_ar_stage", args=engine_args),
-                        next="collect", stream_to=["collect"]),
+                        next="collect", stream_to=["collect"], process=engine_process),
             StageConfig(name="collect", factory=FactoryConfig(path=here + "collect_frames"), terminal=True,
                         can_accept_stream_before_payload=True),
         ],

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from omnistage.core.errors import RequestAbortedError, RequestValidationError
+from omnistage.core.messages import StreamBatch, StreamChunk
 from omnistage.engine.sampler import SamplingParams
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.scheduling.ar import FrameWithHidden
@@ -192,4 +193,44 @@ async def test_a_request_done_before_its_payload_arrived_ends_once_it_does():
         result = await handle.result()
         streamed, generated = result.outputs["collect"]
         assert result.finish_reason == "length" and torch.equal(generated.codes, expected_codes(short)[0])
+async def test_a_step_streams_every_requests_frame_in_one_message_per_target():
+    """The engine's frames of one step travel as one StreamBatch to its stream target,
+    never as one message per request; the client still gets every frame, in order."""
+    requests = [ToyARRequest(3 + i, 5, seed=i) for i in range(4)]
+    model = toy_ar_model()
+    async with Pipeline(ar_pipeline_config()) as pipeline:
+        sent: list[object] = []
+        send = pipeline.host.send
+
+        def counting_send(target, message, source):
+            if source == "engine":
+                sent.append(message)
+            send(target, message, source)
+
+        pipeline.host.send = counting_send
+        handles = [pipeline.submit(r) for r in requests]
+        results = await asyncio.gather(*(h.result() for h in handles))
+        for request, result in zip(requests, results, strict=True):
+            expected, _ = reference_generate(model, toy_ar_input(request))
+            assert torch.equal(torch.cat([chunk.data for chunk in result.chunks]), expected)
+        assert not [m for m in sent if isinstance(m, StreamChunk)]
+        batches = [m for m in sent if isinstance(m, StreamBatch)]
+        assert sum(len(b.chunks) for b in batches) == 4 * 5
+        assert max(len(b.chunks) for b in batches) == 4  # a step of all four requests
+        await assert_no_request_state(pipeline)
+
+
+async def test_frames_stream_across_processes_in_batches_and_match_the_reference():
+    """The engine in its own process: its step batches travel through the transport (host
+    frames, by value) and every request still gets exactly the reference frames."""
+    requests = [ToyARRequest(3 + i, 4 + 2 * i, seed=i) for i in range(6)]
+    model = toy_ar_model()
+    async with Pipeline(ar_pipeline_config(engine_process="engine")) as pipeline:
+        handles = [pipeline.submit(r) for r in requests]
+        results = await asyncio.gather(*(h.result() for h in handles))
+        for request, result in zip(requests, results, strict=True):
+            streamed, generated = result.outputs["collect"]
+            expected, reason = reference_generate(model, toy_ar_input(request))
+            assert torch.equal(streamed, expected) and torch.equal(generated.codes, expected)
+            assert result.finish_reason == reason
         await assert_no_request_state(pipeline)
