@@ -16,7 +16,9 @@ never wait on the engine's stream or map its memory. On CUDA the host side of st
 (reading the frames back for the stop check, handing them on) overlaps the device running
 step ``t + 1``: the next
 step needs nothing from the host (its input embeddings are already on the device), so
-``execute`` launches step ``t + 1`` first and then waits for step ``t``'s frames. A
+``execute`` launches step ``t + 1`` first and then waits for step ``t``'s frames. A prefill
+is the exception (first-frame priority): its frames, the requests' first, are resolved
+right after it, not a step later. A
 request that stopped at step ``t`` has therefore also run in step ``t + 1``; that frame is
 dropped, and its KV writes land in blocks that are freed only afterwards in stream order.
 On CPU each step is resolved right after it ran.
@@ -263,7 +265,10 @@ class AREngine:
         try:
             launched = self._launch(plan.batch) if plan.batch else None
             outputs = self._resolve(previous) if previous else []
-            if launched is not None and self.overlap:
+            # first-frame priority: a prefill's frames (each request's first) are resolved
+            # at once rather than after the next step is launched (a step of TTFA saved,
+            # for one step whose host work is not overlapped)
+            if launched is not None and self.overlap and plan.batch.kind == "decode":
                 self._in_flight = launched
             elif launched is not None:
                 outputs += self._resolve(launched)

@@ -233,16 +233,28 @@ def test_a_failing_step_fails_only_its_batch_and_frees_its_blocks(monkeypatch):
     assert_nothing_held(engine)
 
 
-def test_prefills_are_coalesced_within_the_hold_window():
-    engine = engine_for(prefill_hold_ms=50.0)
+def test_a_request_on_an_idle_engine_is_prefilled_at_once():
+    engine = engine_for(prefill_hold_ms=1000.0)
     engine.add_request("a", request(3, 5), now=0.0)
-    assert engine.schedule(now=0.01).batch is None and engine.wait_hint(now=0.01) == pytest.approx(0.04)
+    assert engine.wait_hint(now=0.0) == 0.0
+    assert engine.schedule(now=0.0).batch.kind == "prefill"
+
+
+def test_prefills_are_coalesced_within_the_hold_window_while_others_decode():
+    engine = engine_for(prefill_hold_ms=50.0)
+    engine.add_request("z", request(2, 40, seed=9), now=0.0)
+    streamed = {out.request_id: [out.frame] for out in engine.execute(engine.schedule(now=0.0))}
+    engine.add_request("a", request(3, 5), now=0.0)
+    plan = engine.schedule(now=0.01)
+    assert plan.batch.kind == "decode"  # z decodes while a gathers
+    for out in engine.execute(plan):
+        streamed.setdefault(out.request_id, []).append(out.frame)
+    assert engine.scheduler.hold_remaining(now=0.01) == pytest.approx(0.04)
     engine.add_request("b", request(4, 5, seed=1), now=0.02)
     plan = engine.schedule(now=0.051)
     assert plan.batch.kind == "prefill" and [s.request_id for s in plan.batch.seqs] == ["a", "b"]
-    streamed = {out.request_id: [out.frame] for out in engine.execute(plan)}
-    engine.add_request("c", request(2, 5, seed=2), now=0.06)
-    assert engine.schedule(now=0.07).batch.kind == "decode"  # c gathers while a, b decode
+    for out in engine.execute(plan):
+        streamed.setdefault(out.request_id, []).append(out.frame)
     run(engine, {}, streamed)
     assert_nothing_held(engine)
 
