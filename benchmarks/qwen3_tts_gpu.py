@@ -22,8 +22,9 @@ of our concurrency-1 TTFA p50 to it is reported.
 
 ``--budget-s`` bounds the whole run (a device call is limited): a step that would not fit
 is skipped and recorded as skipped; the JSON is saved after every step. Prints a table
-and writes ``OUT_DIR/qwen3_tts_gpu.json`` (copied to ``--copy-to`` as well) and the server
-logs. Run on the device (see benchmarks/README.md)::
+and writes ``OUT_DIR/qwen3_tts_gpu.json`` (``_split.json`` with ``--split``: the engine and
+the vocoder in processes of their own; copied to ``--copy-to`` as well) and the server
+logs; every level records the GPU's mean utilization (nvidia-smi, 0.5 s samples). Run on the device (see benchmarks/README.md)::
 
     python benchmarks/qwen3_tts_gpu.py --out-dir $OUT --sizes 0.6b 1.7b
 """
@@ -72,40 +73,57 @@ def data_uri(wav: bytes) -> str:
     return "data:audio/wav;base64," + base64.b64encode(wav).decode()
 
 
-def gpu_memory_mib() -> float:
+def gpu_sample() -> tuple[float, float]:
+    """(memory used MiB, utilization %) of GPU 0, from nvidia-smi (zeros without one: a
+    CPU dry run of this script)."""
+    if shutil.which("nvidia-smi") is None:
+        return 0.0, 0.0
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True, check=True
-    )
-    return float(out.stdout.split()[0])
+        ["nvidia-smi", "--query-gpu=memory.used,utilization.gpu", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    memory, util = out.stdout.strip().split(",")
+    return float(memory), float(util)
 
 
-class MemoryPeak(threading.Thread):
-    """Polls nvidia-smi every 0.5 s while running; ``peak`` in MiB."""
+def gpu_memory_mib() -> float:
+    return gpu_sample()[0]
+
+
+class GpuSampler(threading.Thread):
+    """Samples nvidia-smi every 0.5 s while running: ``stop()`` returns the peak memory
+    (MiB) and the mean utilization (%, the share of time a kernel ran)."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peak, self._halt = 0.0, threading.Event()
+        self.peak, self.utils, self._halt = 0.0, [], threading.Event()
 
     def run(self) -> None:
         while not self._halt.is_set():
-            self.peak = max(self.peak, gpu_memory_mib())
+            memory, util = gpu_sample()
+            self.peak = max(self.peak, memory)
+            self.utils.append(util)
             self._halt.wait(0.5)
 
-    def stop(self) -> float:
+    def stop(self) -> dict:
         self._halt.set()
         self.join()
-        return self.peak
+        return {"gpu_peak_mib": self.peak, "gpu_util_mean": float(np.mean(self.utils)) if self.utils else None}
 
 
-def start_server(model_dir: Path, port: int, max_conc: int, log: Path) -> tuple[subprocess.Popen, float]:
+def start_server(model_dir: Path, port: int, max_conc: int, log: Path, split: bool = False) -> tuple[subprocess.Popen, float]:
+    """``split``: the engine and the vocoder in processes of their own."""
     cmd = [
         sys.executable, "-m", "omnistage.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
         "--allowed-local-media-path", str(model_dir.parent),
-        "--max_concurrent_requests", str(2 * max_conc),
+        # room for an open loop's Poisson bursts (the engine queues what it cannot run)
+        "--max_concurrent_requests", str(max(4 * max_conc, 512)),
         "--tts_engine.factory.args.max_num_seqs", str(max_conc),
         "--vocoder.factory.args.num_slots", str(max_conc),
         "--log-level", "warning",
     ]  # fmt: skip
+    if split:
+        cmd += ["--tts_engine.process", "engine", "--vocoder.process", "vocoder"]
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     while time.perf_counter() - start < 600:
@@ -141,9 +159,10 @@ def bench_level(port: int, frames: int, ref: Path, out: Path, conc: int | None =
     meta = out.with_suffix(".lst")
     meta.write_text(f"s0|{REF_TEXT}||{TEXT}\n", encoding="utf-8")
     cmd += ["--meta-lst", str(meta)]
+    out.unlink(missing_ok=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
     print(done.stdout[-3000:], flush=True)
-    if done.returncode != 0:
+    if not out.exists():  # bench speed writes its report even when some requests failed
         return {"concurrency": conc, "rate": rate, "error": (done.stdout + done.stderr)[-1500:]}
     return json.loads(out.read_text())["levels"][0]
 
@@ -189,12 +208,14 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
     t0 = time.perf_counter()
     subprocess.run(
         [sys.executable, "-m", "omnistage.cli", "init-random", "--arch", "Qwen3TTSForConditionalGeneration",
-         "--size", size, "--type", "base", "--device", "cuda", str(model_dir)],
+         "--size", size, "--type", "base", "--device", args.device, str(model_dir)],
         check=True,
     )  # fmt: skip
     record |= {"size": size, "init_random_s": round(time.perf_counter() - t0, 1), "gpu_mib": {"before_server": gpu_memory_mib()}}
     port = 8100
-    proc, startup_s = start_server(model_dir, port, max(args.concurrency), Path(args.out_dir) / f"server_{size}.log")
+    log = Path(args.out_dir) / f"server_{size}{'_split' if args.split else ''}.log"
+    proc, startup_s = start_server(model_dir, port, max(args.concurrency), log, args.split)
+    record["placement"] = "engine and vocoder in processes of their own" if args.split else "one process"
     record["server_startup_s"] = round(startup_s, 1)
     record["gpu_mib"]["after_startup"] = gpu_memory_mib()
     record["skipped"] = []
@@ -202,23 +223,25 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
     try:
         ref = model_dir.parent / f"reference_{size}.wav"
         ref.write_bytes(reference_wav(7))
-        record["levels"], peak = [], MemoryPeak()
-        peak.start()
+        record["levels"] = []
         for conc in args.concurrency:
             if not budget.fits(level_cost_s(conc, args.frames) + args.reserve_s):
                 record["skipped"].append(f"concurrency {conc}")
                 continue
+            sampler = GpuSampler()
+            sampler.start()
             level = bench_level(port, args.frames, ref, Path(args.work_dir) / f"bench_{size}_c{conc}.json", conc=conc)
-            record["levels"].append(level)
+            record["levels"].append(level | sampler.stop())
             save()
-        record["gpu_mib"] |= {"peak_during_bench": peak.stop()}
         saturation = max((lv["request_throughput"] for lv in record["levels"] if "error" not in lv), default=0.0)
         record["saturation_requests_per_s"] = saturation
         rate = args.open_fraction * saturation
         n = max(16, int(rate * args.open_seconds))
         if rate > 0 and budget.fits(args.open_seconds + 2 * args.frames * 0.08 + 10 + args.reserve_s):
+            sampler = GpuSampler()
+            sampler.start()
             level = bench_level(port, args.frames, ref, Path(args.work_dir) / f"bench_{size}_open.json", rate=rate, n=n)
-            record["open_loop"] = level | {"fraction_of_saturation": args.open_fraction}
+            record["open_loop"] = level | sampler.stop() | {"fraction_of_saturation": args.open_fraction}
         else:
             record["skipped"].append("open loop")
         save()
@@ -260,15 +283,19 @@ def print_table(results: dict, frames: int) -> None:
     for r in results["sizes"]:
         levels = list(r.get("levels", [])) + ([r["open_loop"]] if "open_loop" in r else [])
         for lv in levels:
-            load = f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s pk{lv['concurrency']}"
             if "error" in lv:
-                print(f"{r['size']:6} {lv.get('concurrency') or lv.get('rate')!s:>14} FAILED: {lv['error'][-200:]}")
+                load = f"c={lv['concurrency']}" if lv.get("rate") is None else f"{lv['rate']:.1f}/s"
+            else:
+                load = f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s pk{lv['concurrency']}"
+            if "error" in lv:
+                print(f"{r['size']:6} {load:>14} FAILED: {lv['error'][-200:]}")
                 continue
             ttfa, rtf = lv["ttfa_ms"], lv["rtf"]
             per_frame = lv["latency_ms"]["p50"] / frames
             print(
                 f"{r['size']:6} {load:>14} {ttfa['p50']:>9.1f} {ttfa['p99']:>9.1f} {rtf['p50']:>8.3f} "
                 f"{rtf['p99']:>8.3f} {lv['audio_throughput']:>10.1f} {lv['request_throughput']:>7.2f} {per_frame:>9.2f} {lv['num_failed']:>5}"
+                f"  GPU util {lv.get('gpu_util_mean') or 0:.0f}%"
             )
         print(f"\n{r['size']}: mean TTFA by phase, ms (phase named by the mark that ends it)")
         for lv in levels:
@@ -301,6 +328,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=520.0)
     parser.add_argument("--reserve-s", type=float, default=20.0, help="kept for saving and the closing steps")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--device", default="cuda", help="cpu: a dry run of the whole script on a tiny checkpoint (--sizes tiny --no-peer)")
+    parser.add_argument("--split", action="store_true", help="serve with the engine and the vocoder in processes of their own")
     parser.add_argument("--peer-timeout-s", type=float, default=150.0)
     parser.add_argument("--tf-site", default="/tmp/site_tf", help="PYTHONPATH entry of transformers 5.24 (dropped for the peer)")
     args = parser.parse_args()
@@ -309,11 +338,12 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"frames": args.frames, "sizes": []}
 
+    name = "qwen3_tts_gpu_split.json" if args.split else "qwen3_tts_gpu.json"
+
     def save() -> None:
-        text = json.dumps(results, indent=2)
-        (out_dir / "qwen3_tts_gpu.json").write_text(text)
+        (out_dir / name).write_text(json.dumps(results, indent=2))
         if args.copy_to and Path(args.copy_to).is_dir():
-            shutil.copy(out_dir / "qwen3_tts_gpu.json", Path(args.copy_to) / "qwen3_tts_gpu.json")
+            shutil.copy(out_dir / name, Path(args.copy_to) / name)
 
     first_model: Path | None = None
     for i, size in enumerate(args.sizes):

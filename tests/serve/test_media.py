@@ -13,6 +13,7 @@ import pytest
 import soundfile as sf
 
 from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.serve import media
 from omnistage.serve.media import MediaPolicy, load_reference_audio, resample
 
 RATE = 16000
@@ -368,3 +369,24 @@ def test_url_http_error_and_bad_urls(dns):
         "https://x.media.example.com/", URL_POLICY, transport=server.transport
     )
     rejects("https:///nohost", URL_POLICY, transport=server.transport)
+
+
+def test_a_clip_sent_again_is_decoded_once_and_shared_read_only(monkeypatch):
+    """The decode cache is keyed by the bytes' content: the same clip again returns the
+    same (read-only) samples without decoding, a different clip is decoded on its own."""
+    calls = []
+    decode = media._decode
+
+    def counting_decode(data, policy, param):
+        calls.append(len(data))
+        return decode(data, policy, param)
+
+    monkeypatch.setattr(media, "_decode", counting_decode)
+    monkeypatch.setattr(media, "_DECODED", media._DecodeCache(media.DECODE_CACHE_BYTES))
+    clip, other = (base64.b64encode(audio_bytes(tone(freq=f))).decode() for f in (440.0, 330.0))
+    first = load_reference_audio(clip, MediaPolicy())
+    again = load_reference_audio(clip, MediaPolicy())
+    assert again is first and not first.samples.flags.writeable
+    assert len(calls) == 1
+    different = load_reference_audio(other, MediaPolicy())
+    assert len(calls) == 2 and not np.array_equal(different.samples, first.samples)

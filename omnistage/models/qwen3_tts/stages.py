@@ -211,7 +211,7 @@ class ReferenceEncoder:
     @torch.inference_mode()
     def _encode(self, clips: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         device = next(self.codec_encoder.parameters()).device
-        tensors = [torch.from_numpy(np.ascontiguousarray(c, dtype=np.float32)).to(device) for c in clips]
+        tensors = [torch.tensor(c, dtype=torch.float32, device=device) for c in clips]  # clips may be read-only
         codes = self.codec_encoder.encode_batch(tensors)
         # the codes go to the host once here (a preprocessing worker's sync), not on the
         # vocoder's or the engine's thread: the prompt copies them back, the vocoder
