@@ -98,6 +98,7 @@ def flash_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
     """
     from torch.nn.attention.varlen import varlen_attn
 
+    q, k, v = (t.contiguous() for t in (q, k, v))  # the kernel's layout; a no-op for most layers
     params = inspect.signature(varlen_attn).parameters
     if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
         repeat = q.shape[1] // k.shape[1]
@@ -125,7 +126,7 @@ def flash_varlen_usable(device: torch.device, dtype: torch.dtype, num_heads: int
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
     try:
         fused = flash_varlen_prefill(q, k, v, cu, max(lengths))
-    except (ImportError, RuntimeError, TypeError, ValueError) as exc:
+    except (ImportError, AttributeError, AssertionError, RuntimeError, TypeError, ValueError) as exc:
         logger.warning("prefill attention: varlen flash attention unavailable (%r); one SDPA call per sequence", exc)
         return False
     error = (fused.float() - varlen_prefill_attention(q, k, v, lengths).float()).abs().max().item()
