@@ -353,3 +353,42 @@ def test_streams_starting_in_the_same_tick_open_as_one_batch(make) -> None:
     assert arena.opens == [3]
     for request_id in "abc":
         assert np.array_equal(outbox.audio(request_id), _fake_audio(_codes(1, seed=ord(request_id)), 3).numpy())
+
+
+def test_batched_opens_with_the_real_codec_stream_exactly_and_aborts_at_every_phase_leak_nothing(
+    make, released, tmp_path: Path
+) -> None:
+    """Five clones of one voice arrive in one tick: four open as one batch (one decode of
+    the reference, three cached copies), the fifth waits for a slot. Then one is aborted
+    while waiting, one after its open but before any frame, one mid-stream; the other two
+    stream exactly their offline decode, and every slot and every request's state is gone."""
+    write_random_speech_tokenizer(tmp_path, "tiny", seed=0)
+    decoder = load_decoder(tmp_path)
+    arena = StreamingDecoderArena(decoder, num_slots=4)
+    scheduler, outbox = make(arena, start=False)
+    reference = _codes(4, seed=7)
+    utterances = {r: _codes(9, seed=10 + i) for i, r in enumerate("abcde")}
+    for request_id in "abcde":
+        scheduler.put(_payload(request_id, left_context_codes=reference))
+    scheduler.start()
+    _settle(scheduler)
+    assert arena.num_free == 0 and "e" in scheduler._waiting
+    assert len(arena._contexts) == 1  # the reference was decoded once
+    for aborted in "eb":  # waiting for a slot; opened, no frame yet
+        scheduler.put(Abort(aborted))
+        _settle(scheduler)
+    for request_id in "acd":
+        scheduler.put(_chunk(request_id, utterances[request_id][:3]))
+    _settle(scheduler)
+    scheduler.put(Abort("c"))  # mid-stream
+    for request_id in "ad":
+        scheduler.put(_chunk(request_id, utterances[request_id][3:]))
+        scheduler.put(StreamDone(request_id, "tts_engine"))
+    outbox.wait("a", "d")
+    _settle(scheduler)
+    with torch.inference_mode():
+        for request_id in "ad":
+            expected = decoder(torch.cat([reference, utterances[request_id]])[None])[0, 4 * 1920 :].numpy()
+            assert np.abs(outbox.audio(request_id) - expected).max() <= 1e-5
+    assert set("bce") <= set(released) and not {"b", "c", "e"} & set(outbox.results)
+    assert arena.num_free == 4 and scheduler.live_requests() == set() and not scheduler._waiting
