@@ -20,7 +20,8 @@ preprocessing, engine queue, prefill + first frame, first vocoder chunk, client)
 smallest) on the first size's checkpoint, in the image's own transformers, and the ratio
 of our concurrency-1 TTFA p50 to it is reported.
 
-``--budget-s`` bounds the whole run (a device call is limited): a step that would not fit
+First it runs the suite's GPU-marked tests (``--no-gpu-tests`` skips them), so the same
+call shows the CUDA paths correct. ``--budget-s`` bounds the whole run (a device call is limited): a step that would not fit
 is skipped and recorded as skipped; the JSON is saved after every step. Prints a table
 and writes ``OUT_DIR/qwen3_tts_gpu.json`` (``_split.json`` with ``--split``: the engine and
 the vocoder in processes of their own; copied to ``--copy-to`` as well) and the server
@@ -278,6 +279,23 @@ def run_peer(model_dir: Path, args: argparse.Namespace, results: dict, save) -> 
     save()
 
 
+GPU_TESTS = ["tests/engine", "tests/models/qwen3_tts/test_streaming_decoder.py", "tests/pipeline/test_tensor_transport.py"]
+
+
+def run_gpu_tests(timeout_s: float) -> dict:
+    """The suite's GPU-marked tests (engine graphs and kernels, the fused prefill, the
+    vocoder's graphs with host codes and cached contexts, CUDA IPC), so the same device
+    call shows the CUDA paths are correct: ``{"returncode", "summary", "tail"}``."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TESTS]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"returncode": None, "summary": f"timed out after {timeout_s:g} s", "tail": ""}
+    lines = done.stdout.strip().splitlines()
+    print("\n".join(lines[-15:]), flush=True)
+    return {"returncode": done.returncode, "summary": lines[-1] if lines else "", "tail": "\n".join(lines[-40:])}
+
+
 def print_table(results: dict, frames: int) -> None:
     print(f"\n{'size':6} {'load':>14} {'TTFA p50':>9} {'TTFA p99':>9} {'RTF p50':>8} {'RTF p99':>8} {'audio s/s':>10} {'req/s':>7} {'ms/frame':>9} {'fail':>5}")
     for r in results["sizes"]:
@@ -305,6 +323,8 @@ def print_table(results: dict, frames: int) -> None:
         if "fresh_reference_ttfa_ms" in r:
             print(f"{r['size']:6} fresh 3 s reference, concurrency 1: TTFA p50 {r['fresh_reference_ttfa_ms']['p50']:.1f} ms")
         print(f"{r['size']:6} startup {r.get('server_startup_s')} s; GPU MiB {r.get('gpu_mib')}; skipped {r.get('skipped')}")
+    if "gpu_tests" in results:
+        print(f"GPU tests: {results['gpu_tests']['summary']}")
     peer = results.get("peer")
     if peer:
         for rec in peer.get("records", []):
@@ -328,6 +348,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=520.0)
     parser.add_argument("--reserve-s", type=float, default=20.0, help="kept for saving and the closing steps")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--gpu-tests", action=argparse.BooleanOptionalAction, default=True, help="run the GPU-marked tests first")
+    parser.add_argument("--gpu-tests-timeout-s", type=float, default=150.0)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the whole script on a tiny checkpoint (--sizes tiny --no-peer)")
     parser.add_argument("--split", action="store_true", help="serve with the engine and the vocoder in processes of their own")
     parser.add_argument("--peer-timeout-s", type=float, default=150.0)
@@ -345,6 +367,9 @@ def main() -> None:
         if args.copy_to and Path(args.copy_to).is_dir():
             shutil.copy(out_dir / name, Path(args.copy_to) / name)
 
+    if args.gpu_tests:
+        results["gpu_tests"] = run_gpu_tests(args.gpu_tests_timeout_s)
+        save()
     first_model: Path | None = None
     for i, size in enumerate(args.sizes):
         # a size needs its start-up (~2 min for 0.6b, more for 1.7b) and a few levels

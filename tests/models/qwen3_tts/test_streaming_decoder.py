@@ -204,3 +204,27 @@ def test_opening_more_streams_than_free_slots_takes_none(decoder) -> None:
     with pytest.raises(ArenaFullError):
         arena.allocate_many([None, None, None])
     assert arena.num_free == 2
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decode(decoder, monkeypatch) -> None:
+    """The serving path on CUDA: codes from the host, streams opened in one batch with one
+    reference decoded once (the others copy its cached state), graph replays on the arena's
+    stream, audio back on the host."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    device_decoder = SpeechTokenizerDecoder(decoder.config).to("cuda")
+    device_decoder.load_state_dict(decoder.state_dict())
+    graphed = StreamingDecoderArena(device_decoder, num_slots=8)
+    graphed.capture_graphs(batch_buckets=(1, 4, 8), chunk_lengths=(1, 2, 3, 8))
+    reference = _codes(5, seed=50)
+    contexts = [reference, None, reference, _codes(5, seed=51)]
+    utterances = [_codes(11, seed=60 + s) for s in range(len(contexts))]
+    slots = graphed.allocate_many(contexts)
+    pieces = [graphed.decode(slots, torch.stack([u[a:b] for u in utterances])) for a, b in ((0, 1), (1, 3), (3, 11))]
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pieces)
+    together = torch.cat(pieces, dim=1)
+    for context, utterance, audio in zip(contexts, utterances, together, strict=True):
+        full = utterance if context is None else torch.cat([context, utterance])
+        skip = 0 if context is None else 5 * SPF
+        assert (audio - _offline(decoder, full)[skip:]).abs().max() <= 1e-4
