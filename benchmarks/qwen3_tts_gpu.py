@@ -23,7 +23,7 @@ of our concurrency-1 TTFA p50 to it is reported.
 First it runs the suite's GPU-marked tests (``--no-gpu-tests`` skips them), so the same
 call shows the CUDA paths correct. ``--budget-s`` bounds the whole run (a device call is limited): a step that would not fit
 is skipped and recorded as skipped; the JSON is saved after every step. Prints a table
-and writes ``OUT_DIR/qwen3_tts_gpu.json`` (``_split.json`` with ``--split``: the engine and
+and writes ``OUT_DIR/qwen3_tts_gpu_<sizes>.json`` (``..._split.json`` with ``--split``: the engine and
 the vocoder in processes of their own; copied to ``--copy-to`` as well) and the server
 logs; every level records the GPU's mean utilization (nvidia-smi, 0.5 s samples). Run on the device (see benchmarks/README.md)::
 
@@ -258,7 +258,7 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
     return model_dir
 
 
-def run_peer(model_dir: Path, args: argparse.Namespace, results: dict, save) -> None:
+def run_peer(model_dir: Path, args: argparse.Namespace, results: dict, save, timeout_s: float) -> None:
     """faster-qwen3-tts on ``model_dir`` (``peers_gpu.py --only faster``), in the image's
     transformers: ``PYTHONPATH`` without the ``--tf-site`` entry that our processes use."""
     out = Path(args.out_dir) / "peers_faster.json"
@@ -266,7 +266,12 @@ def run_peer(model_dir: Path, args: argparse.Namespace, results: dict, save) -> 
     env["PYTHONPATH"] = os.pathsep.join(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != args.tf_site)
     t0 = time.perf_counter()
     cmd = [sys.executable, "benchmarks/peers_gpu.py", str(model_dir), "--out", str(out), "--runs", "2", "--only", "faster", "--frames", str(args.frames)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=max(60, int(args.peer_timeout_s)))
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        results["peer"] = {"error": f"timed out after {timeout_s:.0f} s"}
+        save()
+        return
     print(done.stdout[-2500:], done.stderr[-1500:], flush=True)
     record: dict = {"wall_s": round(time.perf_counter() - t0, 1), "returncode": done.returncode}
     if out.exists():
@@ -331,7 +336,7 @@ def print_table(results: dict, frames: int) -> None:
             print(f"peer {rec['implementation']} {rec['mode']}: TTFA {rec['ttfa_ms']} ms, {rec['ms_per_frame']} ms/frame, RTF {rec['rtf']}")
         if "ttfa_ratio_ours_to_peer_chunk1" in results:
             print(f"our c=1 TTFA p50 / faster-qwen3-tts streaming chunk 1 TTFA: {results['ttfa_ratio_ours_to_peer_chunk1']:.3f}")
-        for err in peer.get("errors", []):
+        for err in [*peer.get("errors", []), *([peer["error"]] if "error" in peer else [])]:
             print(f"peer error: {err}")
 
 
@@ -360,7 +365,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"frames": args.frames, "sizes": []}
 
-    name = "qwen3_tts_gpu_split.json" if args.split else "qwen3_tts_gpu.json"
+    name = f"qwen3_tts_gpu_{'_'.join(args.sizes)}{'_split' if args.split else ''}.json"
 
     def save() -> None:
         (out_dir / name).write_text(json.dumps(results, indent=2))
@@ -368,7 +373,7 @@ def main() -> None:
             shutil.copy(out_dir / name, Path(args.copy_to) / name)
 
     if args.gpu_tests:
-        results["gpu_tests"] = run_gpu_tests(args.gpu_tests_timeout_s)
+        results["gpu_tests"] = run_gpu_tests(min(args.gpu_tests_timeout_s, budget.left() / 4))
         save()
     first_model: Path | None = None
     for i, size in enumerate(args.sizes):
@@ -380,8 +385,8 @@ def main() -> None:
         results["sizes"].append({})
         model_dir = run_size(size, args, results["sizes"][-1], save, budget)
         first_model = first_model or model_dir
-        if i == 0 and args.peer and budget.fits(60):
-            run_peer(model_dir, args, results, save)
+        if i == 0 and args.peer and budget.fits(60 + args.reserve_s):
+            run_peer(model_dir, args, results, save, min(args.peer_timeout_s, budget.left() - args.reserve_s))
     peer = results.get("peer", {})
     chunk1 = next((r["ttfa_ms"] for r in peer.get("records", []) if r["mode"] == "streaming chunk 1"), None)
     ours = next((lv["ttfa_ms"]["p50"] for lv in results["sizes"][0].get("levels", []) if lv.get("concurrency") == 1 and "error" not in lv), None) if results["sizes"] else None
