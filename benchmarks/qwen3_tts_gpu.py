@@ -50,7 +50,7 @@ import numpy as np
 import soundfile
 
 from omnistage.bench import BenchSample, SpeechTarget
-from omnistage.bench.speed import request_speech
+from omnistage.bench.speed import SpeechResult, mean_phases, request_speech
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the quiet green forest."
 REF_TEXT = "This is the voice you should sound like in every sentence."
@@ -168,18 +168,19 @@ def bench_level(port: int, frames: int, ref: Path, out: Path, conc: int | None =
     return json.loads(out.read_text())["levels"][0]
 
 
-async def fresh_reference_ttfa(port: int, frames: int, count: int) -> list[float]:
-    """TTFA (ms) of ``count`` sequential requests, each with a reference never seen before."""
-    ttfa = []
+async def fresh_reference_ttfa(port: int, frames: int, count: int) -> list[SpeechResult]:
+    """``count`` sequential requests, each with a reference never seen before (so both
+    reference encoders and the vocoder's left-context decode run on the request path)."""
+    results = []
     async with httpx.AsyncClient(timeout=120) as client:
         for i in range(count):
-            fields = {"ref_audio": data_uri(reference_wav(1000 + i)), "ref_text": REF_TEXT, "max_new_tokens": frames, "min_new_tokens": frames}
+            fields = {"ref_audio": data_uri(reference_wav(1000 + i)), "ref_text": REF_TEXT, "max_new_tokens": frames, "min_new_tokens": frames, "language": "english"}
             target = SpeechTarget(f"http://127.0.0.1:{port}", extra_fields=fields)
             result = await request_speech(client, target, BenchSample(f"fresh{i}", TEXT), stream=True)
             if not result.ok:
                 raise RuntimeError(result.error)
-            ttfa.append(result.ttfa_ms)
-    return ttfa
+            results.append(result)
+    return results
 
 
 class Budget:
@@ -248,7 +249,8 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         save()
         if budget.fits(8 * (0.3 + args.frames * 0.01) + args.reserve_s):
             fresh = asyncio.run(fresh_reference_ttfa(port, args.frames, 8))
-            record["fresh_reference_ttfa_ms"] = {"p50": float(np.median(fresh)), "all": [round(x, 1) for x in fresh]}
+            ttfa = [r.ttfa_ms for r in fresh]
+            record["fresh_reference_ttfa_ms"] = {"p50": float(np.median(ttfa)), "all": [round(x, 1) for x in ttfa], "phases_ms": mean_phases(fresh)}
         else:
             record["skipped"].append("fresh reference")
         save()
@@ -326,7 +328,9 @@ def print_table(results: dict, frames: int) -> None:
                 load = f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s"
                 print(f"  {load:>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in lv["ttfa_phases_ms"].items()))
         if "fresh_reference_ttfa_ms" in r:
-            print(f"{r['size']:6} fresh 3 s reference, concurrency 1: TTFA p50 {r['fresh_reference_ttfa_ms']['p50']:.1f} ms")
+            fresh = r["fresh_reference_ttfa_ms"]
+            phases = "  ".join(f"{k} {v:.1f}" for k, v in fresh.get("phases_ms", {}).items())
+            print(f"{r['size']:6} fresh 3 s reference, concurrency 1: TTFA p50 {fresh['p50']:.1f} ms ({phases})")
         print(f"{r['size']:6} startup {r.get('server_startup_s')} s; GPU MiB {r.get('gpu_mib')}; skipped {r.get('skipped')}")
     if "gpu_tests" in results:
         print(f"GPU tests: {results['gpu_tests']['summary']}")

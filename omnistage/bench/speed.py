@@ -66,6 +66,7 @@ __all__ = [
     "SpeedOptions",
     "SpeedReport",
     "make_client",
+    "mean_phases",
     "percentile",
     "plot_speed_report",
     "print_speed_report",
