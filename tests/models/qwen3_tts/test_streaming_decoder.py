@@ -130,15 +130,22 @@ def test_a_reused_slot_starts_from_a_fresh_state(decoder) -> None:
     assert (arena.decode([slot], codes[None])[0] - _offline(decoder, codes)).abs().max() <= TOLERANCE
 
 
-@pytest.mark.gpu
-def test_cuda_graph_replay_equals_eager_decoding(decoder, monkeypatch) -> None:
-    # cuDNN convolutions default to TF32 (10-bit mantissa): compare in true fp32
+def _graphed_arena(decoder: SpeechTokenizerDecoder, monkeypatch) -> StreamingDecoderArena:
+    """The decoder on CUDA in an 8-slot arena with graphs for batches 1, 4, 8 and chunks of
+    1, 2, 3, 8 frames; cuDNN convolutions default to TF32 (10-bit mantissa), so this turns
+    it off to compare in true fp32."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     device_decoder = SpeechTokenizerDecoder(decoder.config).to("cuda")
     device_decoder.load_state_dict(decoder.state_dict())
     graphed = StreamingDecoderArena(device_decoder, num_slots=8)
     graphed.capture_graphs(batch_buckets=(1, 4, 8), chunk_lengths=(1, 2, 3, 8))
+    return graphed
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_equals_eager_decoding(decoder, monkeypatch) -> None:
+    graphed = _graphed_arena(decoder, monkeypatch)
     utterances = [_codes(14, seed=s).cuda() for s in range(3)]
     slots = [graphed.allocate() for _ in utterances]
     pieces = [graphed.decode(slots, torch.stack([u[a:b] for u in utterances])) for a, b in ((0, 1), (1, 3), (3, 11), (11, 14))]
@@ -211,12 +218,7 @@ def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decod
     """The serving path on CUDA: codes from the host, streams opened in one batch with one
     reference decoded once (the others copy its cached state), graph replays on the arena's
     stream, audio back on the host."""
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    device_decoder = SpeechTokenizerDecoder(decoder.config).to("cuda")
-    device_decoder.load_state_dict(decoder.state_dict())
-    graphed = StreamingDecoderArena(device_decoder, num_slots=8)
-    graphed.capture_graphs(batch_buckets=(1, 4, 8), chunk_lengths=(1, 2, 3, 8))
+    graphed = _graphed_arena(decoder, monkeypatch)
     reference = _codes(5, seed=50)
     contexts = [reference, None, reference, _codes(5, seed=51)]
     utterances = [_codes(11, seed=60 + s) for s in range(len(contexts))]
