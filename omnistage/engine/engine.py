@@ -14,14 +14,13 @@ code 0 back anyway, and the whole ``[B, G]`` frame of a step is one copy of ``16
 into pinned memory, so consumers (a vocoder on its own CUDA stream, another process)
 never wait on the engine's stream or map its memory. On CUDA the host side of step ``t``
 (reading the frames back for the stop check, handing them on) overlaps the device running
-step ``t + 1``: the next
-step needs nothing from the host (its input embeddings are already on the device), so
-``execute`` launches step ``t + 1`` first and then waits for step ``t``'s frames. A prefill
-is the exception (first-frame priority): its frames, the requests' first, are resolved
-right after it, not a step later. A
-request that stopped at step ``t`` has therefore also run in step ``t + 1``; that frame is
-dropped, and its KV writes land in blocks that are freed only afterwards in stream order.
-On CPU each step is resolved right after it ran.
+step ``t + 1``: the next step needs nothing from the host (its input embeddings are
+already on the device), so ``execute`` launches step ``t + 1`` first and then waits for
+step ``t``'s frames. A request that stopped at step ``t`` has therefore also run in step
+``t + 1``; that frame is dropped, and its KV writes land in blocks that are freed only
+afterwards in stream order. A prefill is the exception (first-frame priority): its
+frames, the requests' first, are resolved right after it, not a step later. On CPU each
+step is resolved right after it ran.
 
 If a step raises, every request of it (the launched batch and the one being resolved) ends
 with finish_reason ``"error"`` and frees its blocks before the exception propagates to the
