@@ -25,13 +25,13 @@ from pathlib import Path
 
 import torch
 
+from omnistage.engine.vocoder_arena import StreamingDecoderArena
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.config import SpeechTokenizerConfig
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import build_decoder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
     random_speech_tokenizer_tensors,
     speech_tokenizer_config,
 )
-from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import StreamingDecoderArena
 
 FRAME_S = 0.08
 CONCURRENCY = (1, 8, 64)

@@ -56,9 +56,10 @@ class StreamingCodecDecoder(Protocol):
         """Open one stream per entry, as one batch (decoding each ``left_context [R, G]``
         into its state, silently); returns their slots."""
 
-    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
-        """The next ``n`` frames of each slot, ``codes [B, n, G]`` -> ``[B, n * spf]``
-        float32 on the host."""
+    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> list[torch.Tensor]:
+        """The next ``n`` frames of each slot, ``codes [B, n, G]`` -> per slot ``[n * spf]``
+        float32 on the host (fewer in a stream's first chunk when the codec's streams open
+        with samples that are not audio: Qwen3-Omni's code2wav drops 555)."""
 
     def free(self, slot: int) -> None:
         """Close a stream; idempotent."""
@@ -283,9 +284,9 @@ class VocoderScheduler(StreamingScheduler):
 
     def _decode_group(self, group: list[StreamState], n: int) -> None:
         codes = torch.stack([s.model_state.take(n) for s in group])
-        pcm = self.decoder.decode([self._slots[s.request_id] for s in group], codes).numpy()
-        for state, row in zip(group, pcm, strict=True):
-            self._emit_audio(state, row, n)
+        rows = self.decoder.decode([self._slots[s.request_id] for s in group], codes)
+        for state, row in zip(group, rows, strict=True):
+            self._emit_audio(state, row.numpy(), n)
 
     def _emit_audio(self, state: StreamState, pcm: np.ndarray, frames: int) -> None:
         voice: _Voice = state.model_state

@@ -140,7 +140,7 @@ def load_reference_audio(
     cached = _DECODED.get(key)
     if cached is not None:
         return cached
-    audio = _decode(data, policy, param)
+    audio = decode_audio(data, policy, param)
     audio.samples.flags.writeable = False  # shared by every request of this clip
     _DECODED.put(key, audio)
     return audio
@@ -469,8 +469,14 @@ def _fetch_timeout(policy: MediaPolicy, param: str) -> RequestValidationError:
 # ----------------------------------------------------------------------------- decoding
 
 
-def _decode(data: bytes, policy: MediaPolicy, param: str) -> ReferenceAudio:
-    """Decode any FFmpeg-readable audio to mono float32, enforcing the duration cap."""
+def decode_audio(data: bytes, policy: MediaPolicy, param: str) -> ReferenceAudio:
+    """Decode the first audio stream of any FFmpeg-readable bytes (an audio file, or a
+    video's audio track) to mono float32 at its own rate, enforcing the duration cap.
+
+    Raises:
+        PayloadTooLargeError: longer than ``policy.max_duration_s``.
+        RequestValidationError: no audio stream, no samples or undecodable, naming ``param``.
+    """
     try:
         with av.open(io.BytesIO(data), "r") as container:
             if not container.streams.audio:

@@ -13,11 +13,13 @@ import torch
 
 from omnistage.core.messages import Abort, StagePayload, StreamChunk, StreamDone
 from omnistage.core.payloads import AudioResult
+from omnistage.engine.vocoder_arena import StreamingDecoderArena
+from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav, Code2WavConfig
+from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS, random_state_dict
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
     write_random_speech_tokenizer,
 )
-from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import StreamingDecoderArena
 from omnistage.scheduling.vocoder import ChunkPlan, VocoderInput, VocoderScheduler
 
 SPF = 4  # the fake decoder's samples per frame
@@ -53,14 +55,14 @@ class FakeArena:
     def free(self, slot: int) -> None:
         self.positions.pop(slot, None)
 
-    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
+    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> list[torch.Tensor]:
         self.calls.append((len(slots), codes.shape[1]))
         rows = []
         for slot, frames in zip(slots, codes, strict=True):
             start = self.positions[slot]
             rows.append(_fake_audio(frames, start))
             self.positions[slot] = start + frames.shape[0]
-        return torch.stack(rows).float()
+        return [row.float() for row in rows]
 
     def decode_full(self, items: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
         self.calls.append((len(items), -1))
@@ -392,3 +394,31 @@ def test_batched_opens_with_the_real_codec_stream_exactly_and_aborts_at_every_ph
             assert np.abs(outbox.audio(request_id) - expected).max() <= 1e-5
     assert set("bce") <= set(released) and not {"b", "c", "e"} & set(outbox.results)
     assert arena.num_free == 4 and scheduler.live_requests() == set() and not scheduler._waiting
+
+
+def test_streamed_audio_from_qwen3_omni_code2wav_equals_its_offline_decode(make) -> None:
+    tiny = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 2, "decoder_dim": 32}  # fmt: skip
+    code2wav = Code2Wav(Code2WavConfig.from_hf(tiny))
+    code2wav.load_state_dict(random_state_dict(code2wav, 0, CODE2WAV_GAINS))
+    arena = StreamingDecoderArena(code2wav.eval(), num_slots=2)
+    scheduler, outbox = make(arena)
+    codes = _codes(19, seed=5)
+    scheduler.put(_payload("streamed"))
+    scheduler.put(_payload("whole", stream=False))
+    for start in range(0, 19, 6):
+        scheduler.put(_chunk("streamed", codes[start : start + 6]))
+        scheduler.put(_chunk("whole", codes[start : start + 6]))
+    for request_id in ("streamed", "whole"):
+        scheduler.put(StreamDone(request_id, "talker"))
+    outbox.wait("streamed", "whole")
+    with torch.inference_mode():
+        expected = code2wav(codes[None])[0].numpy()
+    pieces = [len(pcm) for pcm, _ in outbox.streams["streamed"]]
+    assert pieces == [1920 - 555, 2 * 1920, 4 * 1920, 8 * 1920, 4 * 1920]  # ramp 1, 2, 4, 8, rest
+    for request_id in ("streamed", "whole"):
+        audio = outbox.audio(request_id)
+        assert audio.shape == expected.shape == (19 * 1920 - 555,)
+        assert np.abs(audio - expected).max() <= 1e-5
+        assert outbox.results[request_id][0].num_samples == 19 * 1920 - 555
+    assert arena.num_free == 2

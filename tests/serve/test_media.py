@@ -375,13 +375,13 @@ def test_a_clip_sent_again_is_decoded_once_and_shared_read_only(monkeypatch):
     """The decode cache is keyed by the bytes' content: the same clip again returns the
     same (read-only) samples without decoding, a different clip is decoded on its own."""
     calls = []
-    decode = media._decode
+    decode = media.decode_audio
 
     def counting_decode(data, policy, param):
         calls.append(len(data))
         return decode(data, policy, param)
 
-    monkeypatch.setattr(media, "_decode", counting_decode)
+    monkeypatch.setattr(media, "decode_audio", counting_decode)
     monkeypatch.setattr(media, "_DECODED", media._DecodeCache(media.DECODE_CACHE_BYTES))
     clip, other = (base64.b64encode(audio_bytes(tone(freq=f))).decode() for f in (440.0, 330.0))
     first = load_reference_audio(clip, MediaPolicy())

@@ -12,8 +12,13 @@ reference's outputs, the sub-configs used and fingerprints of weights and inputs
 - ``vision_encoder.npz``: patches of 3 items (an image 6 x 10 patches, a 3-group video
   4 x 4, an image 12 x 8; the position grid is 8 x 8 so every image resizes it) and the
   reference's merged embeddings and deepstack features.
-- ``code2wav.npz``: 40 random code frames and the reference's waveform (n * 1920 - 555
-  samples), kept at frames 0-3 and 36-39 only (beyond the 72-frame window at real dims).
+- ``code2wav.npz``: 40 random code frames and the reference's waveform (40 * 1920 - 555
+  samples), its first and last 4 * 1920 samples kept (the tail lies beyond the
+  transformer's 72-frame window at real dims only; the tiny config has 1 layer).
+- ``processing.npz``: transformers' processor over a system + user prompt with two audios
+  and two images (our chat template, our tokenizer writer's files): input_ids with the
+  pads expanded, mel features and their mask, pixel values (first rows + fingerprint),
+  grids; and the pads of a video with its audio interleaved by time.
 
 Regenerate (from the repository root, in the project's venv):
 
@@ -25,31 +30,45 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 import transformers
+from transformers import Qwen2Tokenizer
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+from transformers.models.qwen3_omni_moe import processing_qwen3_omni_moe as hf_processing
 
 from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoder, AudioEncoderConfig
-from omnistage.models.qwen3_omni.modeling.random_init import random_state_dict
+from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav, Code2WavConfig
+from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS, random_state_dict
 from omnistage.models.qwen3_omni.modeling.vision_encoder import VisionEncoder, VisionEncoderConfig
+from omnistage.models.qwen3_omni.processing import CHAT_TEMPLATE, Qwen3OmniProcessor
 from omnistage.testing import qwen3_omni_inputs as parity_inputs
+from omnistage.testing.qwen3_omni_tokenizer import write_text_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests/models/qwen3_omni/fixtures"
 WEIGHT_SEED = 0
+SAMPLES_PER_FRAME = 1920
 
 
 def _fingerprint(tensors: list[torch.Tensor]) -> float:
     return float(sum(t.double().abs().sum() for t in tensors))
 
 
-def _reference(ours: torch.nn.Module, module_class: type, config_class: type, raw: dict):
+def _reference(
+    ours: torch.nn.Module,
+    module_class: type,
+    config_class: type,
+    raw: dict,
+    gains: dict | None = None,
+):
     """The reference module with the seeded random weights of ``ours`` (loaded strictly:
     the names and shapes must be the reference's) and those weights' fingerprint."""
-    state = random_state_dict(ours, WEIGHT_SEED)
+    state = random_state_dict(ours, WEIGHT_SEED, gains)
     config = config_class(**raw)
     config._attn_implementation = "eager"
     reference = module_class(config)
@@ -98,6 +117,59 @@ def vision_encoder(raw: dict) -> None:
     )
 
 
+def code2wav(raw: dict) -> None:
+    ours = Code2Wav(Code2WavConfig.from_hf(raw))
+    reference, weights = _reference(
+        ours, hf.Qwen3OmniMoeCode2Wav, hf_config.Qwen3OmniMoeCode2WavConfig, raw, CODE2WAV_GAINS
+    )
+    codes = parity_inputs.code_frames(raw["num_quantizers"], raw["codebook_size"])
+    wave = reference(codes.T[None])[0, 0]  # the reference takes [B, 16, T]
+    assert wave.shape == (codes.shape[0] * SAMPLES_PER_FRAME - 555,)
+    kept = 4 * SAMPLES_PER_FRAME
+    _save(
+        "code2wav.npz", raw, weights, codes.float(), wave_head=wave[:kept], wave_tail=wave[-kept:]
+    )
+
+
+def processing(directory: Path) -> None:
+    """transformers' Qwen3OmniMoeProcessor over the prompt of :func:`chat_conversation`:
+    its check of the video processor's class is skipped (there is none without
+    torchvision); text, audio and images run its own code."""
+    write_text_tokenizer(directory)
+    tokenizer = Qwen2Tokenizer.from_pretrained(str(directory))
+    hf_processing.Qwen3OmniMoeProcessor.check_argument_for_proper_class = lambda self, name, arg: (
+        None
+    )
+    ours = Qwen3OmniProcessor(tokenizer)  # our defaults: the reference gets the same parts
+    reference = hf_processing.Qwen3OmniMoeProcessor(
+        image_processor=ours.image_processor, video_processor=None,
+        feature_extractor=ours.feature_extractor, tokenizer=tokenizer, chat_template=CHAT_TEMPLATE,
+    )  # fmt: skip
+    clips, images = parity_inputs.chat_media()
+    text = reference.apply_chat_template(
+        parity_inputs.chat_conversation(), tokenize=False, add_generation_prompt=True
+    )
+    out = reference(text=[text], audio=clips, images=images, return_tensors="pt")
+    # a video with its audio: 3 frame groups of 4 x 6 merged tokens, 1 s each, 50 audio tokens
+    video = {"video_grid_thw": torch.tensor([[3, 8, 12]]), "video_second_per_grid": [1.0]}
+    reference.video_processor = SimpleNamespace(merge_size=2)  # all the method reads of it
+    pads = reference.replace_video_with_audio_token(
+        video, 0, {"num_audio_tokens": [50]}, 0, position_id_per_seconds=13
+    )
+    np.savez_compressed(
+        FIXTURES / "processing.npz",
+        input_ids=out["input_ids"][0].numpy(),
+        input_features=out["input_features"].numpy(),
+        feature_attention_mask=out["feature_attention_mask"].numpy(),
+        pixel_values_head=out["pixel_values"][:2].numpy(),
+        pixel_values_fingerprint=_fingerprint([out["pixel_values"]]),
+        pixel_values_shape=np.asarray(out["pixel_values"].shape),
+        image_grid_thw=out["image_grid_thw"].numpy(),
+        video_audio_pads=np.asarray(tokenizer(pads, add_special_tokens=False)["input_ids"]),
+        transformers_version=transformers.__version__,
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("config", type=Path, help="a Qwen3-Omni config.json (the tiny one)")
@@ -107,6 +179,9 @@ def main() -> None:
     FIXTURES.mkdir(parents=True, exist_ok=True)
     audio_encoder(raw["thinker_config"]["audio_config"])
     vision_encoder(raw["thinker_config"]["vision_config"])
+    code2wav(raw["code2wav_config"])
+    with tempfile.TemporaryDirectory() as directory:
+        processing(Path(directory))
 
 
 if __name__ == "__main__":

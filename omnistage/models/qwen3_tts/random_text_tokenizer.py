@@ -65,12 +65,22 @@ def base_vocab_size() -> int:
     return 256 + len(_merges())
 
 
-def write_text_tokenizer(out_dir: Path, special_start: int) -> SpecialTokenIds:
+def write_text_tokenizer(
+    out_dir: Path,
+    special_start: int,
+    specials: dict[int, str] | None = None,
+    num_specials: int = NUM_SPECIALS,
+    config_extra: dict | None = None,
+) -> SpecialTokenIds:
     """Write the three tokenizer files into ``out_dir``.
 
     Args:
         special_start: id of ``<|endoftext|>`` (>= :func:`base_vocab_size`); the tokenizer
-            then has ``special_start + 31`` ids.
+            then has ``special_start + num_specials`` ids.
+        specials: offset -> special token, replacing the Qwen3-TTS names (e.g. Qwen3-Omni's
+            ``<|audio_pad|>`` at +32); offsets without a name are reserved tokens.
+        num_specials: special tokens written [31].
+        config_extra: entries added to ``tokenizer_config.json`` (e.g. a chat template).
 
     Raises:
         ValueError: ``special_start`` is below the BPE vocabulary size.
@@ -84,8 +94,9 @@ def write_text_tokenizer(out_dir: Path, special_start: int) -> SpecialTokenIds:
     for i in range(len(vocab), special_start):
         vocab[f"<|unused_{i}|>"] = i
     added = {}
-    for offset in range(NUM_SPECIALS):
-        content = _SPECIALS.get(offset, f"<|reserved_{offset}|>")
+    names = _SPECIALS if specials is None else specials
+    for offset in range(num_specials):
+        content = names.get(offset, f"<|reserved_{offset}|>")
         added[str(special_start + offset)] = {
             "content": content, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True,
         }
@@ -104,6 +115,7 @@ def write_text_tokenizer(out_dir: Path, special_start: int) -> SpecialTokenIds:
         "clean_up_tokenization_spaces": False,
         "split_special_tokens": False,
         "model_max_length": 131072,
+        **(config_extra or {}),
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
     return SpecialTokenIds(

@@ -35,6 +35,7 @@ from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.model_runner import StepSampling
 from omnistage.engine.sampler import SamplerFeatures
 from omnistage.engine.sequence import GenerationInput
+from omnistage.engine.vocoder_arena import DEFAULT_CONTEXT_CACHE_SIZE, StreamingDecoderArena
 from omnistage.models.qwen3_tts.capabilities import SAMPLE_RATE, Qwen3TTSModelFacts
 from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
 from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, TalkerPrompt
@@ -43,10 +44,6 @@ from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_de
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.encoder import (
     SpeechTokenizerEncoder,
     load_encoder,
-)
-from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import (
-    DEFAULT_CONTEXT_CACHE_SIZE,
-    StreamingDecoderArena,
 )
 from omnistage.models.qwen3_tts.modeling.weights import (
     LoadedCheckpoint,

@@ -24,12 +24,14 @@ def load_fixture(name: str) -> dict[str, np.ndarray]:
 
 
 def seeded_module(
-    reference: dict[str, np.ndarray], build: Callable[[dict], nn.Module]
+    reference: dict[str, np.ndarray],
+    build: Callable[[dict], nn.Module],
+    gains: dict[str, float] | None = None,
 ) -> nn.Module:
-    """``build(sub-config dict)`` with the fixture's random weights (seed 0), in eval mode;
-    fails if the weights are not those the fixture was made with."""
+    """``build(sub-config dict)`` with the fixture's random weights (seed 0, ``gains`` as
+    the parity script), in eval mode; fails if they are not the fixture's weights."""
     module = build(json.loads(str(reference["config"])))
-    state = random_state_dict(module, 0)
+    state = random_state_dict(module, 0, gains)
     fingerprint = sum(float(t.double().abs().sum()) for t in state.values())
     assert fingerprint == pytest.approx(float(reference["weights_fingerprint"]), rel=1e-12)
     module.load_state_dict(state, strict=True)

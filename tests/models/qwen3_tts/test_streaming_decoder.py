@@ -9,16 +9,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omnistage.engine.vocoder_arena import (
+    ArenaFullError,
+    StreamingDecoderArena,
+)
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import (
     SpeechTokenizerDecoder,
     load_decoder,
 )
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
     write_random_speech_tokenizer,
-)
-from omnistage.models.qwen3_tts.modeling.speech_tokenizer.streaming import (
-    ArenaFullError,
-    StreamingDecoderArena,
 )
 
 SPF = 1920
@@ -86,7 +86,7 @@ def test_a_batch_of_eight_streams_equals_eight_single_streams(decoder) -> None:
     utterances = [_codes(9, seed=s) for s in range(8)]
     batched = StreamingDecoderArena(decoder, num_slots=8)
     slots = [batched.allocate(left_context=_codes(3 + s, seed=100 + s) if s % 2 else None) for s in range(8)]
-    pieces = [batched.decode(slots, torch.stack([u[a:b] for u in utterances])) for a, b in ((0, 1), (1, 3), (3, 9))]
+    pieces = [torch.stack(batched.decode(slots, torch.stack([u[a:b] for u in utterances]))) for a, b in ((0, 1), (1, 3), (3, 9))]
     together = torch.cat(pieces, dim=1)
     for s, utterance in enumerate(utterances):
         single = StreamingDecoderArena(decoder, num_slots=1)
@@ -148,7 +148,7 @@ def test_cuda_graph_replay_equals_eager_decoding(decoder, monkeypatch) -> None:
     graphed = _graphed_arena(decoder, monkeypatch)
     utterances = [_codes(14, seed=s).cuda() for s in range(3)]
     slots = [graphed.allocate() for _ in utterances]
-    pieces = [graphed.decode(slots, torch.stack([u[a:b] for u in utterances])) for a, b in ((0, 1), (1, 3), (3, 11), (11, 14))]
+    pieces = [torch.stack(graphed.decode(slots, torch.stack([u[a:b] for u in utterances]))) for a, b in ((0, 1), (1, 3), (3, 11), (11, 14))]
     together = torch.cat(pieces, dim=1).cpu()
     for s, utterance in enumerate(utterances):
         assert (together[s] - _offline(decoder, utterance.cpu())).abs().max() <= 1e-4
@@ -156,7 +156,7 @@ def test_cuda_graph_replay_equals_eager_decoding(decoder, monkeypatch) -> None:
 
 def _continue(arena: StreamingDecoderArena, slots: list[int], codes: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each slot's audio for its codes, decoded in chunks 1, 2 then the rest, all slots batched."""
-    pieces = [arena.decode(slots, torch.stack([c[a:b] for c in codes])) for a, b in ((0, 1), (1, 3), (3, codes[0].shape[0]))]
+    pieces = [torch.stack(arena.decode(slots, torch.stack([c[a:b] for c in codes]))) for a, b in ((0, 1), (1, 3), (3, codes[0].shape[0]))]
     return list(torch.cat(pieces, dim=1))
 
 
@@ -223,7 +223,7 @@ def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decod
     contexts = [reference, None, reference, _codes(5, seed=51)]
     utterances = [_codes(11, seed=60 + s) for s in range(len(contexts))]
     slots = graphed.allocate_many(contexts)
-    pieces = [graphed.decode(slots, torch.stack([u[a:b] for u in utterances])) for a, b in ((0, 1), (1, 3), (3, 11))]
+    pieces = [torch.stack(graphed.decode(slots, torch.stack([u[a:b] for u in utterances]))) for a, b in ((0, 1), (1, 3), (3, 11))]
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in pieces)
     together = torch.cat(pieces, dim=1)
     for context, utterance, audio in zip(contexts, utterances, together, strict=True):

@@ -9,6 +9,11 @@ broken code pass) and scaled so that outputs depend on inputs at every depth:
 - biases ~ N(0, 0.02); embeddings ~ N(0, 1); norm weights ~ 1 + N(0, 0.05);
 - SnakeBeta log-parameters ~ N(0, 0.1); LayerScale / ConvNeXt gamma ~ N(0, 0.06).
 
+For code2wav pass :data:`CODE2WAV_GAINS` (Qwen3-TTS's measured rule for the same vocoder:
+speech_tokenizer/random_init.py): each residual unit's last 1x1 conv at gain 0.3 (at 1,
+12 units grow the activations ~80x and clamp the output) and the waveform conv at 0.03;
+the tiny code2wav then gives std ~0.06, peak ~0.3, and other codes change it by ~0.4.
+
 Tensors are drawn in sorted-name order from one ``torch.Generator`` seeded with ``seed``,
 so the same (module structure, seed) gives the same tensors on every machine.
 """
@@ -26,6 +31,10 @@ NORM_WEIGHT_STD = 0.05
 SNAKE_STD = 0.1
 LAYER_SCALE_STD = 0.06
 _SCALES = ("scale", "gamma")  # LayerScale.scale, ConvNeXt gamma
+CODE2WAV_GAINS = {
+    r"decoder\.\d+\.block\.\d+\.conv2\.conv\.weight": 0.3,  # residual units' last conv
+    r"decoder\.(?!0\.)\d+\.conv\.weight": 0.03,  # the waveform conv (decoder.0 is the input conv)
+}
 
 
 def random_state_dict(

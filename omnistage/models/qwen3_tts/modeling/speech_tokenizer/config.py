@@ -11,62 +11,33 @@ Layout (``architectures: ["Qwen3TTSTokenizerV2Model"]``, ``model_type:
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from omnistage.engine.causal_vocoder import VocoderConfig
 
 ARCHITECTURE = "Qwen3TTSTokenizerV2Model"
 MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
 
 
 @dataclass(frozen=True, slots=True)
-class DecoderConfig:
-    """The decoder's dimensions (real checkpoint values in brackets).
+class DecoderConfig(VocoderConfig):
+    """The decoder's dimensions: :class:`~omnistage.engine.causal_vocoder.VocoderConfig`'s
+    (the real checkpoint's values as defaults) and (real values in brackets):
 
     Attributes:
         codebook_size: entries per codebook [2048].
         codebook_dim: width of the summed quantizer output [512]; each codebook holds
             vectors of ``codebook_dim // 2`` [256].
-        latent_dim: width around the transformer and of the upsampler [1024].
-        hidden_size: transformer width [512].
-        intermediate_size: transformer SwiGLU width [1024].
-        num_hidden_layers: transformer layers [8].
-        num_attention_heads / num_key_value_heads / head_dim: [16 / 16 / 64].
-        rope_theta: RoPE base [10000].
-        rms_norm_eps: [1e-5].
-        sliding_window: keys a query sees, itself included [72 frames].
-        num_quantizers: code groups per frame [16]; the first is the semantic one.
-        upsample_rates: the four vocoder blocks' strides [8, 5, 4, 3].
-        upsampling_ratios: the transposed convs before the vocoder [2, 2].
-        decoder_dim: channels entering the vocoder blocks [1536], halved by each block.
         attention_bias: q/k/v/o projections have biases [False].
         hidden_act: SwiGLU activation ["silu"].
     """
 
     codebook_size: int = 2048
     codebook_dim: int = 512
-    latent_dim: int = 1024
-    hidden_size: int = 512
-    intermediate_size: int = 1024
-    num_hidden_layers: int = 8
-    num_attention_heads: int = 16
-    num_key_value_heads: int = 16
-    head_dim: int = 64
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    sliding_window: int = 72
-    num_quantizers: int = 16
-    upsample_rates: tuple[int, ...] = (8, 5, 4, 3)
-    upsampling_ratios: tuple[int, ...] = (2, 2)
-    decoder_dim: int = 1536
     attention_bias: bool = False
     hidden_act: str = "silu"
-
-    @property
-    def samples_per_frame(self) -> int:
-        """Output samples per code frame: the product of all upsampling strides [1920]."""
-        return math.prod(self.upsampling_ratios) * math.prod(self.upsample_rates)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DecoderConfig:

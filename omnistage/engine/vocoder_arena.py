@@ -1,10 +1,12 @@
 """Exact incremental decoding: per-stream decoder state in a fixed arena of slots.
 
-A stream owns one slot of preallocated tensors holding everything the causal decoder
-carries between chunks (29 tensors at real dims: 8 layers' keys and values of the last 71
-frames, 17 causal conv histories (the k=1 convs need none), 4 transposed-conv input tails;
-plus the absolute frame position): 5.2 MB per slot in fp32, 2.6 MB in bf16. Decoding a chunk gathers the slots' state, runs
-:meth:`SpeechTokenizerDecoder.step` and scatters the new state back, so the concatenated
+A stream owns one slot of preallocated tensors holding everything a
+:class:`~omnistage.engine.causal_vocoder.CarriedStateVocoder` carries between chunks (for
+Qwen3-TTS's speech tokenizer at real dims: 29 tensors: 8 layers' keys and values of the
+last 71 frames, 17 causal conv histories (the k=1 convs need none), 4 transposed-conv input
+tails; plus the absolute frame position: 5.2 MB per slot in fp32, 2.6 MB in bf16). Decoding
+a chunk gathers the slots' state, runs :meth:`CarriedStateVocoder.step` and scatters the
+new state back, so the concatenated
 chunks equal the offline decode of all frames (shared/reference/qwen3-tts.md, section 6:
 windowed re-decoding with a short left context does not).
 
@@ -23,6 +25,10 @@ content key, so one voice's state can never stand in for another's), and a strea
 opens with known reference codes copies that state instead of decoding them again (a
 profile at 64 concurrent voice clones had a third of the vocoder thread in eager left-
 context decodes, one stream at a time).
+
+The arena serves every such decoder (Qwen3-TTS's and Qwen3-Omni's code2wav); a decoder
+whose streams open with :attr:`~CarriedStateVocoder.leading_trim` samples that are not
+audio gets them cut from its streams' first chunks (so those rows are shorter).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import SpeechTokenizerDecoder
+from omnistage.engine.causal_vocoder import CarriedStateVocoder
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT_CACHE_SIZE = 64  # left-context states kept (2.6 MB each at real dims, bf16)
@@ -69,26 +75,36 @@ class StreamingDecoderArena:
     """
 
     def __init__(
-        self, decoder: SpeechTokenizerDecoder, num_slots: int = 64, context_cache_size: int = DEFAULT_CONTEXT_CACHE_SIZE
+        self,
+        decoder: CarriedStateVocoder,
+        num_slots: int = 64,
+        context_cache_size: int = DEFAULT_CONTEXT_CACHE_SIZE,
     ) -> None:
         if num_slots < 1 or context_cache_size < 0:
-            raise ValueError(f"num_slots must be >= 1 and context_cache_size >= 0, got {num_slots}, {context_cache_size}")
+            raise ValueError(
+                f"num_slots must be >= 1 and context_cache_size >= 0, got {num_slots}, {context_cache_size}"
+            )
         self.decoder = decoder
         self.num_slots = num_slots
         self.samples_per_frame = decoder.samples_per_frame
-        self.num_code_groups = decoder.config.num_quantizers
-        weight = decoder.pre_conv.conv.weight
+        self.num_code_groups = decoder.num_quantizers
+        weight = next(decoder.parameters())
         self.device, self.dtype = weight.device, weight.dtype
         # slot num_slots is scratch: padding rows of a graph replay read and write it
         self._state = decoder.zero_state(num_slots + 1)
         self._positions = torch.zeros(num_slots + 1, dtype=torch.int64, device=self.device)
+        self._frames = [0] * (num_slots + 1)  # host copy of _positions (read without a sync)
         self._free = list(range(num_slots - 1, -1, -1))
         self._used: set[int] = set()
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._buckets: list[int] = []
-        self._stream = torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        self._stream = (
+            torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
+        )
         self.context_cache_size = context_cache_size
-        self._contexts: OrderedDict[str, list[torch.Tensor]] = OrderedDict()  # key -> state rows [1, ...]
+        self._contexts: OrderedDict[str, list[torch.Tensor]] = (
+            OrderedDict()
+        )  # key -> state rows [1, ...]
 
     @property
     def num_free(self) -> int:
@@ -112,18 +128,30 @@ class StreamingDecoderArena:
             ValueError: a left context is not ``[R >= 1, G]``.
         """
         if len(left_contexts) > len(self._free):
-            raise ArenaFullError(f"{len(left_contexts)} streams asked for; {len(self._free)} of {self.num_slots} vocoder state slots are free")
+            raise ArenaFullError(
+                f"{len(left_contexts)} streams asked for; {len(self._free)} of {self.num_slots} vocoder state slots are free"
+            )
         for context in left_contexts:
-            if context is not None and (context.dim() != 2 or context.shape[0] < 1 or context.shape[1] != self.num_code_groups):
-                raise ValueError(f"left_context must be [R>=1, {self.num_code_groups}], got {tuple(context.shape)}")
+            if context is not None and (
+                context.dim() != 2
+                or context.shape[0] < 1
+                or context.shape[1] != self.num_code_groups
+            ):
+                raise ValueError(
+                    f"left_context must be [R>=1, {self.num_code_groups}], got {tuple(context.shape)}"
+                )
         slots = [self._free.pop() for _ in left_contexts]
         self._used.update(slots)
+        for slot, context in zip(slots, left_contexts, strict=True):
+            self._frames[slot] = 0 if context is None else context.shape[0]
         with self._on_stream(*(c for c in left_contexts if c is not None)):
             index = torch.tensor(slots, device=self.device)
             for tensor in self._state:
                 tensor.index_fill_(0, index, 0)
             self._positions.index_fill_(0, index, 0)
-            with_context = [(slot, c) for slot, c in zip(slots, left_contexts, strict=True) if c is not None]
+            with_context = [
+                (slot, c) for slot, c in zip(slots, left_contexts, strict=True) if c is not None
+            ]
             if with_context:
                 self._restore_contexts(with_context)
         return slots
@@ -131,7 +159,12 @@ class StreamingDecoderArena:
     def _restore_contexts(self, items: list[tuple[int, torch.Tensor]]) -> None:
         """Put each slot's state after its left context (fresh slots, on the arena's stream)."""
         hosts = [context.to("cpu", torch.int64) for _, context in items]
-        keys = [hashlib.sha256(host.numpy().tobytes() + bytes(str(tuple(host.shape)), "ascii")).hexdigest() for host in hosts]
+        keys = [
+            hashlib.sha256(
+                host.numpy().tobytes() + bytes(str(tuple(host.shape)), "ascii")
+            ).hexdigest()
+            for host in hosts
+        ]
         first: dict[str, int] = {}  # an uncached key -> the item that decodes it
         for i, key in enumerate(keys):
             if key not in self._contexts and key not in first:
@@ -147,13 +180,19 @@ class StreamingDecoderArena:
             for i, slot in zip(group, group_slots, strict=True):
                 fresh[keys[i]] = [tensor[slot : slot + 1].clone() for tensor in self._state]
         lengths = {key: hosts[i].shape[0] for i, key in enumerate(keys)}
-        rest = [(slot, key) for (slot, _), key, i in zip(items, keys, range(len(items)), strict=True) if first.get(key) != i]
+        rest = [
+            (slot, key)
+            for (slot, _), key, i in zip(items, keys, range(len(items)), strict=True)
+            if first.get(key) != i
+        ]
         if rest:
             index = torch.tensor([slot for slot, _ in rest], device=self.device)
             states = [fresh.get(key) or self._contexts[key] for _, key in rest]
             for layer, tensor in enumerate(self._state):
                 tensor.index_copy_(0, index, torch.cat([state[layer] for state in states]))
-            self._positions.index_copy_(0, index, torch.tensor([lengths[key] for _, key in rest], device=self.device))
+            self._positions.index_copy_(
+                0, index, torch.tensor([lengths[key] for _, key in rest], device=self.device)
+            )
         for key in keys:
             if key in self._contexts:
                 self._contexts.move_to_end(key)
@@ -171,10 +210,10 @@ class StreamingDecoderArena:
 
     def position(self, slot: int) -> int:
         """Frames decoded so far in ``slot`` (left context included)."""
-        return int(self._positions[slot])
+        return self._frames[slot]
 
     @torch.inference_mode()
-    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
+    def decode(self, slots: Sequence[int], codes: torch.Tensor) -> list[torch.Tensor]:
         """Decode the next ``n`` frames of each slot's stream, as one batch.
 
         Args:
@@ -183,7 +222,9 @@ class StreamingDecoderArena:
                 device's other work), ``n >= 1``.
 
         Returns:
-            ``[B, n * samples_per_frame]`` float32 PCM in [-1, 1], on the host.
+            Per slot ``[n * samples_per_frame]`` float32 PCM in [-1, 1], on the host (rows
+            of one tensor); minus the decoder's ``leading_trim`` samples in a stream's
+            first chunk.
 
         Raises:
             ValueError: a slot is not allocated or repeated, or ``codes`` has the wrong shape.
@@ -191,16 +232,27 @@ class StreamingDecoderArena:
         batch = len(slots)
         if len(set(slots)) != batch or not self._used.issuperset(slots):
             raise ValueError(f"slots must be distinct allocated slots, got {list(slots)}")
-        if codes.dim() != 3 or codes.shape[0] != batch or codes.shape[1] < 1 or codes.shape[2] != self.num_code_groups:
-            raise ValueError(f"codes must be [{batch}, n>=1, {self.num_code_groups}], got {tuple(codes.shape)}")
+        if (
+            codes.dim() != 3
+            or codes.shape[0] != batch
+            or codes.shape[1] < 1
+            or codes.shape[2] != self.num_code_groups
+        ):
+            raise ValueError(
+                f"codes must be [{batch}, n>=1, {self.num_code_groups}], got {tuple(codes.shape)}"
+            )
+        starts = [self._frames[slot] * self.samples_per_frame for slot in slots]
+        for slot in slots:
+            self._frames[slot] += codes.shape[1]
         with self._on_stream(codes):
             audio = self._decode_on_stream(slots, codes).float()
-            if self._stream is None:
-                return audio
-            host = torch.empty(audio.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(audio, non_blocking=True)
-            self._stream.synchronize()
-            return host
+            if self._stream is not None:
+                host = torch.empty(audio.shape, dtype=torch.float32, pin_memory=True)
+                host.copy_(audio, non_blocking=True)
+                self._stream.synchronize()
+                audio = host
+        trim = self.decoder.leading_trim
+        return [row[max(0, trim - start) :] for row, start in zip(audio, starts, strict=True)]
 
     @contextlib.contextmanager
     def _on_stream(self, *inputs: torch.Tensor) -> Iterator[None]:
@@ -217,7 +269,9 @@ class StreamingDecoderArena:
     def _decode_on_stream(self, slots: Sequence[int], codes: torch.Tensor) -> torch.Tensor:
         """Decode on the current stream (the arena's, on CUDA): ``[B, n * spf]``, arena dtype."""
         if self._stream is None:
-            return self._decode_eager(torch.tensor(slots, device=self.device), codes.to(self.device))
+            return self._decode_eager(
+                torch.tensor(slots, device=self.device), codes.to(self.device)
+            )
         return self._decode_cuda(slots, codes)
 
     def _decode_eager(self, index: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -279,7 +333,9 @@ class StreamingDecoderArena:
         return _Graph(graph, codes, slots, audio)
 
     @torch.inference_mode()
-    def decode_full(self, items: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> list[torch.Tensor]:
+    def decode_full(
+        self, items: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> list[torch.Tensor]:
         """Offline decode of whole utterances in one batch, without slots.
 
         Args:
@@ -287,17 +343,27 @@ class StreamingDecoderArena:
 
         Returns:
             Per utterance ``[T * samples_per_frame]`` PCM (the left context's audio
-            dropped). Decoding is causal, so right-padding every sequence to the longest
+            dropped; without a left context, minus the decoder's ``leading_trim``
+            samples). Decoding is causal, so right-padding every sequence to the longest
             and cutting each back is exact; it runs in chunks of 128 frames.
 
         Raises:
             ValueError: no items, or codes that are not ``[T >= 1, G]``.
         """
-        if not items or any(c.dim() != 2 or c.shape[0] < 1 or c.shape[1] != self.num_code_groups for c, _ in items):
-            raise ValueError(f"decode_full needs utterances of codes [T>=1, {self.num_code_groups}]")
-        sequences = [c.to(self.device) if r is None else torch.cat([r.to(self.device), c.to(self.device)]) for c, r in items]
+        if not items or any(
+            c.dim() != 2 or c.shape[0] < 1 or c.shape[1] != self.num_code_groups for c, _ in items
+        ):
+            raise ValueError(
+                f"decode_full needs utterances of codes [T>=1, {self.num_code_groups}]"
+            )
+        sequences = [
+            c.to(self.device) if r is None else torch.cat([r.to(self.device), c.to(self.device)])
+            for c, r in items
+        ]
         longest = max(s.shape[0] for s in sequences)
-        batch = torch.zeros(len(sequences), longest, self.num_code_groups, dtype=torch.int64, device=self.device)
+        batch = torch.zeros(
+            len(sequences), longest, self.num_code_groups, dtype=torch.int64, device=self.device
+        )
         for i, sequence in enumerate(sequences):
             batch[i, : sequence.shape[0]] = sequence
         # chunked with a carried state: exact, and memory bounded by the chunk, not the
@@ -314,6 +380,7 @@ class StreamingDecoderArena:
         spf = self.samples_per_frame
         out = []
         for i, (codes, left) in enumerate(items):
-            start = 0 if left is None else left.shape[0] * spf
-            out.append(audio[i, start : start + codes.shape[0] * spf])
+            begin = 0 if left is None else left.shape[0] * spf
+            end = begin + codes.shape[0] * spf
+            out.append(audio[i, max(begin, self.decoder.leading_trim) : end])
         return out

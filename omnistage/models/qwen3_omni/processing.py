@@ -1,0 +1,487 @@
+"""Qwen3-Omni chat inputs: messages with text, audio, images and video -> thinker inputs.
+
+What transformers' ``Qwen3OmniMoeProcessor`` does (the numerical reference), built from
+transformers' own parts constructed offline: the ``WhisperFeatureExtractor`` (128 log-mel
+bins, 16 kHz, 10 ms hop) and the PIL ``Qwen2VLImageProcessorPil`` (the fast one and the
+video processor need torchvision, which does not import beside the local CPU torch), from
+the checkpoint's ``preprocessor_config.json`` or :data:`DEFAULT_PREPROCESSOR`. Videos are
+decoded with PyAV, sampled as Qwen samples them (:func:`decode_video`) and cut into
+patches in the Qwen2-VL layout (:func:`video_patches`; the layout of the image processor
+with ``temporal_patch_size`` real frames per patch).
+
+The prompt comes from the checkpoint's chat template (``tokenizer_config.json`` or
+``chat_template.jinja``) when it has one, else from :data:`CHAT_TEMPLATE` (ours: the
+Qwen3-Omni ChatML layout). Each media item renders one placeholder, which is expanded to
+the encoder's output length as the reference does: ``<|audio_pad|>`` x the audio
+encoder's tokens (:func:`~.modeling.audio_encoder.output_lengths`), ``<|image_pad|>`` /
+``<|video_pad|>`` x ``t * h * w / merge^2``, and for a video with its audio, the video and
+audio pads interleaved by time inside ``<|audio_start|> ... <|audio_end|>``.
+
+Bad media raise :class:`~omnistage.core.errors.RequestValidationError` naming the field
+(``param``), before any model work.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import av
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer, WhisperFeatureExtractor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+    Qwen2VLImageProcessorPil,
+    smart_resize,
+)
+
+from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoderConfig, output_lengths
+from omnistage.serve.media import MediaPolicy, decode_audio, resample
+
+SAMPLE_RATE = 16000  # Hz, the feature extractor's input
+POSITION_IDS_PER_SECOND = 13  # thinker positions per second of video (config.json)
+
+# Used when a checkpoint has no preprocessor_config.json: the Qwen2.5-Omni layout with
+# Qwen3's 16-pixel patches (shared/reference/qwen3-omni.md, section 1).
+DEFAULT_PREPROCESSOR = {
+    "feature_size": 128, "sampling_rate": SAMPLE_RATE, "hop_length": 160, "n_fft": 400,
+    "chunk_length": 300, "padding_value": 0.0, "return_attention_mask": True, "dither": 0.0,
+    "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    "min_pixels": 3136, "max_pixels": 12845056,
+}  # fmt: skip
+_FEATURE_KEYS = ("feature_size", "sampling_rate", "hop_length", "n_fft", "chunk_length",
+                 "padding_value", "return_attention_mask", "dither")  # fmt: skip
+_IMAGE_KEYS = ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std",
+               "min_pixels", "max_pixels", "size", "resample", "do_resize", "do_rescale",
+               "rescale_factor", "do_normalize", "do_convert_rgb")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class VideoSampling:
+    """How frames are taken from a video (qwen-omni-utils' defaults, as the reference
+    pipeline samples): ``fps`` frames per second, a count in ``[min_frames, max_frames]``
+    rounded down to a multiple of ``frame_factor``, frames resized to at most / at least
+    ``max_pixels`` / ``min_pixels`` (transformers' Qwen3-Omni video size)."""
+
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
+    frame_factor: int = 2
+    min_pixels: int = 128 * 32 * 32
+    max_pixels: int = 768 * 32 * 32
+    max_decoded_frames: int = 20000  # a bound on decoding work per video
+
+
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}"
+    "{%- elif part['type'] == 'audio' -%}{{- '<|audio_start|><|audio_pad|><|audio_end|>' -}}"
+    "{%- elif part['type'] == 'image' -%}{{- '<|vision_start|><|image_pad|><|vision_end|>' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}"
+    "{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+"""Ours, used when the checkpoint has no chat template: the Qwen3-Omni ChatML layout (no
+default system prompt), one placeholder per media item between its start/end tokens."""
+
+_PADS = {"audio": "<|audio_pad|>", "image": "<|image_pad|>", "video": "<|video_pad|>"}
+_PAD_PATTERN = re.compile("|".join(re.escape(p) for p in _PADS.values()))
+
+
+# ----------------------------------------------------------------------------- media
+
+
+@dataclass(frozen=True, slots=True)
+class DecodedVideo:
+    """Frames sampled from a video.
+
+    Attributes:
+        frames: ``[T, H, W, 3]`` uint8 RGB, ``T`` a multiple of ``frame_factor``.
+        fps: frames per second of the sampled sequence (the video's rate x the kept share).
+        audio: the video's audio track as mono float32 ``[N]`` at 16 kHz, when asked for.
+    """
+
+    frames: np.ndarray
+    fps: float
+    audio: np.ndarray | None = None
+
+
+def decode_image(data: bytes, param: str) -> Image.Image:
+    """Decode image bytes (any format PIL reads) to RGB.
+
+    Raises:
+        RequestValidationError: undecodable bytes, naming ``param``.
+    """
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise RequestValidationError(
+            f"{param} could not be decoded as an image ({exc})", param=param
+        ) from None
+
+
+def decode_video(
+    data: bytes,
+    param: str,
+    sampling: VideoSampling = VideoSampling(),
+    with_audio: bool = False,
+    policy: MediaPolicy = MediaPolicy(),
+) -> DecodedVideo:
+    """Decode a video with PyAV and sample its frames as Qwen does: ``n = total / video_fps *
+    fps`` frames, clamped to ``[min_frames, min(max_frames, total)]`` and rounded down to a
+    multiple of ``frame_factor``, at indices ``round(linspace(0, total - 1, n))``.
+
+    Args:
+        data: the file's bytes (any container FFmpeg reads).
+        param: the request field, named in errors.
+        sampling: frame rate and bounds.
+        with_audio: also decode the audio track, resampled to 16 kHz mono.
+        policy: the media policy (its duration cap applies to the audio track).
+
+    Raises:
+        RequestValidationError: no video stream, undecodable data, fewer frames than
+            ``frame_factor``, or no audio track when ``with_audio``.
+        PayloadTooLargeError: more than ``sampling.max_decoded_frames`` frames.
+    """
+    frames, rate = _decode_frames(data, param, sampling.max_decoded_frames)
+    total = len(frames)
+    if total < sampling.frame_factor:
+        raise RequestValidationError(
+            f"{param} has {total} video frame(s); at least {sampling.frame_factor} are needed",
+            param=param,
+        )
+    factor = sampling.frame_factor
+    wanted = total / rate * sampling.fps
+    low = math.ceil(sampling.min_frames / factor) * factor
+    high = math.floor(min(sampling.max_frames, total) / factor) * factor
+    count = max(factor, math.floor(min(max(wanted, low), high, total) / factor) * factor)
+    index = torch.linspace(0, total - 1, count).round().long().tolist()
+    audio = None
+    if with_audio:
+        track = decode_audio(data, policy, param)
+        audio = resample(track.samples, track.sample_rate, SAMPLE_RATE)
+    return DecodedVideo(np.stack([frames[i] for i in index]), count / total * rate, audio)
+
+
+def _decode_frames(data: bytes, param: str, limit: int) -> tuple[list[np.ndarray], float]:
+    frames: list[np.ndarray] = []
+    try:
+        with av.open(io.BytesIO(data), "r") as container:
+            if not container.streams.video:
+                raise RequestValidationError(f"{param} contains no video stream", param=param)
+            stream = container.streams.video[0]
+            rate = float(stream.average_rate or stream.guessed_rate or 0)
+            for frame in container.decode(stream):
+                if len(frames) == limit:
+                    raise PayloadTooLargeError(
+                        f"{param} has more than {limit} video frames", param=param
+                    )
+                frames.append(frame.to_ndarray(format="rgb24"))
+    except RequestValidationError:
+        raise
+    except (av.FFmpegError, ValueError, OSError) as exc:
+        raise RequestValidationError(
+            f"{param} could not be decoded as video ({type(exc).__name__}: {exc})", param=param
+        ) from None
+    if rate <= 0:
+        raise RequestValidationError(f"{param} declares no frame rate", param=param)
+    return frames, rate
+
+
+# ----------------------------------------------------------------------------- features
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPart:
+    """One item of a message's content: ``text`` for ``kind == "text"``; ``audio`` mono
+    float32 ``[N]`` at 16 kHz; ``image`` RGB; ``video`` sampled frames (its ``audio`` used
+    when ``use_audio`` is set). ``param`` names the request field for errors."""
+
+    kind: Literal["text", "audio", "image", "video"]
+    text: str = ""
+    audio: np.ndarray | None = None
+    image: Image.Image | None = None
+    video: DecodedVideo | None = None
+    use_audio: bool = False
+    param: str = "messages"
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    """A message: ``role`` system / user / assistant and its parts in order."""
+
+    role: Literal["system", "user", "assistant"]
+    parts: tuple[ChatPart, ...]
+
+
+@dataclass(frozen=True)
+class ThinkerInputs:
+    """What the thinker and its encoders take for one prompt.
+
+    Attributes:
+        input_ids: ``[L]`` int64, media pads expanded.
+        audio_features: ``[128, sum(audio_frames)]`` float32 log-mel frames of every audio
+            (message audios and video audio tracks, in prompt order), or None.
+        audio_frames: ``[A]`` int64 mel frames per audio.
+        pixel_values: ``[sum(t*h*w), C*T*P*P]`` float32 image patches, or None.
+        image_grid_thw: ``[I, 3]`` int64.
+        pixel_values_videos: video patches, or None; ``video_grid_thw`` ``[V, 3]`` int64.
+        video_second_per_grid: ``[V]`` float32 seconds per temporal patch.
+        use_audio_in_video: per video, whether its audio track is in the prompt.
+    """
+
+    input_ids: torch.Tensor
+    audio_features: torch.Tensor | None = None
+    audio_frames: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(0, 3, dtype=torch.int64)
+    )
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor = field(
+        default_factory=lambda: torch.zeros(0, 3, dtype=torch.int64)
+    )
+    video_second_per_grid: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    use_audio_in_video: tuple[bool, ...] = ()
+
+
+class Qwen3OmniProcessor:
+    """Chat messages -> :class:`ThinkerInputs` (see the module docstring).
+
+    Args:
+        tokenizer: the checkpoint's text tokenizer.
+        preprocessor: ``preprocessor_config.json``'s content (feature extractor and image
+            processor fields); missing fields take :data:`DEFAULT_PREPROCESSOR`'s values.
+        chat_template: the checkpoint's template, or None for :data:`CHAT_TEMPLATE`.
+        audio_config: the audio encoder's config (its chunking decides the pad counts).
+        video: frame sampling.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        preprocessor: dict | None = None,
+        chat_template: str | None = None,
+        audio_config: AudioEncoderConfig | None = None,
+        video: VideoSampling = VideoSampling(),
+    ) -> None:
+        values = {**DEFAULT_PREPROCESSOR, **(preprocessor or {})}
+        self.tokenizer = tokenizer
+        self.feature_extractor = WhisperFeatureExtractor(
+            **{k: values[k] for k in _FEATURE_KEYS if k in values}
+        )
+        self.image_processor = Qwen2VLImageProcessorPil(
+            **{k: values[k] for k in _IMAGE_KEYS if k in values}
+        )
+        self.chat_template = chat_template or CHAT_TEMPLATE
+        self.audio_config = audio_config or AudioEncoderConfig()
+        self.video = video
+        if self.feature_extractor.sampling_rate != SAMPLE_RATE:
+            raise ValueError(
+                f"preprocessor_config.json: sampling_rate {self.feature_extractor.sampling_rate} != {SAMPLE_RATE}"
+            )
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        directory: str | Path,
+        audio_config: AudioEncoderConfig | None = None,
+        video: VideoSampling = VideoSampling(),
+    ) -> Qwen3OmniProcessor:
+        """Tokenizer, preprocessor config and chat template from a checkpoint directory
+        (``preprocessor_config.json`` and a template optional).
+
+        Raises:
+            OSError: the tokenizer files are missing or unreadable.
+        """
+        directory = Path(directory)
+        tokenizer = Qwen2Tokenizer.from_pretrained(str(directory))
+        preprocessor_file = directory / "preprocessor_config.json"
+        preprocessor = (
+            json.loads(preprocessor_file.read_text()) if preprocessor_file.exists() else None
+        )
+        return cls(tokenizer, preprocessor, tokenizer.chat_template, audio_config, video)
+
+    # -- media -> features
+
+    def audio_features(self, audios: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-mel features of the audios of ONE prompt, extracted together as the reference
+        does (each is padded to the longest before its frames are cut back):
+        ``([128, sum(frames)] float32, frames [A] int64)``."""
+        out = self.feature_extractor(
+            [np.asarray(a, dtype=np.float32) for a in audios], sampling_rate=SAMPLE_RATE,
+            padding=True, truncation=False, return_attention_mask=True, return_tensors="pt",
+        )  # fmt: skip
+        mask = out["attention_mask"].bool()
+        features = torch.cat(
+            [f[:, m] for f, m in zip(out["input_features"], mask, strict=True)], dim=1
+        )
+        return features.float(), mask.sum(-1).to(torch.int64)
+
+    def image_patches(self, images: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(pixel_values [sum(t*h*w), 1536] float32, image_grid_thw [I, 3] int64)``."""
+        out = self.image_processor(images=list(images), return_tensors="pt")
+        return out["pixel_values"].float(), out["image_grid_thw"].to(torch.int64)
+
+    def video_patches(self, video: DecodedVideo) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """Patches of one sampled video in the Qwen2-VL layout: ``([t*h*w, 1536] float32,
+        (t, h, w))``, ``t = T / temporal_patch_size`` (the last frame repeated to fill)."""
+        ip = self.image_processor
+        p, m, tp = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+        height, width = video.frames.shape[1:3]
+        h, w = smart_resize(
+            height,
+            width,
+            factor=p * m,
+            min_pixels=self.video.min_pixels,
+            max_pixels=self.video.max_pixels,
+        )
+        frames = np.stack(
+            [
+                np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC))
+                for f in video.frames
+            ]
+        )
+        if len(frames) % tp:
+            frames = np.concatenate([frames, np.repeat(frames[-1:], tp - len(frames) % tp, axis=0)])
+        mean, std = np.asarray(ip.image_mean, np.float32), np.asarray(ip.image_std, np.float32)
+        x = ((frames.astype(np.float32) * np.float32(ip.rescale_factor) - mean) / std).transpose(
+            0, 3, 1, 2
+        )
+        t, gh, gw = len(frames) // tp, h // p, w // p
+        x = x.reshape(t, tp, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        return torch.from_numpy(np.ascontiguousarray(x).reshape(t * gh * gw, -1)), (t, gh, gw)
+
+    # -- messages -> inputs
+
+    def __call__(self, messages: Sequence[ChatMessage]) -> ThinkerInputs:
+        """Render the template, extract every item's features and expand its placeholder.
+
+        Raises:
+            RequestValidationError: an empty prompt, an audio of no samples or a media item
+                the template did not place, naming the field.
+        """
+        parts = [p for m in messages for p in m.parts]
+        audios = [p for p in parts if p.kind == "audio" or (p.kind == "video" and p.use_audio)]
+        for part in audios:
+            samples = part.audio if part.kind == "audio" else part.video.audio
+            if samples is None or len(samples) < self.feature_extractor.hop_length:
+                raise RequestValidationError(
+                    f"{part.param}: audio shorter than 10 ms", param=part.param
+                )
+        features, frames = (
+            self.audio_features([p.audio if p.kind == "audio" else p.video.audio for p in audios])
+            if audios
+            else (None, torch.zeros(0, dtype=torch.int64))
+        )
+        audio_tokens = iter(output_lengths(frames, self.audio_config).tolist())
+        images = [p.image for p in parts if p.kind == "image"]
+        pixels, grids = (
+            self.image_patches(images) if images else (None, torch.zeros(0, 3, dtype=torch.int64))
+        )
+        image_tokens = iter((grids.prod(-1) // self.image_processor.merge_size**2).tolist())
+        videos = [p for p in parts if p.kind == "video"]
+        patches = [self.video_patches(p.video) for p in videos]
+        seconds = [self.image_processor.temporal_patch_size / p.video.fps for p in videos]
+        expansions = []
+        for part in parts:
+            if part.kind == "audio":
+                expansions.append(("audio", _PADS["audio"] * next(audio_tokens)))
+            elif part.kind == "image":
+                expansions.append(("image", _PADS["image"] * next(image_tokens)))
+            elif part.kind == "video":
+                index = videos.index(part)
+                grid = patches[index][1]
+                audio = next(audio_tokens) if part.use_audio else None
+                expansions.append(("video", self._video_pads(grid, seconds[index], audio)))
+        text = self.tokenizer.apply_chat_template(
+            [_hf_message(m) for m in messages],
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        ids = self.tokenizer(_expand(text, expansions, parts), add_special_tokens=False)[
+            "input_ids"
+        ]
+        return ThinkerInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64),
+            audio_features=features,
+            audio_frames=frames,
+            pixel_values=pixels,
+            image_grid_thw=grids,
+            pixel_values_videos=torch.cat([x for x, _ in patches]) if patches else None,
+            video_grid_thw=torch.tensor([g for _, g in patches], dtype=torch.int64).reshape(-1, 3),
+            video_second_per_grid=torch.tensor(seconds, dtype=torch.float32),
+            use_audio_in_video=tuple(p.use_audio for p in videos),
+        )
+
+    def _video_pads(
+        self, grid: tuple[int, int, int], second_per_grid: float, audio_tokens: int | None
+    ) -> str:
+        """``<|video_pad|>`` x ``t*h*w/merge^2``; with the video's audio, video pads (each
+        frame group at ``t * second_per_grid * 13`` positions) and audio pads (one position
+        each) merged by position, a video pad first on ties, inside audio start/end."""
+        m = self.image_processor.merge_size
+        t, h, w = grid
+        if audio_tokens is None:
+            return _PADS["video"] * (t * h * w // m**2)
+        per_group = h * w // m**2
+        times = [
+            g * second_per_grid * POSITION_IDS_PER_SECOND
+            for g in range(t)
+            for _ in range(per_group)
+        ]
+        out, v, a = ["<|audio_start|>"], 0, 0
+        while v < len(times) and a < audio_tokens:
+            if times[v] <= a:
+                out.append(_PADS["video"])
+                v += 1
+            else:
+                out.append(_PADS["audio"])
+                a += 1
+        out += [_PADS["video"]] * (len(times) - v) + [_PADS["audio"]] * (audio_tokens - a)
+        return "".join([*out, "<|audio_end|>"])
+
+
+def _hf_message(message: ChatMessage) -> dict:
+    content = [
+        {"type": "text", "text": p.text} if p.kind == "text" else {"type": p.kind}
+        for p in message.parts
+    ]
+    return {"role": message.role, "content": content}
+
+
+def _expand(text: str, expansions: list[tuple[str, str]], parts: list[ChatPart]) -> str:
+    """Replace the template's placeholders, in order, by the items' expanded pads."""
+    pieces, at, used = [], 0, 0
+    for match in _PAD_PATTERN.finditer(text):
+        kind = next(k for k, pad in _PADS.items() if pad == match.group())
+        if used == len(expansions) or expansions[used][0] != kind:
+            media = [p for p in parts if p.kind != "text"]
+            param = media[min(used, len(media) - 1)].param if media else "messages"
+            raise RequestValidationError(
+                f"the chat template placed a {kind} where the messages have none", param=param
+            )
+        pieces += [text[at : match.start()], expansions[used][1]]
+        at, used = match.end(), used + 1
+    if used != len(expansions):
+        param = [p for p in parts if p.kind != "text"][used].param
+        raise RequestValidationError(
+            f"the chat template placed no {expansions[used][0]} for this item", param=param
+        )
+    return "".join([*pieces, text[at:]])

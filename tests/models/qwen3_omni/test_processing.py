@@ -1,0 +1,172 @@
+"""Qwen3-Omni chat inputs: equal to transformers' Qwen3OmniMoeProcessor (fixture from
+tools/parity/qwen3_omni_encoders_reference.py), video sampling and patches, and errors that
+name the field."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+import torch
+from encoder_fixtures import load_fixture
+from PIL import Image
+
+from omnistage.core.errors import RequestValidationError
+from omnistage.models.qwen3_omni.processing import (
+    ChatMessage,
+    ChatPart,
+    DecodedVideo,
+    Qwen3OmniProcessor,
+    VideoSampling,
+    decode_image,
+    decode_video,
+)
+from omnistage.testing.qwen3_omni_inputs import chat_media
+from omnistage.testing.qwen3_omni_tokenizer import write_text_tokenizer
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("omni_tokenizer")
+    write_text_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def processor(checkpoint: Path) -> Qwen3OmniProcessor:
+    return Qwen3OmniProcessor.from_checkpoint(checkpoint)
+
+
+def _messages() -> list[ChatMessage]:
+    clips, images = chat_media()
+    image = [Image.fromarray(i) for i in images]
+    return [
+        ChatMessage("system", (ChatPart("text", text="You are brief."),)),
+        ChatMessage(
+            "user",
+            (
+                ChatPart("audio", audio=clips[0]), ChatPart("image", image=image[0]),
+                ChatPart("text", text="Compare these."), ChatPart("audio", audio=clips[1]),
+                ChatPart("image", image=image[1]),
+            ),
+        ),
+    ]  # fmt: skip
+
+
+def test_prompt_and_features_equal_the_transformers_processor(processor) -> None:
+    reference = load_fixture("processing.npz")
+    out = processor(_messages())
+    assert out.input_ids.tolist() == reference["input_ids"].tolist()
+    mask = torch.from_numpy(reference["feature_attention_mask"]).bool()
+    assert out.audio_frames.tolist() == mask.sum(-1).tolist()
+    features = torch.from_numpy(reference["input_features"])
+    expected = torch.cat([f[:, m] for f, m in zip(features, mask, strict=True)], dim=1)
+    torch.testing.assert_close(out.audio_features, expected, rtol=0, atol=1e-6)
+    assert out.image_grid_thw.tolist() == reference["image_grid_thw"].tolist()
+    assert list(out.pixel_values.shape) == reference["pixel_values_shape"].tolist()
+    torch.testing.assert_close(
+        out.pixel_values[:2], torch.from_numpy(reference["pixel_values_head"])
+    )
+    assert float(out.pixel_values.double().abs().sum()) == pytest.approx(
+        float(reference["pixel_values_fingerprint"]), rel=1e-9
+    )
+
+
+def test_pads_equal_the_encoder_output_lengths(processor) -> None:
+    out = processor(_messages())
+    ids = out.input_ids.tolist()
+    assert ids.count(151675) == 17 + 4  # 1.3 s: 13 + 4 tokens; 0.3 s: 4
+    assert ids.count(151655) == int(out.image_grid_thw.prod(-1).sum()) // 4
+    assert ids[-3:] == [151644, *processor.tokenizer("assistant\n")["input_ids"]]
+
+
+def test_video_pads_interleave_audio_by_time_as_transformers(processor) -> None:
+    reference = load_fixture("processing.npz")
+    pads = processor._video_pads((3, 8, 12), 1.0, 50)
+    assert (
+        processor.tokenizer(pads, add_special_tokens=False)["input_ids"]
+        == reference["video_audio_pads"].tolist()
+    )
+
+
+def test_a_video_of_one_repeated_frame_has_the_image_patches(checkpoint) -> None:
+    same_size = VideoSampling(min_pixels=3136, max_pixels=12845056)  # the image processor's
+    processor = Qwen3OmniProcessor.from_checkpoint(checkpoint, video=same_size)
+    frame = np.asarray(Image.fromarray(chat_media()[1][1]))
+    patches, grid = processor.video_patches(DecodedVideo(np.stack([frame, frame]), fps=2.0))
+    image, grids = processor.image_patches([Image.fromarray(frame)])
+    assert [1, *grid[1:]] == grids[0].tolist() and grid[0] == 1
+    torch.testing.assert_close(patches, image, rtol=0, atol=1e-6)
+
+
+def test_checkpoint_template_and_preprocessor_config_are_used(tmp_path: Path) -> None:
+    write_text_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "SYSTEM RULES{% for m in messages %}{% for p in m['content'] %}{% if p['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>{% endif %}{% endfor %}{% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "preprocessor_config.json").write_text(
+        json.dumps({"min_pixels": 128 * 128, "max_pixels": 128 * 128})
+    )
+    processor = Qwen3OmniProcessor.from_checkpoint(tmp_path)
+    image = Image.fromarray(chat_media()[1][0])
+    out = processor([ChatMessage("user", (ChatPart("image", image=image),))])
+    assert processor.tokenizer.decode(out.input_ids).startswith("SYSTEM RULES<|vision_start|>")
+    assert out.image_grid_thw.tolist() == [
+        [1, 8, 12]
+    ]  # scaled up to >= 128 * 128 pixels (4 x 6 by default)
+
+
+def _video_file(frames: int, rate: int, with_audio: bool) -> bytes:
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        video = container.add_stream("mpeg4", rate=rate)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=16000) if with_audio else None
+        for i in range(frames):
+            pixels = np.full((48, 64, 3), (i * 8) % 256, dtype=np.uint8)
+            container.mux(video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(video.encode())
+        if audio is not None:
+            tone = (
+                0.3 * np.sin(2 * np.pi * 440 * np.arange(frames * 16000 // rate) / 16000)
+            ).astype(np.float32)
+            chunk = av.AudioFrame.from_ndarray(tone[None], format="fltp", layout="mono")
+            chunk.sample_rate = 16000
+            container.mux(audio.encode(chunk))
+            container.mux(audio.encode())
+    return buffer.getvalue()
+
+
+def test_video_frames_are_sampled_at_the_requested_rate() -> None:
+    decoded = decode_video(
+        _video_file(30, 10, with_audio=True), "video", VideoSampling(fps=2.0), with_audio=True
+    )
+    assert decoded.frames.shape == (6, 48, 64, 3)  # 3 s at 2 fps
+    assert decoded.fps == pytest.approx(2.0)
+    assert decoded.frames[0, 0, 0, 0] < decoded.frames[-1, 0, 0, 0]  # spread over the clip
+    assert decoded.audio is not None and abs(len(decoded.audio) - 3 * 16000) < 2048
+    few = decode_video(_video_file(6, 10, with_audio=False), "video", VideoSampling(fps=2.0))
+    assert few.frames.shape[0] == 4  # at least min_frames (4) when the video has them
+
+
+def test_bad_media_name_the_field(processor) -> None:
+    with pytest.raises(RequestValidationError) as error:
+        decode_image(b"not an image", "messages[1].content[0].image_url")
+    assert error.value.param == "messages[1].content[0].image_url"
+    with pytest.raises(RequestValidationError, match="could not be decoded as video") as error:
+        decode_video(b"not a video", "messages[0].content[2].video_url")
+    assert error.value.param == "messages[0].content[2].video_url"
+    with pytest.raises(RequestValidationError, match="no audio stream"):
+        decode_video(_video_file(8, 10, with_audio=False), "video", with_audio=True)
+    short = ChatPart(
+        "audio", audio=np.zeros(100, np.float32), param="messages[0].content[1].input_audio"
+    )
+    with pytest.raises(RequestValidationError, match="shorter than 10 ms") as error:
+        processor([ChatMessage("user", (short,))])
+    assert error.value.param == "messages[0].content[1].input_audio"
