@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from encoder_fixtures import check_inputs, load_fixture, rel_error, seeded_module
+from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     _get_feat_extract_output_lengths,
 )
@@ -70,3 +72,13 @@ def test_config_rejects_what_is_not_implemented() -> None:
         AudioEncoderConfig.from_hf({"activation_function": "relu"})
     with pytest.raises(ValueError, match="n_window_infer"):
         AudioEncoderConfig.from_hf({"n_window_infer": 150})
+
+
+def test_real_size_weights_have_the_reference_names_and_shapes() -> None:
+    with torch.device("meta"):
+        reference = hf.Qwen3OmniMoeAudioEncoder(
+            hf_config.Qwen3OmniMoeAudioEncoderConfig(output_dim=2048)
+        )
+    assert expected_weights(AudioEncoderConfig()) == {
+        k: tuple(v.shape) for k, v in reference.state_dict().items()
+    }

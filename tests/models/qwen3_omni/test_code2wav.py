@@ -9,6 +9,8 @@ import torch
 from encoder_fixtures import check_inputs, load_fixture, rel_error, seeded_module
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
 from omnistage.models.qwen3_omni.modeling.code2wav import (
@@ -134,3 +136,11 @@ def test_config_reads_both_rope_spellings_and_refuses_the_unsupported() -> None:
         Code2WavConfig.from_hf({"attention_bias": True})
     with pytest.raises(ValueError, match="code2wav_config.hidden_act"):
         Code2WavConfig.from_hf({"hidden_act": "gelu"})
+
+
+def test_real_size_weights_have_the_reference_names_and_shapes() -> None:
+    with torch.device("meta"):
+        reference = hf.Qwen3OmniMoeCode2Wav(hf_config.Qwen3OmniMoeCode2WavConfig())
+    assert expected_weights(Code2WavConfig()) == {
+        k: tuple(v.shape) for k, v in reference.state_dict().items()
+    }

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from encoder_fixtures import check_inputs, load_fixture, rel_error, seeded_module
+from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config
+from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
 from omnistage.models.qwen3_omni.modeling.vision_encoder import (
     VisionEncoder,
@@ -75,3 +77,13 @@ def test_config_rejects_what_is_not_implemented() -> None:
     assert (
         VisionEncoderConfig.from_hf({"rope_parameters": {"rope_theta": 500.0}}).rope_theta == 500.0
     )
+
+
+def test_real_size_weights_have_the_reference_names_and_shapes() -> None:
+    with torch.device("meta"):
+        reference = hf.Qwen3OmniMoeVisionEncoder(
+            hf_config.Qwen3OmniMoeVisionEncoderConfig(out_hidden_size=2048)
+        )
+    assert expected_weights(VisionEncoderConfig()) == {
+        k: tuple(v.shape) for k, v in reference.state_dict().items()
+    }
