@@ -158,8 +158,9 @@ def decode_video(
             ``frame_factor``, or no audio track when ``with_audio``.
         PayloadTooLargeError: more than ``sampling.max_decoded_frames`` frames.
     """
-    frames, rate = _decode_frames(data, param, sampling.max_decoded_frames)
-    total = len(frames)
+    # two decoding passes: count, then keep only the sampled frames as RGB (memory
+    # bounded by max_frames, not by the video's length)
+    total, rate = _decode_frames(data, param, sampling.max_decoded_frames, keep=None)[1:]
     if total < sampling.frame_factor:
         raise RequestValidationError(
             f"{param} has {total} video frame(s); at least {sampling.frame_factor} are needed",
@@ -171,15 +172,21 @@ def decode_video(
     high = math.floor(min(sampling.max_frames, total) / factor) * factor
     count = max(factor, math.floor(min(max(wanted, low), high, total) / factor) * factor)
     index = torch.linspace(0, total - 1, count).round().long().tolist()
+    kept = _decode_frames(data, param, sampling.max_decoded_frames, keep=set(index))[0]
     audio = None
     if with_audio:
         track = decode_audio(data, policy, param)
         audio = resample(track.samples, track.sample_rate, SAMPLE_RATE)
-    return DecodedVideo(np.stack([frames[i] for i in index]), count / total * rate, audio)
+    return DecodedVideo(np.stack([kept[i] for i in index]), count / total * rate, audio)
 
 
-def _decode_frames(data: bytes, param: str, limit: int) -> tuple[list[np.ndarray], float]:
-    frames: list[np.ndarray] = []
+def _decode_frames(
+    data: bytes, param: str, limit: int, keep: set[int] | None
+) -> tuple[dict[int, np.ndarray], int, float]:
+    """Decode every frame of the first video stream: ``(RGB frames at the indices in
+    keep, frames decoded, frame rate)``."""
+    frames: dict[int, np.ndarray] = {}
+    count = 0
     try:
         with av.open(io.BytesIO(data), "r") as container:
             if not container.streams.video:
@@ -187,11 +194,13 @@ def _decode_frames(data: bytes, param: str, limit: int) -> tuple[list[np.ndarray
             stream = container.streams.video[0]
             rate = float(stream.average_rate or stream.guessed_rate or 0)
             for frame in container.decode(stream):
-                if len(frames) == limit:
+                if count == limit:
                     raise PayloadTooLargeError(
                         f"{param} has more than {limit} video frames", param=param
                     )
-                frames.append(frame.to_ndarray(format="rgb24"))
+                if keep is not None and count in keep:
+                    frames[count] = frame.to_ndarray(format="rgb24")
+                count += 1
     except RequestValidationError:
         raise
     except (av.FFmpegError, ValueError, OSError) as exc:
@@ -200,7 +209,7 @@ def _decode_frames(data: bytes, param: str, limit: int) -> tuple[list[np.ndarray
         ) from None
     if rate <= 0:
         raise RequestValidationError(f"{param} declares no frame rate", param=param)
-    return frames, rate
+    return frames, count, rate
 
 
 # ----------------------------------------------------------------------------- features
