@@ -31,6 +31,7 @@ import pytest
 import soundfile
 import torch
 
+from omnistage.core.errors import RequestAbortedError
 from omnistage.engine.sequence import GenerationResult
 from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
 from omnistage.models.qwen3_tts.modeling.generate import TalkerSampling, generate
@@ -40,6 +41,7 @@ from omnistage.models.qwen3_tts.modeling.weights import load_checkpoint
 from omnistage.pipeline.timeline import parse_header
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.audio import float_to_s16
+from omnistage.serve.protocol import SpeechRequest, validate_speech_request
 from omnistage.testing.leaks import assert_no_request_state
 from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
 
@@ -461,3 +463,35 @@ def test_timeline_marks_are_ordered_and_its_phases_sum_to_the_ttfa(servers):
     assert ttfa > 0
     assert sum(phases.values()) == pytest.approx(ttfa, abs=1e-6)
     assert all(seconds >= 0 for seconds in phases.values())
+
+
+ABORT_PHASES = ["admitted", "preprocessing.result", "tts_engine.prefill", "tts_engine.first_output", "vocoder.first_output"]
+
+
+@pytest.mark.parametrize("phase", ABORT_PHASES)
+def test_an_abort_at_any_phase_leaves_no_state_and_frees_every_slot(servers, phase):
+    """A voice clone aborted as soon as its timeline reaches ``phase`` (before
+    preprocessing, before admission into the engine, during the prefill, after the first
+    frame, after the first audio chunk): no stage, relay or coordinator holds it, and the
+    KV blocks and vocoder slots are all free again."""
+    server = servers["base"]
+    speech = server.speech
+    body = SpeechRequest(**request_body("base_icl", max_new_tokens=400, stream=True, response_format="pcm"))
+    model_request = speech.model.build_request(validate_speech_request(body, speech.capabilities), speech.settings.media_policy)
+
+    async def abort_at_phase() -> None:
+        pipeline = speech.pipeline
+        handle = pipeline.submit(model_request)
+        while handle.timeline.at(phase) is None:  # the coordinator records marks on this loop
+            assert not handle.finished, f"the request ended before reaching {phase}"
+            await asyncio.sleep(0)
+        pipeline.abort(handle.request_id)
+        with pytest.raises(RequestAbortedError):
+            await handle.result()
+        await assert_no_request_state(pipeline)
+
+    run_on_server_loop(server, abort_at_phase())
+    blocks = kv_blocks(server)
+    assert blocks.num_free_blocks == blocks.num_blocks
+    arena = speech.pipeline.host.stages["vocoder"].scheduler.decoder
+    assert arena.num_free == arena.num_slots
