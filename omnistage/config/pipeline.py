@@ -70,6 +70,27 @@ class StageConfig(_Strict):
     stream_done_to_fn: str | None = None
     can_accept_stream_before_payload: bool = False
 
+    payload_type: str | None = Field(
+        default=None,
+        description="dotted path of the class of this stage's payload data (what its "
+        "incoming `next` edges carry); None: undeclared",
+    )
+    result_type: str | None = Field(
+        default=None,
+        description="dotted path of the class of this stage's result (what its outgoing "
+        "`next` edges carry; a terminal's result for the client); None: undeclared",
+    )
+    stream_types: list[str] = Field(
+        default_factory=list,
+        description="dotted paths of the classes of the items this stage streams (to its "
+        "`stream_to` stages, or the client when terminal); empty: undeclared",
+    )
+    accepts_stream_types: list[str] = Field(
+        default_factory=list,
+        description="dotted paths of the classes this stage takes on its stream edges; "
+        "empty: undeclared",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _next_as_list(cls, data: Any) -> Any:

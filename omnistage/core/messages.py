@@ -13,7 +13,7 @@ different edge); see ``StageConfig.can_accept_stream_before_payload``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from omnistage.core.request import FinishReason
@@ -28,12 +28,17 @@ class StagePayload:
         request: the typed request as submitted; the same object for every stage, which
             is what dynamic hooks decide from.
         data: this stage's input (a model's typed payload; for fan-in, ``merge_fn``'s
-            result).
+            result); the entry stage gets None (it reads ``request``).
+        finish_reason: how the stages before this one ended the request (the most severe
+            of them for fan-in, e.g. the engine's ``"length"``); a terminal stage's result
+            carries the more severe of this and its own, so it reaches the client without
+            any model payload carrying it.
     """
 
     request_id: str
     request: Any
     data: Any
+    finish_reason: FinishReason = "stop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +48,11 @@ class StreamChunk:
     Attributes:
         request_id: the request's id.
         source: the producing stage.
-        data: the item, typically a tensor (e.g. ``[T, 16] int64`` codes, ``[N] float32``
-            audio); tensors stay on the device they were made on.
-        modality: what ``data`` is, e.g. ``"audio_codes"``, ``"audio"``, ``"text"``.
-        metadata: small scalar fields the consumer needs (e.g. ``sample_rate``).
+        data: the item, one typed message per purpose (e.g.
+            :class:`omnistage.engine.sequence.CodeFrames`,
+            :class:`omnistage.core.payloads.AudioChunk`): consumers dispatch on its type,
+            and the stage's ``stream_types`` declare which it may be. Tensors stay on the
+            device they were made on.
         request: the typed request, on the first chunk a producer sends to each target
             (so a consumer that starts before its payload can evaluate its own hooks);
             None on later chunks.
@@ -55,8 +61,6 @@ class StreamChunk:
     request_id: str
     source: str
     data: Any
-    modality: str = "data"
-    metadata: dict[str, int | float | str | bool] = field(default_factory=dict)
     request: Any = None
 
 

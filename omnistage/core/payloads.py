@@ -1,8 +1,27 @@
-"""Result types shared by stages and the server."""
+"""Payload and stream-item types shared by stages and the server.
+
+The audio output convention of a speech model: its terminal stage streams
+:class:`AudioChunk` items to the client and finishes with an :class:`AudioResult`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # eq=False: ndarray fields have no boolean equality
+class AudioChunk:
+    """A piece of a request's audio, streamed to the client.
+
+    Attributes:
+        samples: ``[N] float32`` mono PCM in [-1, 1], on the host.
+        sample_rate: Hz (the model's ``capabilities().sample_rate``).
+    """
+
+    samples: np.ndarray
+    sample_rate: int
 
 
 @dataclass(frozen=True)

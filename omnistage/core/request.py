@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
+from collections.abc import Iterable
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
@@ -18,3 +19,8 @@ _counter = itertools.count()
 def new_request_id() -> str:
     """A fresh request id, unique across processes and restarts (``req-<12 hex>-<n>``)."""
     return f"req-{uuid.uuid4().hex[:12]}-{next(_counter)}"
+
+
+def most_severe(reasons: Iterable[FinishReason]) -> FinishReason:
+    """The most severe of ``reasons`` (``"stop"`` when there are none)."""
+    return max(reasons, key=FINISH_SEVERITY.__getitem__, default="stop")

@@ -40,7 +40,7 @@ from omnistage.core.messages import (
     StageResult,
     StreamChunk,
 )
-from omnistage.core.request import FINISH_SEVERITY, FinishReason, new_request_id
+from omnistage.core.request import FinishReason, most_severe, new_request_id
 from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.timeline import ADMITTED, RECEIVED, Timeline
@@ -250,8 +250,7 @@ class Coordinator:
                 self._finish(event.request_id, error=error, finish_reason="error")
                 return
             handle._outputs[event.stage] = event.data
-            if FINISH_SEVERITY[event.finish_reason] > FINISH_SEVERITY[handle._finish_reason]:
-                handle._finish_reason = event.finish_reason
+            handle._finish_reason = most_severe((handle._finish_reason, event.finish_reason))
             if handle.terminals <= handle._outputs.keys():
                 self._finish(event.request_id)
         elif isinstance(event, StageFailed):

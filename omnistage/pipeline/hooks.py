@@ -29,3 +29,15 @@ def import_callable(path: str, *, stage: str | None = None, what: str = "hook") 
     if not callable(target):
         raise PipelineConfigError(f"{what} {path!r}: {module_name!r} has no callable {attr!r}", stage)
     return target
+
+
+def import_type(path: str, *, stage: str | None = None, what: str = "type") -> type:
+    """Import a class by dotted path (as :func:`import_callable`).
+
+    Raises:
+        PipelineConfigError: the path does not resolve to a class.
+    """
+    target = import_callable(path, stage=stage, what=what)
+    if not isinstance(target, type):
+        raise PipelineConfigError(f"{what} {path!r} is not a class", stage)
+    return target

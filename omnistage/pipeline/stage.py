@@ -34,8 +34,9 @@ from omnistage.core.messages import (
     StreamChunk,
     StreamDone,
 )
-from omnistage.core.request import FinishReason
+from omnistage.core.request import FinishReason, most_severe
 from omnistage.core.tombstones import Tombstones
+from omnistage.pipeline.edges import check_message
 from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.timeline import FIRST_OUTPUT, RESULT
@@ -105,6 +106,7 @@ class StageRuntime:
     def __init__(self, topology: Topology, name: str, scheduler: Scheduler, links: StageLinks) -> None:
         self.topology, self.name, self.scheduler, self.links = topology, name, scheduler, links
         self.config = topology.stages[name]
+        self.types = topology.types[name]
         self.stream_sources = frozenset(topology.stream_sources.get(name, ()))
         self._lock = threading.Lock()
         self._fan_in: dict[str, dict[str, StagePayload]] = {}
@@ -161,7 +163,10 @@ class StageRuntime:
             if set(arrived) != waits:
                 return None
             del self._fan_in[request_id]
-            payload = StagePayload(request_id, payload.request, self.topology.merge(self.name, arrived))
+            merged = self.topology.merge(self.name, arrived)
+            check_message(self.name, "merged payload", merged, self.types.payload)
+            finish = most_severe(p.finish_reason for p in arrived.values())
+            payload = StagePayload(request_id, payload.request, merged, finish)
         active = self._known(request_id, payload.request)
         active.payload = payload
         return payload
@@ -213,38 +218,35 @@ class StageRuntime:
                 events.append(StageFailed(request_id, self.name, error))
             else:
                 events.append(StageMark(request_id, self.name, RESULT, time.monotonic()))
-                outgoing = [(t, StreamDone(request_id, self.name)) for t in active.stream_targets]
-                payload = StagePayload(request_id, active.request, data)
-                if self.config.terminal:
-                    events.append(StageResult(request_id, self.name, data, finish_reason))
-                else:
-                    try:
+                finish_reason = most_severe((finish_reason, active.payload.finish_reason))
+                try:
+                    check_message(self.name, "result", data, self.types.result)
+                    outgoing = [(t, StreamDone(request_id, self.name)) for t in active.stream_targets]
+                    payload = StagePayload(request_id, active.request, data, finish_reason)
+                    if self.config.terminal:
+                        events.append(StageResult(request_id, self.name, data, finish_reason))
+                    else:
                         outgoing += [(t, payload) for t in self.topology.routes(self.name, payload)]
-                    except StageFailureError as exc:
-                        outgoing, events = [], [StageFailed(request_id, self.name, exc)]
+                except StageFailureError as exc:  # a mistyped result, or route_fn broke its contract
+                    outgoing = []  # the stage's mark stays; no StageResult was added before the failure
+                    events.append(StageFailed(request_id, self.name, exc))
         self._emit(request_id, outgoing, events)
 
-    def stream(
-        self,
-        request_id: str,
-        data: Any,
-        modality: str = "data",
-        metadata: dict[str, int | float | str | bool] | None = None,
-    ) -> None:
+    def stream(self, request_id: str, data: Any) -> None:
         outgoing: Outgoing = []
         events: list[CoordinatorEvent] = []
         with self._lock:
-            self._stream_locked(request_id, data, modality, dict(metadata or {}), outgoing, events)
+            self._stream_locked(request_id, data, outgoing, events)
         self._emit(request_id, outgoing, events)
 
-    def stream_many(self, items: Sequence[tuple[str, Any]], modality: str = "data") -> None:
+    def stream_many(self, items: Sequence[tuple[str, Any]]) -> None:
         """:meth:`stream` of many requests' chunks under one lock, as ONE
         :class:`StreamBatch` per stream target."""
         outgoing: Outgoing = []
         events: list[CoordinatorEvent] = []
         with self._lock:
             for request_id, data in items:
-                self._stream_locked(request_id, data, modality, {}, outgoing, events)
+                self._stream_locked(request_id, data, outgoing, events)
         by_target: dict[str, list[StreamChunk]] = {}
         for target, chunk in outgoing:
             assert isinstance(chunk, StreamChunk)
@@ -261,27 +263,26 @@ class StageRuntime:
                 self.links.to_coordinator(StageFailed(request_id, self.name, exc))
 
     def _stream_locked(
-        self,
-        request_id: str,
-        data: Any,
-        modality: str,
-        metadata: dict[str, int | float | str | bool],
-        outgoing: Outgoing,
-        events: list[CoordinatorEvent],
+        self, request_id: str, data: Any, outgoing: Outgoing, events: list[CoordinatorEvent]
     ) -> None:
         active = self._active.get(request_id)
         if active is None:
             return  # ended (or failed) meanwhile
+        try:
+            check_message(self.name, "stream item", data, self.types.streams)
+        except StageFailureError as exc:
+            events.append(self._fail_locked(request_id, exc))
+            return
         if not active.streamed:
             active.streamed = True
             events.append(StageMark(request_id, self.name, FIRST_OUTPUT, time.monotonic()))
         if self.config.terminal:
-            events.append(StreamChunk(request_id, self.name, data, modality, metadata))
+            events.append(StreamChunk(request_id, self.name, data))
         for target in active.stream_targets:
             first = target not in active.announced
             active.announced.add(target)
             request = active.request if first else None
-            outgoing.append((target, StreamChunk(request_id, self.name, data, modality, metadata, request)))
+            outgoing.append((target, StreamChunk(request_id, self.name, data, request)))
 
     def mark(self, request_id: str, name: str) -> None:
         """A point of the request's timeline at this stage (``<stage>.<name>``), now."""

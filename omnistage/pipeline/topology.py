@@ -8,7 +8,8 @@ needs ``next``; ``wait_for_fn`` and ``merge_fn`` need ``wait_for``; ``stream_don
 needs ``stream_to``; ``can_accept_stream_before_payload`` needs a stream source); a stage
 with several predecessors declares them all in ``wait_for`` (with a ``merge_fn``);
 terminal stages neither route nor stream to stages; the ``next`` graph is acyclic; every
-stage is reachable from the entry, so every path ends at a terminal stage.
+stage is reachable from the entry, so every path ends at a terminal stage; every edge's
+declared types agree (:mod:`omnistage.pipeline.edges`).
 
 The consistency proof (:meth:`Topology.check_consistency`) goes beyond the static rules:
 for each sample request it follows the routes the hooks choose and proves that every
@@ -29,6 +30,7 @@ from typing import Any
 from omnistage.config.pipeline import PipelineConfig, StageConfig
 from omnistage.core.errors import PipelineConfigError, StageFailureError
 from omnistage.core.messages import StagePayload
+from omnistage.pipeline.edges import StageTypes, check_edges
 from omnistage.pipeline.hooks import import_callable
 
 
@@ -92,6 +94,8 @@ class Topology:
             for s in config.stages
         }
         self._terminal_fn = _hook(config.terminal_stages_fn, None, "terminal_stages_fn")
+        self.types = {name: StageTypes.of(stage) for name, stage in self.stages.items()}
+        self.edges = check_edges(self.stages, self.types, {name: h.merge for name, h in self.hooks.items()})
 
     # ----------------------------------------------------------------- static rules
     def _check_stage(self, stage: StageConfig) -> None:

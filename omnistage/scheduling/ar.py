@@ -8,16 +8,19 @@ payload's ``data``; a model passes ``build_input`` to derive it otherwise. A req
 engine cannot take fails at once with a typed error (``QueueFullError`` when the waiting
 queue is full, ``RequestValidationError`` when it can never fit).
 
-Output: every frame goes to the stage's stream targets as soon as the host has it, as a
-``[1, G] int64`` host tensor (modality ``"audio_codes"``; small enough to travel by value),
-a step's frames of every request in one message per target (``StageOutbox.stream_many``):
-on CUDA one step after it was computed (the host reads step t's frames while the device runs step
-t+1). A request with ``return_hidden`` gets :class:`FrameWithHidden` chunks instead
-(modality ``"frame_hidden"``): each frame with the hidden-layer rows of the tokens its
-step fed, plus, when a stop id ends it, a last chunk with no frame and the rows of its
-last token. The result is the :class:`~omnistage.engine.sequence.GenerationResult` (all frames
-``[T, G]``) with finish_reason ``"stop"`` (a stop id; the stop frame is not emitted) or
-``"length"`` (``max_new_tokens``).
+Output, with ``stream_frames`` (the default): every frame goes to the stage's stream
+targets as soon as the host has it, as a :class:`CodeFrames` item (``[1, G] int64`` host
+tensor; small enough to travel by value), a step's frames of every request in one message
+per target (``StageOutbox.stream_many``): on CUDA one step after it was computed (the host
+reads step t's frames while the device runs step t+1). A request with ``return_hidden``
+gets :class:`FrameWithHidden` items instead: each frame with the hidden-layer rows of the
+tokens its step fed, plus, when a stop id ends it, a last item with no frame and the rows
+of its last token. The result is then a :class:`GenerationSummary` (counts only: frames
+travel once). Without ``stream_frames`` nothing is streamed and the result is the whole
+:class:`~omnistage.engine.sequence.GenerationResult` (``[T, G]``). Either way the
+request's finish_reason is ``"stop"`` (a stop id; the stop frame is not emitted) or
+``"length"`` (``max_new_tokens``), passed in the framework's result, so it reaches the
+client through the stages after this one.
 
 Aborts free the request's KV blocks at once; a step that raises fails exactly the
 requests of that step (the batch boundary, :meth:`Scheduler.run_batch`), whose blocks the
@@ -55,6 +58,31 @@ from omnistage.engine.sequence import GenerationInput, GenerationResult
 from omnistage.scheduling.base import Scheduler
 
 PREFILL_MARK = "prefill"  # timeline: the request's prefill is launched
+
+
+@dataclass(frozen=True, slots=True)
+class CodeFrames:
+    """Frames streamed by an AR stage.
+
+    Attributes:
+        codes: ``[n, G] int64`` codes of ``n >= 1`` consecutive frames (the engine's
+            frames are host tensors).
+    """
+
+    codes: torch.Tensor
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """An AR stage's result when it streamed its frames.
+
+    Attributes:
+        num_frames: frames streamed (the stop frame excluded).
+        num_prompt_tokens: the prompt's length ``L``.
+    """
+
+    num_frames: int
+    num_prompt_tokens: int
 
 
 def payload_data(payload: StagePayload) -> GenerationInput:
@@ -160,7 +188,8 @@ class ARScheduler(Scheduler):
     engine: the engine (built on the stage's device).
     build_input: ``build_input(payload) -> GenerationInput``; raises a typed
         :class:`~omnistage.core.errors.OmnistageError`, ``ValueError`` or ``TypeError`` for bad input.
-    modality: of the streamed frames.
+    stream_frames: stream each frame as :class:`CodeFrames` and end with a
+        :class:`GenerationSummary`; False: end with the whole ``GenerationResult``.
     abort_callback: see :class:`Scheduler` (the engine's own state is freed regardless).
     stream_input: ``stream_input(request_id) -> StreamInput``, used when the stage has
         stream sources (None: :class:`RowStream` over ``build_input``).
@@ -172,12 +201,12 @@ class ARScheduler(Scheduler):
         self,
         engine: AREngine,
         build_input: Callable[[StagePayload], GenerationInput] = payload_data,
-        modality: str = "audio_codes",
+        stream_frames: bool = True,
         abort_callback: Callable[[str], None] | None = None,
         stream_input: Callable[[str], StreamInput] | None = None,
     ) -> None:
         super().__init__(abort_callback)
-        self.engine, self.build_input, self.modality = engine, build_input, modality
+        self.engine, self.build_input, self.stream_frames = engine, build_input, stream_frames
         self.stream_input = stream_input or (lambda request_id: RowStream(self.build_input))
         self._streamed: dict[str, _Streamed] = {}
         self._ended = Tombstones()
@@ -257,13 +286,14 @@ class ARScheduler(Scheduler):
         outputs = []
         if not self.run_batch(plan.request_ids, lambda: outputs.extend(self.engine.execute(plan))):
             return
-        # one message per stream target for the whole step (per modality)
-        frames = [(o.request_id, o.frame) for o in outputs if o.hidden is None and o.frame is not None]
-        with_hidden = [(o.request_id, FrameWithHidden(o.frame, o.hidden)) for o in outputs if o.hidden is not None]
-        if frames:
-            self.outbox.stream_many(frames, self.modality)
-        if with_hidden:
-            self.outbox.stream_many(with_hidden, "frame_hidden")
+        if self.stream_frames:  # one message per stream target for the whole step
+            frames: list[tuple[str, CodeFrames | FrameWithHidden]] = [
+                (o.request_id, CodeFrames(o.frame) if o.hidden is None else FrameWithHidden(o.frame, o.hidden))
+                for o in outputs
+                if o.hidden is not None or o.frame is not None
+            ]
+            if frames:
+                self.outbox.stream_many(frames)
         for out in outputs:
             if out.result is not None:
                 self._on_result(out)
@@ -278,4 +308,5 @@ class ARScheduler(Scheduler):
 
     def _finish(self, request_id: str, result: GenerationResult) -> None:
         self._end(request_id)
-        self.outbox.result(request_id, result, result.finish_reason)
+        data = GenerationSummary(result.codes.shape[0], result.num_prompt_tokens) if self.stream_frames else result
+        self.outbox.result(request_id, data, result.finish_reason)

@@ -34,16 +34,11 @@ class StageOutbox(Protocol):
     def result(self, request_id: str, data: Any, finish_reason: FinishReason = "stop") -> None:
         """The request is done at this stage; ``data`` goes to the next stages / client."""
 
-    def stream(
-        self,
-        request_id: str,
-        data: Any,
-        modality: str = "data",
-        metadata: dict[str, int | float | str | bool] | None = None,
-    ) -> None:
-        """One stream chunk to this stage's stream targets (or to the client, if terminal)."""
+    def stream(self, request_id: str, data: Any) -> None:
+        """One stream item to this stage's stream targets (or to the client, if terminal);
+        its type is one of the stage's ``stream_types``."""
 
-    def stream_many(self, items: Sequence[tuple[str, Any]], modality: str = "data") -> None:
+    def stream_many(self, items: Sequence[tuple[str, Any]]) -> None:
         """``(request_id, data)`` chunks of many requests (e.g. one engine step's frames):
         as :meth:`stream` for each, sent as one message per stream target."""
 

@@ -62,8 +62,8 @@ class StreamingScheduler(Scheduler):
     def ready_to_finish(self, state: StreamState) -> bool:
         return state.payload is not None and (state.done or not self.expects_stream)
 
-    def emit(self, state: StreamState, data: Any, modality: str = "data", **metadata: Any) -> None:
-        self.outbox.stream(state.request_id, data, modality, metadata)
+    def emit(self, state: StreamState, data: Any) -> None:
+        self.outbox.stream(state.request_id, data)
 
     def complete(self, state: StreamState, data: Any, finish_reason: FinishReason = "stop") -> None:
         """Finish ``state``'s request with ``data``; its state is dropped."""

@@ -1,28 +1,27 @@
 """VocoderScheduler: the streaming vocoder stage shared by every codec model.
 
-Code frames arrive as stream chunks (``[n, G]`` int64 tensors, any ``n >= 1``, possibly
-on CUDA) from the AR engine; the scheduler cuts them into a chunk plan (a ramp of 1, 2, 4
-frames, then 8 at a time by default, so the first audio needs one frame) and decodes each
-due chunk with a :class:`StreamingCodecDecoder`, whose carried per-stream state makes the
-concatenated chunks equal the offline decode. Due chunks of several requests with the same
-length are decoded as ONE batch, and the streams that start in the same tick are opened
-as one batch (:meth:`StreamingCodecDecoder.allocate_many`). At stream-done the remainder is flushed.
+Code frames arrive as :class:`~omnistage.scheduling.ar.CodeFrames` stream items
+(``[n, G]`` int64 tensors, any ``n >= 1``, possibly on CUDA) from the AR engine; the
+scheduler cuts them into a chunk plan (a ramp of 1, 2, 4 frames, then 8 at a time by
+default, so the first audio needs one frame) and decodes each due chunk with a
+:class:`StreamingCodecDecoder`, whose carried per-stream state makes the concatenated
+chunks equal the offline decode. Due chunks of several requests with the same length are
+decoded as ONE batch, and the streams that start in the same tick are opened as one batch
+(:meth:`StreamingCodecDecoder.allocate_many`). At stream-done the remainder is flushed.
 
-Each request's setup is a :class:`VocoderPayload` (:class:`VocoderInput` is a ready-made
-one): the first chunk size, the left context (a voice clone's reference codes: decoded
-into the state once, never emitted) and whether to stream at all. It comes either as the
-stage payload or, when the payload only arrives at the end (the engine's result), as a
-stream chunk of modality :data:`SETUP_MODALITY` from an earlier stage, so decoding starts
-with the first frame. Code chunks and stream-done may come before the setup; they wait
-for it. A payload with a ``finish_reason`` (e.g. the engine's
-:class:`~omnistage.engine.sequence.GenerationResult`: ``"length"`` when its cap was
-reached) passes it on as the vocoder's finish_reason, so it reaches the client.
+Each request's setup is a :class:`VocoderSetup`: the first chunk size, the left context
+(a voice clone's reference codes: decoded into the state once, never emitted) and whether
+to stream at all. It comes either as the stage payload or, when the payload only arrives
+at the end (the engine's result), as a stream item from an earlier stage, so decoding
+starts with the first frame. Code frames and stream-done may come before the setup; they
+wait for it. The stage's own finish_reason is "stop": the framework carries the engine's
+("length" when its cap was reached) to the client.
 
-Output: ``modality="audio"`` stream chunks, mono float32 numpy PCM with metadata
-``sample_rate`` (as Piper's terminal stage), then an
-:class:`omnistage.serve.model.AudioResult`. A non-streaming request (``stream=False``)
-is decoded whole at stream-done, batched with the others finishing in the same tick, and
-emitted as one audio chunk. State slots are freed on finish, abort and batch failure.
+Output: :class:`~omnistage.core.payloads.AudioChunk` stream items (mono float32 numpy PCM,
+as Piper's terminal stage), then an :class:`~omnistage.core.payloads.AudioResult`. A
+non-streaming request (``stream=False``) is decoded whole at stream-done, batched with
+the others finishing in the same tick, and emitted as one audio chunk. State slots are
+freed on finish, abort and batch failure.
 """
 
 from __future__ import annotations
@@ -30,16 +29,14 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from omnistage.core.payloads import AudioResult
-from omnistage.core.request import FinishReason
+from omnistage.core.payloads import AudioChunk, AudioResult
+from omnistage.scheduling.ar import CodeFrames
 from omnistage.scheduling.streaming import StreamingScheduler, StreamState
-
-SETUP_MODALITY = "vocoder_setup"
 
 
 class StreamingCodecDecoder(Protocol):
@@ -68,39 +65,22 @@ class StreamingCodecDecoder(Protocol):
         """Offline: per item ``(codes [T, G], left_context or None)`` -> ``[T * spf]``."""
 
 
-@runtime_checkable
-class VocoderPayload(Protocol):
-    """The stage payload contract of a vocoder stage (``StagePayload.data``).
+@dataclass(frozen=True, slots=True)
+class VocoderSetup:
+    """A request's vocoder setup (a stream item, or the stage payload).
 
     Attributes:
-        initial_codec_chunk_frames: frames of the first chunk; 0 or None = the plan's ramp.
-            The request builder validates it (int >= 0); the scheduler clamps it to the
-            plan's steady size.
-        left_context_codes: ``[R, G]`` int64 codes decoded before the stream and never
-            emitted (voice-clone reference codes), or None.
+        initial_codec_chunk_frames: frames of the first chunk; 0 = the plan's ramp. The
+            request builder validates it (int >= 0); the scheduler clamps it to the plan's
+            steady size.
+        left_context: ``[R, G]`` int64 codes decoded before the stream and never emitted
+            (voice-clone reference codes), or None.
         stream: False = decode the whole utterance at stream-done, one audio chunk.
         input_tokens: the request's input units, reported in its :class:`AudioResult`.
     """
 
-    initial_codec_chunk_frames: int | None
-    left_context_codes: torch.Tensor | None
-    stream: bool
-    input_tokens: int
-
-
-@runtime_checkable
-class UpstreamFinish(Protocol):
-    """A stage payload that carries its producer's finish_reason."""
-
-    finish_reason: FinishReason
-
-
-@dataclass(frozen=True, slots=True)
-class VocoderInput:
-    """A plain :class:`VocoderPayload`."""
-
     initial_codec_chunk_frames: int = 0
-    left_context_codes: torch.Tensor | None = None
+    left_context: torch.Tensor | None = None
     stream: bool = True
     input_tokens: int = 0
 
@@ -135,7 +115,7 @@ class ChunkPlan:
 class _Voice:
     """A request's vocoder state (``StreamState.model_state``)."""
 
-    setup: VocoderPayload | None = None
+    setup: VocoderSetup | None = None
     frames: list[torch.Tensor] = field(default_factory=list)  # buffered [n, G] pieces
     buffered: int = 0
     chunks_out: int = 0
@@ -222,25 +202,25 @@ class VocoderScheduler(StreamingScheduler):
         payload fails only its own request (returns False)."""
         voice = state.model_state = state.model_state or _Voice()
         for chunk in state.chunks:
-            if chunk.modality == SETUP_MODALITY:
-                if not isinstance(chunk.data, VocoderPayload):
-                    name = type(chunk.data).__name__
-                    return self._reject(state, TypeError(f"vocoder: a setup chunk must provide VocoderPayload's fields, got {name}"))
+            if isinstance(chunk.data, VocoderSetup):
                 voice.setup = chunk.data
                 continue
-            codes = chunk.data
-            if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.shape[0] < 1 or codes.dtype != torch.int64:
-                got = tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__
-                return self._reject(state, ValueError(f"vocoder: stream chunks must be [n>=1, G] int64 codes, got {got}"))
+            if not isinstance(chunk.data, CodeFrames):
+                name = type(chunk.data).__name__
+                return self._reject(state, TypeError(f"vocoder: stream items are VocoderSetup or CodeFrames, got {name}"))
+            codes = chunk.data.codes
+            if codes.dim() != 2 or codes.shape[0] < 1 or codes.dtype != torch.int64:
+                got = f"{tuple(codes.shape)} {codes.dtype}"
+                return self._reject(state, ValueError(f"vocoder: code frames must be [n>=1, G] int64, got {got}"))
             voice.frames.append(codes)
             voice.buffered += codes.shape[0]
         state.chunks.clear()
         if voice.setup is None and state.payload is not None:
-            if isinstance(state.payload.data, VocoderPayload):
+            if isinstance(state.payload.data, VocoderSetup):
                 voice.setup = state.payload.data
             elif self.ready_to_finish(state):
                 name = type(state.payload.data).__name__
-                return self._reject(state, TypeError(f"vocoder: no setup chunk arrived and the payload ({name}) is no VocoderPayload"))
+                return self._reject(state, TypeError(f"vocoder: no setup arrived and the payload ({name}) is no VocoderSetup"))
         return True
 
     def _reject(self, state: StreamState, error: Exception) -> bool:
@@ -250,16 +230,14 @@ class VocoderScheduler(StreamingScheduler):
         return False
 
     @staticmethod
-    def _payload(state: StreamState) -> VocoderPayload:
+    def _payload(state: StreamState) -> VocoderSetup:
         return state.model_state.setup  # set (and checked) by _ingest_chunks
 
     def _complete(self, state: StreamState) -> None:
         voice: _Voice = state.model_state
-        data = state.payload.data if state.payload is not None else None
-        reason: FinishReason = data.finish_reason if isinstance(data, UpstreamFinish) else "stop"
         tokens = self._payload(state).input_tokens
         result = AudioResult(voice.samples_out, self.sample_rate, num_frames=voice.frames_out, input_tokens=tokens)
-        self.complete(state, result, reason)
+        self.complete(state, result)
 
     def _open(self, states: list[StreamState]) -> list[StreamState]:
         """Give the requests without a decoder slot one, all in one batch, in order while
@@ -269,7 +247,7 @@ class VocoderScheduler(StreamingScheduler):
         for state in waiting:
             self._waiting[state.request_id] = state
         if opened:
-            slots = self.decoder.allocate_many([self._payload(s).left_context_codes for s in opened])
+            slots = self.decoder.allocate_many([self._payload(s).left_context for s in opened])
             self._slots.update((s.request_id, slot) for s, slot in zip(opened, slots, strict=True))
         return [s for s in states if s.request_id in self._slots]
 
@@ -293,13 +271,13 @@ class VocoderScheduler(StreamingScheduler):
         voice.chunks_out += 1
         voice.frames_out += frames
         voice.samples_out += len(pcm)
-        self.emit(state, pcm, "audio", sample_rate=self.sample_rate)
+        self.emit(state, AudioChunk(pcm, self.sample_rate))
 
     def _finish_offline(self, states: list[StreamState]) -> None:
         """Decode whole utterances in one batch, one audio chunk each, and finish them."""
         with_audio = [s for s in states if s.model_state.buffered > 0]
         if with_audio:
-            items = [(s.model_state.take(s.model_state.buffered), self._payload(s).left_context_codes) for s in with_audio]
+            items = [(s.model_state.take(s.model_state.buffered), self._payload(s).left_context) for s in with_audio]
             for state, (codes, _), audio in zip(with_audio, items, self.decoder.decode_full(items), strict=True):
                 self._emit_audio(state, audio.float().cpu().numpy(), codes.shape[0])
         for state in states:

@@ -441,7 +441,7 @@ class _SpeechCall:
         except OmnistageError as exc:
             self._finished(exc)
             raise
-        audio = [audio_of_chunk(c) for c in result.chunks if c.modality == "audio"]
+        audio = [a for c in result.chunks if (a := audio_of_chunk(c)) is not None]
         if not audio:
             error = StageFailureError("server", "the model produced no audio")
             self._finished(error)
@@ -486,16 +486,16 @@ class _SpeechCall:
 
     async def _first_chunk(self, stream: AsyncIterator[StreamChunk]) -> np.ndarray:
         async for chunk in stream:
-            if chunk.modality == "audio":
-                return audio_of_chunk(chunk)
+            if (audio := audio_of_chunk(chunk)) is not None:
+                return audio
         await self.handle.result()  # raises the request's error, if any
         raise StageFailureError("server", "the model produced no audio")
 
     async def _audio_chunks(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[np.ndarray]:
         yield first
         async for chunk in stream:
-            if chunk.modality == "audio":
-                yield audio_of_chunk(chunk)
+            if (audio := audio_of_chunk(chunk)) is not None:
+                yield audio
 
     async def _encoded(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
         """The response format's bytes as the chunks arrive, then the encoder's tail (only

@@ -43,10 +43,10 @@ from typing import Final
 import av
 import numpy as np
 import soxr
-import torch
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.core.messages import StreamChunk
+from omnistage.core.payloads import AudioChunk
 
 __all__ = [
     "FORMATS",
@@ -81,13 +81,12 @@ _CONTENT_TYPES: Final = {
 FORMATS: Final = tuple(_CONTENT_TYPES)
 
 
-def audio_of_chunk(chunk: StreamChunk) -> np.ndarray:
-    """An audio stream chunk's samples: its ``data`` (tensor on any device, or array) as
-    mono float32 ``[N]`` on the CPU."""
-    data = chunk.data
-    if isinstance(data, torch.Tensor):
-        data = data.detach().to("cpu", torch.float32).numpy()
-    return np.asarray(data, dtype=np.float32).reshape(-1)
+def audio_of_chunk(chunk: StreamChunk) -> np.ndarray | None:
+    """A stream chunk's samples as mono float32 ``[N]`` on the CPU if it is an
+    :class:`~omnistage.core.payloads.AudioChunk`, else None (not audio)."""
+    if not isinstance(chunk.data, AudioChunk):
+        return None
+    return np.asarray(chunk.data.samples, dtype=np.float32).reshape(-1)
 
 
 def content_type(fmt: str) -> str:

@@ -5,9 +5,9 @@ A model package ``omnistage/models/<name>/config.py`` exposes ``EntryClass`` (a
 and optionally ``Variants`` (``{name: SpeechModelConfig subclass}``). The framework never
 imports a model by name: :mod:`omnistage.serve.registry` discovers them.
 
-Output convention for speech: audio terminal stages stream chunks with
-``modality="audio"`` whose ``data`` is mono float32 PCM (``[N]`` tensor or array, values
-in [-1, 1]) at ``capabilities().sample_rate``, and finish with an
+Output convention for speech: audio terminal stages stream
+:class:`omnistage.core.payloads.AudioChunk` items (mono float32 PCM at
+``capabilities().sample_rate``) and finish with an
 :class:`omnistage.core.payloads.AudioResult`.
 """
 

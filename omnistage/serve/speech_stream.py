@@ -324,8 +324,7 @@ async def _send_audio(session: _Session) -> None:
 async def _encoded(session: _Session, segment: _Segment) -> AsyncIterator[bytes]:
     """The encoder's bytes per audio chunk of ``segment`` (maybe b"")."""
     async for chunk in segment.handle.stream():
-        if chunk.modality == "audio":
-            samples = audio_of_chunk(chunk)
+        if (samples := audio_of_chunk(chunk)) is not None:
             segment.samples += len(samples)
             yield await run_in_threadpool(session.encoder.push, samples)
 

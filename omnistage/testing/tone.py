@@ -14,7 +14,7 @@ import numpy as np
 
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.core.messages import StagePayload
-from omnistage.core.payloads import AudioResult
+from omnistage.core.payloads import AudioChunk, AudioResult
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import ItemResult, SimpleScheduler
 from omnistage.serve.media import MediaPolicy
@@ -59,7 +59,7 @@ def tone_stage(ctx: StageBuildContext) -> SimpleScheduler:
             for i, chunk in enumerate(chunks):
                 if i == 1 and "LATEFAIL" in request.text:
                     raise RuntimeError("tone: failing after the first chunk as asked")
-                scheduler.outbox.stream(payload.request_id, chunk, "audio", {"sample_rate": SAMPLE_RATE})
+                scheduler.outbox.stream(payload.request_id, AudioChunk(chunk, SAMPLE_RATE))
                 time.sleep(request.delay_s)
             finish = "length" if len(request.text) > request.max_chars else "stop"
             result = AudioResult(
@@ -80,7 +80,11 @@ class ToneConfig(SpeechModelConfig):
     @classmethod
     def for_model_path(cls, model_path: str) -> Self:
         stage = StageConfig(
-            name="tone", factory=FactoryConfig(path="omnistage.testing.tone:tone_stage"), terminal=True
+            name="tone",
+            factory=FactoryConfig(path="omnistage.testing.tone:tone_stage"),
+            terminal=True,
+            result_type="omnistage.core.payloads:AudioResult",
+            stream_types=["omnistage.core.payloads:AudioChunk"],
         )
         return cls(name="tone", model_path=model_path, stages=[stage])
 

@@ -110,7 +110,7 @@ def double(ctx: StageBuildContext, chunk_size: int = 3, max_batch_size: int = 4)
             time.sleep(p.request.delay_s)
             codes: torch.Tensor = p.data
             for i in range(0, len(codes), chunk_size):
-                scheduler.outbox.stream(p.request_id, codes[i : i + chunk_size] * 2, "codes")
+                scheduler.outbox.stream(p.request_id, codes[i : i + chunk_size] * 2)
             out.append(len(codes))
         return out
 
@@ -127,7 +127,7 @@ class _Accumulate(StreamingScheduler):
             for chunk in state.chunks:
                 out = chunk.data + 1
                 total += int(out.sum())
-                self.emit(state, out, "audio")
+                self.emit(state, out)
             state.chunks.clear()
             state.model_state = total
             if self.ready_to_finish(state):

@@ -13,10 +13,16 @@ from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
 from omnistage.core.messages import StagePayload, StreamChunk
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.sampler import SamplingParams
-from omnistage.engine.sequence import GenerationInput, GenerationResult
+from omnistage.engine.sequence import GenerationInput
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import StreamingScheduler, StreamState, ThreadedScheduler
-from omnistage.scheduling.ar import ARScheduler, FrameWithHidden, RowFeed, StreamInput
+from omnistage.scheduling.ar import (
+    ARScheduler,
+    FrameWithHidden,
+    GenerationSummary,
+    RowFeed,
+    StreamInput,
+)
 from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 
@@ -80,8 +86,7 @@ ROW_GATES = RowGates()
 def toy_row_feeder(ctx: StageBuildContext, start_in_payload: bool = False) -> ThreadedScheduler:
     """Streams a :class:`ToyARRequest`'s rows to the engine stage: first (unless
     ``start_in_payload``) its start, a :class:`GenerationInput` with the ``given`` rows
-    and ``more_rows`` (modality ``"generation_input"``), then every other row as a
-    ``[1, H]`` chunk (``"step_rows"``). Result: the start when ``start_in_payload``, else
+    and ``more_rows``, then every other row as a ``[1, H]`` tensor. Result: the start when ``start_in_payload``, else
     None."""
     scheduler: ThreadedScheduler
 
@@ -92,11 +97,11 @@ def toy_row_feeder(ctx: StageBuildContext, start_in_payload: bool = False) -> Th
         head = full.step_embeds[: request.given] if request.given else None
         start = replace(full, step_embeds=head, more_rows=True)
         if not start_in_payload:
-            scheduler.outbox.stream(payload.request_id, start, "generation_input")
+            scheduler.outbox.stream(payload.request_id, start)
         for row in full.step_embeds[request.given :]:
             if request.gated:
                 ROW_GATES.wait(request.seed)
-            scheduler.outbox.stream(payload.request_id, row[None], "step_rows")
+            scheduler.outbox.stream(payload.request_id, row[None])
         return start if start_in_payload else None
 
     scheduler = ThreadedScheduler(compute, num_workers=8)
@@ -111,7 +116,7 @@ class ToyStreamStart(StreamInput):
         return RowFeed()
 
     def on_chunk(self, chunk: StreamChunk) -> RowFeed:
-        if chunk.modality == "generation_input":
+        if isinstance(chunk.data, GenerationInput):
             return RowFeed(start=chunk.data)
         return RowFeed(rows=chunk.data)
 
@@ -141,41 +146,52 @@ def toy_ar_stage(ctx: StageBuildContext, max_num_seqs: int = 4, kv_cache_bytes: 
     return ARScheduler(engine, build_input=lambda payload: toy_ar_input(payload.request))
 
 
+SUMMARY = "omnistage.scheduling.ar:GenerationSummary"
+FRAMES = ["omnistage.scheduling.ar:CodeFrames", "omnistage.scheduling.ar:FrameWithHidden"]
+
+
 class _CollectFrames(StreamingScheduler):
     """Terminal: passes every chunk on to the client; result ``(streamed frames [T, G],
-    the AR stage's GenerationResult)``."""
+    the AR stage's GenerationSummary)``."""
+
+    def __init__(self, num_code_groups: int) -> None:
+        super().__init__()
+        self.num_code_groups = num_code_groups
 
     def step(self, states: list[StreamState]) -> None:
         for state in states:
             frames = state.model_state = state.model_state or []
             for chunk in state.chunks:
-                frame = chunk.data.frame if isinstance(chunk.data, FrameWithHidden) else chunk.data
+                frame = chunk.data.frame if isinstance(chunk.data, FrameWithHidden) else chunk.data.codes
                 if frame is not None:
                     frames.append(frame)
-                self.emit(state, chunk.data, chunk.modality)
+                self.emit(state, chunk.data)
             state.chunks.clear()
             if self.ready_to_finish(state):
                 assert state.payload is not None
-                result: GenerationResult = state.payload.data
-                streamed = torch.cat(frames) if frames else result.codes[:0]
-                self.complete(state, (streamed, result), result.finish_reason)
+                summary: GenerationSummary = state.payload.data
+                streamed = torch.cat(frames) if frames else torch.zeros(0, self.num_code_groups, dtype=torch.int64)
+                self.complete(state, (streamed, summary))
 
 
-def collect_frames(ctx: StageBuildContext) -> _CollectFrames:
-    return _CollectFrames()
+def collect_frames(ctx: StageBuildContext, num_code_groups: int = ToyARConfig.num_code_groups) -> _CollectFrames:
+    return _CollectFrames(num_code_groups)
 
 
 def ar_pipeline_config(engine_process: str | None = None, **engine_args: object) -> PipelineConfig:
     """``engine`` (the toy AR stage, streaming frames; in process group ``engine_process``,
     None: the server's) -> ``collect`` (terminal)."""
     here = "omnistage.testing.toy_ar_stage:"
+    collect_args = {"num_code_groups": engine_args.get("num_code_groups", ToyARConfig.num_code_groups)}
     return PipelineConfig(
         name="toy-ar",
         stages=[
             StageConfig(name="engine", factory=FactoryConfig(path=here + "toy_ar_stage", args=engine_args),
-                        next="collect", stream_to=["collect"], process=engine_process),
-            StageConfig(name="collect", factory=FactoryConfig(path=here + "collect_frames"), terminal=True,
-                        can_accept_stream_before_payload=True),
+                        next="collect", stream_to=["collect"], process=engine_process, result_type=SUMMARY,
+                        stream_types=FRAMES),
+            StageConfig(name="collect", factory=FactoryConfig(path=here + "collect_frames", args=collect_args),
+                        terminal=True, can_accept_stream_before_payload=True, payload_type=SUMMARY,
+                        accepts_stream_types=FRAMES, stream_types=FRAMES),
         ],
     )
 
@@ -186,6 +202,7 @@ def ar_stream_pipeline_config(start_in_payload: bool = False, **engine_args: obj
     ``start_in_payload`` from the feeder's result."""
     here = "omnistage.testing.toy_ar_stage:"
     engine = {"start": "payload" if start_in_payload else "chunk", **engine_args}
+    collect_args = {"num_code_groups": engine_args.get("num_code_groups", ToyARConfig.num_code_groups)}
     return PipelineConfig(
         name="toy-ar-stream",
         stages=[
@@ -193,8 +210,10 @@ def ar_stream_pipeline_config(start_in_payload: bool = False, **engine_args: obj
                                                            args={"start_in_payload": start_in_payload}),
                         next="engine", stream_to=["engine"]),
             StageConfig(name="engine", factory=FactoryConfig(path=here + "toy_ar_stage", args=engine),
-                        next="collect", stream_to=["collect"], can_accept_stream_before_payload=True),
-            StageConfig(name="collect", factory=FactoryConfig(path=here + "collect_frames"), terminal=True,
-                        can_accept_stream_before_payload=True),
+                        next="collect", stream_to=["collect"], can_accept_stream_before_payload=True,
+                        result_type=SUMMARY, stream_types=FRAMES),
+            StageConfig(name="collect", factory=FactoryConfig(path=here + "collect_frames", args=collect_args),
+                        terminal=True, can_accept_stream_before_payload=True, payload_type=SUMMARY,
+                        accepts_stream_types=FRAMES, stream_types=FRAMES),
         ],
     )

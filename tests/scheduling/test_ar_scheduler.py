@@ -11,7 +11,7 @@ from omnistage.core.errors import RequestAbortedError, RequestValidationError
 from omnistage.core.messages import StreamBatch, StreamChunk
 from omnistage.engine.sampler import SamplingParams
 from omnistage.pipeline.pipeline import Pipeline
-from omnistage.scheduling.ar import FrameWithHidden
+from omnistage.scheduling.ar import CodeFrames, FrameWithHidden
 from omnistage.testing.leaks import assert_no_request_state
 from omnistage.testing.toy_ar import reference_generate
 from omnistage.testing.toy_ar_stage import (
@@ -45,11 +45,11 @@ async def test_concurrent_requests_stream_every_frame_and_match_the_reference():
         handles = [pipeline.submit(r) for r in requests]
         results = await asyncio.gather(*(h.result() for h in handles))
         for request, result in zip(requests, results, strict=True):
-            streamed, generated = result.outputs["collect"]
+            streamed, summary = result.outputs["collect"]
             expected, reason = reference_generate(model, toy_ar_input(request))
-            assert result.finish_reason == generated.finish_reason == reason == "length"
-            assert torch.equal(streamed, expected) and torch.equal(generated.codes, expected)
-            client_frames = torch.cat([chunk.data for chunk in result.chunks])
+            assert result.finish_reason == reason == "length"
+            assert torch.equal(streamed, expected) and summary.num_frames == expected.shape[0]
+            client_frames = torch.cat([chunk.data.codes for chunk in result.chunks])
             assert torch.equal(client_frames, expected)
         await assert_no_request_state(pipeline)
         engine = engine_of(pipeline)
@@ -69,10 +69,10 @@ async def test_a_plain_token_lm_stage_streams_one_token_per_step_and_stops_on_a_
         for request, result in zip(requests, results, strict=True):
             expected, reason = reference_generate(model, toy_ar_input(request))
             streamed, generated = result.outputs["collect"]
-            assert result.finish_reason == generated.finish_reason == reason
+            assert result.finish_reason == reason and generated.num_frames == streamed.shape[0]
             assert torch.equal(streamed, expected) and expected.shape[1] == 1
-            assert all(chunk.data.shape == (1, 1) for chunk in result.chunks)  # one token per step
-        assert results[0].finish_reason == "stop" and stop not in results[0].outputs["collect"][1].codes
+            assert all(chunk.data.codes.shape == (1, 1) for chunk in result.chunks)  # one token per step
+        assert results[0].finish_reason == "stop" and stop not in results[0].outputs["collect"][0]
         await assert_no_request_state(pipeline)
 
 
@@ -82,7 +82,7 @@ async def test_hidden_rows_stream_out_with_each_token_of_the_requests_that_ask()
     asking = replace(plain, seed=61, return_hidden=True)
     async with Pipeline(ar_pipeline_config(num_code_groups=1, hidden_layers=[0, 2])) as pipeline:
         without, with_rows = await asyncio.gather(*(pipeline.submit(r).result() for r in (plain, asking)))
-        assert all(isinstance(chunk.data, torch.Tensor) for chunk in without.chunks)
+        assert all(isinstance(chunk.data, CodeFrames) for chunk in without.chunks)
         chunks = [chunk.data for chunk in with_rows.chunks]
         assert all(isinstance(c, FrameWithHidden) and c.hidden.shape[1:] == (2, 32) for c in chunks)
         assert [c.hidden.shape[0] for c in chunks] == [5] + [1] * 5  # the prompt, then one token a step
@@ -132,8 +132,8 @@ async def test_rows_streamed_in_by_another_stage_equal_all_rows_at_once(start_in
         for request, result in zip(requests, results, strict=True):
             streamed, generated = result.outputs["collect"]
             expected, reason = expected_codes(request)
-            assert result.finish_reason == generated.finish_reason == reason == "length"
-            assert torch.equal(streamed, expected) and torch.equal(generated.codes, expected)
+            assert result.finish_reason == reason == "length" and generated.num_frames == streamed.shape[0]
+            assert torch.equal(streamed, expected) and torch.equal(streamed, expected)
         await assert_no_request_state(pipeline)
 
 
@@ -147,11 +147,11 @@ async def test_a_request_waiting_for_streamed_rows_does_not_hold_back_the_others
         for _ in range(2):  # frame 0 (prefill) and frame 1 (fed row 0): then it needs row 1
             await anext(slow_frames)
         fast_result = await pipeline.submit(fast).result()
-        assert torch.equal(fast_result.outputs["collect"][1].codes, expected_codes(fast)[0])
+        assert torch.equal(fast_result.outputs["collect"][0], expected_codes(fast)[0])
         waiting = engine.scheduler.get(slow_handle.request_id)
         assert waiting.num_scheduled == 2 and not waiting.schedulable  # it waited, unpadded
         ROW_GATES.allow(slow.seed, 5)
-        frames = [chunk.data async for chunk in slow_frames]
+        frames = [chunk.data.codes async for chunk in slow_frames]
         assert torch.equal(torch.cat(frames), expected_codes(slow)[0][2:])
         await assert_no_request_state(pipeline)
 
@@ -192,7 +192,7 @@ async def test_a_request_done_before_its_payload_arrived_ends_once_it_does():
         ROW_GATES.allow(short.seed, 4)
         result = await handle.result()
         streamed, generated = result.outputs["collect"]
-        assert result.finish_reason == "length" and torch.equal(generated.codes, expected_codes(short)[0])
+        assert result.finish_reason == "length" and torch.equal(streamed, expected_codes(short)[0])
 async def test_a_step_streams_every_requests_frame_in_one_message_per_target():
     """The engine's frames of one step travel as one StreamBatch to its stream target,
     never as one message per request; the client still gets every frame, in order."""
@@ -212,7 +212,7 @@ async def test_a_step_streams_every_requests_frame_in_one_message_per_target():
         results = await asyncio.gather(*(h.result() for h in handles))
         for request, result in zip(requests, results, strict=True):
             expected, _ = reference_generate(model, toy_ar_input(request))
-            assert torch.equal(torch.cat([chunk.data for chunk in result.chunks]), expected)
+            assert torch.equal(torch.cat([chunk.data.codes for chunk in result.chunks]), expected)
         assert not [m for m in sent if isinstance(m, StreamChunk)]
         batches = [m for m in sent if isinstance(m, StreamBatch)]
         assert sum(len(b.chunks) for b in batches) == 4 * 5
@@ -231,6 +231,6 @@ async def test_frames_stream_across_processes_in_batches_and_match_the_reference
         for request, result in zip(requests, results, strict=True):
             streamed, generated = result.outputs["collect"]
             expected, reason = reference_generate(model, toy_ar_input(request))
-            assert torch.equal(streamed, expected) and torch.equal(generated.codes, expected)
+            assert torch.equal(streamed, expected) and torch.equal(streamed, expected)
             assert result.finish_reason == reason
         await assert_no_request_state(pipeline)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from omnistage.core.messages import Abort, StagePayload, StreamChunk, StreamDone
-from omnistage.core.payloads import AudioResult
+from omnistage.core.payloads import AudioChunk, AudioResult
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
 from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS, random_state_dict
@@ -20,7 +20,8 @@ from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_de
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
     write_random_speech_tokenizer,
 )
-from omnistage.scheduling.vocoder import ChunkPlan, VocoderInput, VocoderScheduler
+from omnistage.scheduling.ar import CodeFrames
+from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler, VocoderSetup
 
 SPF = 4  # the fake decoder's samples per frame
 RATE = 24000
@@ -86,9 +87,9 @@ class Outbox:
             self.results[request_id] = (data, finish_reason)
             self.ended.notify_all()
 
-    def stream(self, request_id, data, modality="data", metadata=None):
-        assert modality == "audio"
-        self.streams.setdefault(request_id, []).append((data, dict(metadata or {})))
+    def stream(self, request_id, data):
+        assert isinstance(data, AudioChunk)
+        self.streams.setdefault(request_id, []).append((data.samples, {"sample_rate": data.sample_rate}))
 
     def fail(self, request_id, error):
         with self.ended:
@@ -136,11 +137,11 @@ def _codes(frames: int, seed: int = 0) -> torch.Tensor:
 
 
 def _payload(request_id: str, **fields) -> StagePayload:
-    return StagePayload(request_id, None, VocoderInput(**fields))
+    return StagePayload(request_id, None, VocoderSetup(**fields))
 
 
 def _chunk(request_id: str, codes: torch.Tensor) -> StreamChunk:
-    return StreamChunk(request_id, "tts_engine", codes, "audio_codes")
+    return StreamChunk(request_id, "tts_engine", CodeFrames(codes))
 
 
 def _settle(scheduler: VocoderScheduler) -> None:
@@ -193,7 +194,7 @@ def test_due_requests_with_the_same_chunk_length_decode_as_one_batch(make) -> No
 def test_left_context_is_never_emitted(make) -> None:
     scheduler, outbox = make()
     reference, codes = _codes(5, seed=1), _codes(10, seed=2)
-    scheduler.put(_payload("r", left_context_codes=reference))
+    scheduler.put(_payload("r", left_context=reference))
     scheduler.put(_chunk("r", codes))
     scheduler.put(StreamDone("r", "tts_engine"))
     outbox.wait("r")
@@ -256,7 +257,7 @@ def test_non_streaming_requests_get_one_chunk_at_stream_done(make) -> None:
     arena = FakeArena()
     scheduler, outbox = make(arena)
     codes = _codes(13)
-    scheduler.put(_payload("r", stream=False, left_context_codes=_codes(2, seed=5)))
+    scheduler.put(_payload("r", stream=False, left_context=_codes(2, seed=5)))
     scheduler.put(_chunk("r", codes[:7]))
     scheduler.put(_chunk("r", codes[7:]))
     _settle(scheduler)
@@ -330,7 +331,7 @@ def test_streamed_audio_from_the_real_codec_equals_its_offline_decode(make, tmp_
     arena = StreamingDecoderArena(decoder, num_slots=2)
     scheduler, outbox = make(arena)
     codes, reference = _codes(16, seed=4), _codes(3, seed=6)
-    scheduler.put(_payload("r", left_context_codes=reference))
+    scheduler.put(_payload("r", left_context=reference))
     for start in range(0, 16, 5):
         scheduler.put(_chunk("r", codes[start : start + 5]))
     scheduler.put(StreamDone("r", "tts_engine"))
@@ -347,7 +348,7 @@ def test_streams_starting_in_the_same_tick_open_as_one_batch(make) -> None:
     arena = FakeArena(num_slots=4)
     scheduler, outbox = make(arena, start=False)
     for request_id in "abc":
-        scheduler.put(_payload(request_id, left_context_codes=_codes(3)))
+        scheduler.put(_payload(request_id, left_context=_codes(3)))
         scheduler.put(_chunk(request_id, _codes(1, seed=ord(request_id))))
         scheduler.put(StreamDone(request_id, "tts_engine"))
     scheduler.start()
@@ -371,7 +372,7 @@ def test_batched_opens_with_the_real_codec_stream_exactly_and_aborts_at_every_ph
     reference = _codes(4, seed=7)
     utterances = {r: _codes(9, seed=10 + i) for i, r in enumerate("abcde")}
     for request_id in "abcde":
-        scheduler.put(_payload(request_id, left_context_codes=reference))
+        scheduler.put(_payload(request_id, left_context=reference))
     scheduler.start()
     _settle(scheduler)
     assert arena.num_free == 0 and "e" in scheduler._waiting

@@ -44,6 +44,7 @@ class PiperVoiceConfig(SpeechModelConfig):
                     name="preprocessing",
                     factory=FactoryConfig(path=f"{_STAGES}:create_preprocessing_stage", args={"num_workers": 2}),
                     next="synthesis",
+                    result_type="omnistage.models.piper.payload_types:PhonemizedText",
                 ),
                 StageConfig(
                     name="synthesis",
@@ -58,6 +59,9 @@ class PiperVoiceConfig(SpeechModelConfig):
                         },
                     ),
                     terminal=True,
+                    payload_type="omnistage.models.piper.payload_types:PhonemizedText",
+                    result_type="omnistage.core.payloads:AudioResult",
+                    stream_types=["omnistage.core.payloads:AudioChunk"],
                 ),
             ],
         )

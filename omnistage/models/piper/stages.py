@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from omnistage.core.messages import Abort, StageInput, StagePayload
-from omnistage.core.payloads import AudioResult
+from omnistage.core.payloads import AudioChunk, AudioResult
 from omnistage.models.piper.modeling import (
     PiperPhonemizer,
     PiperSynthesizer,
@@ -112,7 +112,7 @@ def _items(request: PiperRequest, text: PhonemizedText) -> list[SynthesisItem]:
 class SentenceScheduler(Scheduler):
     """Sentence-level continuous batching over a :class:`PiperSynthesizer`.
 
-    Streams each sentence as a ``modality="audio"`` chunk (float32 ``[N]`` at the voice's
+    Streams each sentence as an :class:`AudioChunk` (float32 ``[N]`` at the voice's
     sample rate) and finishes a request with an :class:`AudioResult` (``num_frames`` =
     sentences).
     """
@@ -183,7 +183,7 @@ class SentenceScheduler(Scheduler):
             wave = wave[: utterance.max_samples - utterance.samples]
             utterance.next += 1
             utterance.samples += len(wave)
-            self.outbox.stream(request_id, wave, "audio", {"sample_rate": self.sample_rate})
+            self.outbox.stream(request_id, AudioChunk(wave, self.sample_rate))
             capped = utterance.samples >= utterance.max_samples
             if capped or utterance.next == len(utterance.items):
                 del self.active[request_id]

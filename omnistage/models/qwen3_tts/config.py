@@ -32,6 +32,13 @@ from omnistage.serve.model import SpeechModelConfig
 from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
 
 _STAGES = "omnistage.models.qwen3_tts.stages"
+# what the edges carry (omnistage.pipeline.edges)
+GENERATION_INPUT = "omnistage.engine.sequence:GenerationInput"
+GENERATION_SUMMARY = "omnistage.scheduling.ar:GenerationSummary"
+CODE_FRAMES = "omnistage.scheduling.ar:CodeFrames"
+VOCODER_SETUP = "omnistage.scheduling.vocoder:VocoderSetup"
+AUDIO_CHUNK = "omnistage.core.payloads:AudioChunk"
+AUDIO_RESULT = "omnistage.core.payloads:AudioResult"
 
 
 class Qwen3TTSPipelineConfig(SpeechModelConfig):
@@ -55,6 +62,10 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                     terminal=True,
                     # setup and frames stream in while the engine runs; its result comes last
                     can_accept_stream_before_payload=True,
+                    payload_type=GENERATION_SUMMARY,
+                    accepts_stream_types=[VOCODER_SETUP, CODE_FRAMES],
+                    result_type=AUDIO_RESULT,
+                    stream_types=[AUDIO_CHUNK],
                 ),
                 StageConfig(
                     name="preprocessing",
@@ -62,6 +73,8 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                     factory=FactoryConfig(path=f"{_STAGES}:create_preprocessing_stage", args={"num_workers": 8}),
                     next="tts_engine",
                     stream_to=["vocoder"],
+                    result_type=GENERATION_INPUT,
+                    stream_types=[VOCODER_SETUP],
                 ),
                 StageConfig(
                     name="tts_engine",
@@ -72,6 +85,9 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                     ),
                     next="vocoder",
                     stream_to=["vocoder"],
+                    payload_type=GENERATION_INPUT,
+                    result_type=GENERATION_SUMMARY,
+                    stream_types=[CODE_FRAMES],
                 ),
             ],
         )

@@ -7,8 +7,8 @@
   streams the vocoder its setup (first chunk size, the ICL reference codes as left
   context, stream or not) at once, so the vocoder is ready before the first frame.
 - ``tts_engine`` (the AR engine): one frame of 16 codes per step, each streamed to the
-  vocoder as it exists; its result (all codes + finish_reason) becomes the vocoder's
-  payload, which carries "length" through to the client.
+  vocoder as it exists; its result (a summary: the frames travelled already) becomes the
+  vocoder's payload, and the framework carries its finish_reason ("length") to the client.
 - ``vocoder`` (terminal, streaming): exact incremental decoding, chunk ramp 1, 2, 4, 8.
 
 Build order: the vocoder is listed first in the pipeline config, so its weights, state
@@ -59,7 +59,7 @@ from omnistage.models.qwen3_tts.request_builders import (
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import ThreadedScheduler
 from omnistage.scheduling.ar import ARScheduler
-from omnistage.scheduling.vocoder import SETUP_MODALITY, ChunkPlan, VocoderInput, VocoderScheduler
+from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler, VocoderSetup
 
 CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
 
@@ -236,8 +236,8 @@ def create_preprocessing_stage(
         prompt = _prompt(builder, references, request)
         sampling = resolve_sampling(request, defaults, facts)
         positions = prompt.prefill.shape[0] + prompt.trailing_text.shape[0]
-        setup = VocoderInput(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
-        scheduler.outbox.stream(payload.request_id, setup, SETUP_MODALITY)
+        setup = VocoderSetup(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
+        scheduler.outbox.stream(payload.request_id, setup)
         return GenerationInput(
             prompt=prompt.prefill,
             sampling=sampling.talker,

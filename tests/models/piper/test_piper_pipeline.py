@@ -2,13 +2,24 @@
 
 import pytest
 
-from omnistage.pipeline.pipeline import Pipeline
+from omnistage.core.payloads import AudioChunk, AudioResult
+from omnistage.models.piper.payload_types import PhonemizedText
+from omnistage.pipeline.pipeline import Pipeline, build_topology
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.protocol import SpeechRequest
 from omnistage.serve.registry import ModelRegistry
 from omnistage.testing.leaks import assert_no_request_state
 
 pytestmark = pytest.mark.anyio
+
+
+def test_every_edge_is_typed():
+    topology = build_topology(ModelRegistry.discover().resolve(None))
+    assert [(e.source, e.target, e.kind, e.carries) for e in topology.edges] == [
+        ("preprocessing", "synthesis", "next", (PhonemizedText,))
+    ]
+    assert topology.types["synthesis"].result is AudioResult
+    assert topology.types["synthesis"].streams == (AudioChunk,)
 
 
 async def test_output_is_capped_in_proportion_to_the_text_and_finishes_with_length():
@@ -20,7 +31,7 @@ async def test_output_is_capped_in_proportion_to_the_text_and_finishes_with_leng
     async with Pipeline(config) as pipeline:
         result = await pipeline.submit(request, collect=True).result()
         await assert_no_request_state(pipeline)
-    samples = sum(len(chunk.data) for chunk in result.chunks)
+    samples = sum(len(chunk.data.samples) for chunk in result.chunks)
     assert result.finish_reason == "length"
     assert samples == result.outputs["synthesis"].num_samples == 10 * 22050
 

@@ -9,9 +9,8 @@ The tiny random speech-tokenizer decoder's audio depends on its codes (random co
 ~0.07, peak ~0.4; two different code sequences differ by up to ~0.4, far above one int16
 step, 3e-5; test_speech_tokenizer_random_init.py pins it), so audio compared within 1 LSB
 tells codes apart. The tests also compare the codes themselves, exactly:
-the vocoder stage's result of each request (the engine's
-:class:`~omnistage.engine.sequence.GenerationResult`) is recorded in the server process
-under its request id (the ``X-Request-Id`` header), see :func:`record_engine_codes`.
+the code frames the engine streams to the vocoder are recorded in the server process
+under their request id (the ``X-Request-Id`` header), see :func:`record_engine_codes`.
 """
 
 from __future__ import annotations
@@ -32,13 +31,14 @@ import soundfile
 import torch
 
 from omnistage.core.errors import RequestAbortedError
-from omnistage.engine.sequence import GenerationResult
+from omnistage.core.messages import StreamChunk
 from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
 from omnistage.models.qwen3_tts.modeling.generate import TalkerSampling, generate
 from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
 from omnistage.models.qwen3_tts.modeling.weights import load_checkpoint
 from omnistage.pipeline.timeline import parse_header
+from omnistage.scheduling.ar import CodeFrames
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.audio import float_to_s16
 from omnistage.serve.protocol import SpeechRequest, validate_speech_request
@@ -81,27 +81,28 @@ CASES: dict[str, tuple[str, dict]] = {
 
 
 # ------------------------------------------------------------------ servers
-ENGINE_CODES: dict[str, torch.Tensor] = {}
-"""request id -> the codes ``[T, 16]`` the vocoder got as the engine's result (all servers)."""
+ENGINE_FRAMES: dict[str, list[torch.Tensor]] = {}
+"""request id -> the code frames ``[n, 16]`` the vocoder got from the engine (all servers)."""
 
 
 def record_engine_codes(server: RunningServer) -> None:
-    """Record, in :data:`ENGINE_CODES`, the engine's codes of every request the server's
-    vocoder stage completes (its payload is the engine's GenerationResult)."""
+    """Record, in :data:`ENGINE_FRAMES`, the code frames the engine streams to the server's
+    vocoder stage."""
     scheduler = server.speech.pipeline.host.stages["vocoder"].scheduler
-    complete = scheduler.complete
+    put = scheduler.put
 
-    def recording_complete(state, data, finish_reason="stop"):
-        result = state.payload.data if state.payload is not None else None
-        if isinstance(result, GenerationResult):
-            ENGINE_CODES[state.request_id] = result.codes.cpu()
-        complete(state, data, finish_reason)
+    def recording_put(message):
+        if isinstance(message, StreamChunk) and isinstance(message.data, CodeFrames):
+            ENGINE_FRAMES.setdefault(message.request_id, []).append(message.data.codes.cpu())
+        put(message)
 
-    scheduler.complete = recording_complete
+    scheduler.put = recording_put
 
 
 def codes_of(response: httpx.Response) -> torch.Tensor:
-    return ENGINE_CODES[response.headers["x-request-id"]]
+    """The engine's codes ``[T, 16]`` of the response's request."""
+    frames = ENGINE_FRAMES.get(response.headers["x-request-id"], [])
+    return torch.cat(frames) if frames else torch.zeros(0, 16, dtype=torch.int64)
 
 
 @pytest.fixture(scope="module")
