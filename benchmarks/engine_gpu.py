@@ -48,7 +48,7 @@ def request(config: ToyARConfig, device: torch.device, dtype: torch.dtype, seed:
                               suppress_ranges=((min(2048, config.vocab_size - 1), config.vocab_size),))
     return GenerationInput(
         torch.randn(PROMPT_LEN, h, generator=g, device=device, dtype=dtype), sampling, max_new,
-        step_embeds=torch.randn(8, h, generator=g, device=device, dtype=dtype),
+        step_rows=torch.randn(8, h, generator=g, device=device, dtype=dtype),
         pad_embed=torch.randn(h, generator=g, device=device, dtype=dtype),
         predictor_sampling=SamplingParams(temperature=0.9, top_k=50, seed=seed + 1),
     )

@@ -167,7 +167,7 @@ def request(spec: ARModelSpec, seed: int) -> GenerationInput:
                               stop_token_ids=(vocab - 1,), suppress_ranges=((vocab // 2, vocab - 1),))
     return GenerationInput(
         torch.randn(PROMPT_LEN, spec.hidden_size, generator=g), sampling, 4,
-        step_embeds=torch.randn(2, spec.hidden_size, generator=g), pad_embed=torch.randn(spec.hidden_size, generator=g),
+        step_rows=torch.randn(2, spec.hidden_size, generator=g), pad_embed=torch.randn(spec.hidden_size, generator=g),
         predictor_sampling=SamplingParams(temperature=0.9, top_k=50, seed=seed + 1),
     )
 

@@ -74,29 +74,12 @@ class BlockManager:
         self._lengths[request_id] = num_tokens
         return list(self._tables[request_id])
 
-    def append_slot(self, request_id: str) -> int:
-        """Reserve the slot of the request's next token (taking a new block at a block
-        boundary) and return its slot index.
-
-        Raises:
-            OutOfBlocksError: a new block is needed and none is free.
-        """
-        length = self._lengths[request_id]
-        table = self._tables[request_id]
-        if length == len(table) * self.block_size:
-            table.extend(self._take(1))
-        self._lengths[request_id] = length + 1
-        return table[length // self.block_size] * self.block_size + length % self.block_size
-
     def slots(self, request_id: str) -> list[int]:
         """Slot index of every token the request holds, in order."""
         table, size = self._tables[request_id], self.block_size
         return [table[t // size] * size + t % size for t in range(self._lengths[request_id])]
 
-    def block_table(self, request_id: str) -> list[int]:
-        return list(self._tables[request_id])
-
-    def free(self, request_id: str) -> None:
+    def release(self, request_id: str) -> None:
         """Return the request's blocks to the pool; a request without blocks is ignored."""
         self._free.extend(self._tables.pop(request_id, ()))
         self._lengths.pop(request_id, None)

@@ -191,7 +191,7 @@ class AREngine:
         hidden = self.runner.spec.hidden_size
         if rows.dim() != 2 or rows.shape[1] != hidden or not rows.is_floating_point():
             raise RequestValidationError(
-                f"step rows must be [K, {hidden}] floats, got {tuple(rows.shape)} {rows.dtype}", "step_embeds"
+                f"step rows must be [K, {hidden}] floats, got {tuple(rows.shape)} {rows.dtype}", "step_rows"
             )
         if seq.status is SequenceStatus.WAITING:
             seq.pending_rows.append(rows.clone())
@@ -360,12 +360,12 @@ class AREngine:
                 f"{self.kv_blocks.num_blocks * self.config.block_size}", "max_new_tokens",
             )
         if self.row_blocks.blocks_needed(inputs.num_step_rows) > self.row_blocks.num_blocks:
-            raise RequestValidationError(f"{inputs.num_step_rows} step rows exceed the pool", "step_embeds")
+            raise RequestValidationError(f"{inputs.num_step_rows} step rows exceed the pool", "step_rows")
         if inputs.return_hidden and not spec.hidden_layers:
             raise RequestValidationError("this model returns no hidden states", "return_hidden")
         if spec.position_rows != 3 and (inputs.positions is not None or inputs.rope_delta):
             raise RequestValidationError("this model takes 1-D positions: no positions or rope_delta", "positions")
-        widths = [t.shape[-1] for t in (inputs.step_embeds, inputs.pad_embed) if t is not None]
+        widths = [t.shape[-1] for t in (inputs.step_rows, inputs.pad_embed) if t is not None]
         if inputs.prompt.dim() == 2:
             widths.append(inputs.prompt.shape[1])
         if any(w != spec.hidden_size for w in widths):

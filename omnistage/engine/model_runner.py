@@ -42,8 +42,9 @@ from omnistage.engine.sampler import (
 )
 from omnistage.engine.sequence import Sequence
 
-# sample_fn(group_index, logits [B, V_code]) -> [B] int64; group_index in 1..G-1
 SampleFn = Callable[[int, torch.Tensor], torch.Tensor]
+"""``sample_fn(group_index, logits [B, V_code]) -> [B] int64``: picks code group
+``group_index`` (1..G-1) of every frame in the batch."""
 GREEDY = SamplingParams(temperature=0.0)  # the predictor's sampling when a request gives none
 
 
@@ -189,8 +190,8 @@ class ModelRunner:
         hidden = self.spec.hidden_size
         pad = inputs.pad_embed if inputs.pad_embed is not None else torch.zeros(hidden)
         self._write_rows([seq.row_slots[-1]], pad.reshape(1, hidden))
-        if inputs.step_embeds is not None:
-            self._write_rows(seq.row_slots[: inputs.num_given_rows], inputs.step_embeds)
+        if inputs.step_rows is not None:
+            self._write_rows(seq.row_slots[: inputs.num_given_rows], inputs.step_rows)
 
     def write_rows(self, seq: Sequence, first: int, rows: torch.Tensor) -> None:
         """Store ``rows [K, H]`` (any device and float dtype) as the running request's step

@@ -105,8 +105,8 @@ class BatchScheduler:
             self.waiting.remove(seq)
         else:
             self.running.remove(seq)
-            self.kv_blocks.free(seq.request_id)
-            self.row_blocks.free(seq.request_id)
+            self.kv_blocks.release(seq.request_id)
+            self.row_blocks.release(seq.request_id)
             self._free_slots.append(seq.slot)
             seq.slot = -1
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -41,7 +41,7 @@ class GenerationInput:
             sampled stop id ends the request with finish_reason ``"stop"``; its frame is
             not emitted) and the seed.
         max_new_tokens: frames (tokens) at most; reaching it ends with ``"length"``.
-        step_embeds: ``[M, H]`` rows added to the feedback embedding of frames ``0..M-1``
+        step_rows: ``[M, H]`` rows added to the feedback embedding of frames ``0..M-1``
             (None: no rows).
         pad_embed: ``[H]`` row added from frame ``M`` on (None: zeros); with streamed
             rows, from the frame after the last row once the rows are complete.
@@ -64,7 +64,7 @@ class GenerationInput:
     prompt: torch.Tensor
     sampling: SamplingParams
     max_new_tokens: int
-    step_embeds: torch.Tensor | None = None
+    step_rows: torch.Tensor | None = None
     pad_embed: torch.Tensor | None = None
     predictor_sampling: SamplingParams | None = None
     more_rows: bool = False
@@ -94,7 +94,7 @@ class GenerationInput:
     @property
     def num_given_rows(self) -> int:
         """``M``: step rows given with the request."""
-        return 0 if self.step_embeds is None else self.step_embeds.shape[0]
+        return 0 if self.step_rows is None else self.step_rows.shape[0]
 
     @property
     def row_capacity(self) -> int:

@@ -136,7 +136,7 @@ class StageRuntime:
     def _deliver_locked(self, message: StageInput, source: str) -> StageFailed | None:
         request_id = message.request_id
         if isinstance(message, Abort):
-            self._forget(request_id)
+            self._release(request_id)
             self.scheduler.put(message)
             return None
         if request_id in self._ended:
@@ -199,7 +199,7 @@ class StageRuntime:
             active = self._active[request_id] = _Active(request, targets)
         return active
 
-    def _forget(self, request_id: str) -> _Active | None:
+    def _release(self, request_id: str) -> _Active | None:
         self._ended.add(request_id)
         self._fan_in.pop(request_id, None)
         self._dones.pop(request_id, None)
@@ -212,7 +212,7 @@ class StageRuntime:
         with self._lock:
             if request_id in self._ended:
                 return
-            active = self._forget(request_id)
+            active = self._release(request_id)
             if active is None or active.payload is None:
                 error = StageFailureError(self.name, "produced a result for a request without payload")
                 events.append(StageFailed(request_id, self.name, error))
@@ -259,7 +259,7 @@ class StageRuntime:
                 self.links.to_coordinator(event)
         except RelayError as exc:  # every request of the batch fails (none is half-sent)
             for request_id in dict.fromkeys(request_id for request_id, _ in items):
-                self._forget_now(request_id)
+                self._release_now(request_id)
                 self.links.to_coordinator(StageFailed(request_id, self.name, exc))
 
     def _stream_locked(
@@ -303,7 +303,7 @@ class StageRuntime:
         self.links.to_coordinator(StageDead(self.name, f"{type(error).__name__}: {error}"))
 
     def _fail_locked(self, request_id: str, error: OmnistageError) -> StageFailed:
-        self._forget(request_id)
+        self._release(request_id)
         return StageFailed(request_id, self.name, error)
 
     def _emit(self, request_id: str, outgoing: Outgoing, events: list[CoordinatorEvent]) -> None:
@@ -315,12 +315,12 @@ class StageRuntime:
             for event in events:
                 self.links.to_coordinator(event)
         except RelayError as exc:
-            self._forget_now(request_id)
+            self._release_now(request_id)
             self.links.to_coordinator(StageFailed(request_id, self.name, exc))
 
-    def _forget_now(self, request_id: str) -> None:
+    def _release_now(self, request_id: str) -> None:
         with self._lock:
-            self._forget(request_id)
+            self._release(request_id)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

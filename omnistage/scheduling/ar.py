@@ -190,7 +190,7 @@ class ARScheduler(Scheduler):
         :class:`~omnistage.core.errors.OmnistageError`, ``ValueError`` or ``TypeError`` for bad input.
     stream_frames: stream each frame as :class:`CodeFrames` and end with a
         :class:`GenerationSummary`; False: end with the whole ``GenerationResult``.
-    abort_callback: see :class:`Scheduler` (the engine's own state is freed regardless).
+    release_callback: see :class:`Scheduler` (the engine's own state is freed regardless).
     stream_input: ``stream_input(request_id) -> StreamInput``, used when the stage has
         stream sources (None: :class:`RowStream` over ``build_input``).
     """
@@ -202,10 +202,10 @@ class ARScheduler(Scheduler):
         engine: AREngine,
         build_input: Callable[[StagePayload], GenerationInput] = payload_data,
         stream_frames: bool = True,
-        abort_callback: Callable[[str], None] | None = None,
+        release_callback: Callable[[str], None] | None = None,
         stream_input: Callable[[str], StreamInput] | None = None,
     ) -> None:
-        super().__init__(abort_callback)
+        super().__init__(release_callback)
         self.engine, self.build_input, self.stream_frames = engine, build_input, stream_frames
         self.stream_input = stream_input or (lambda request_id: RowStream(self.build_input))
         self._streamed: dict[str, _Streamed] = {}
@@ -216,10 +216,10 @@ class ARScheduler(Scheduler):
 
     def release(self, request_id: str) -> None:
         self.engine.abort(request_id)
-        self._end(request_id)
+        self._release_state(request_id)
         super().release(request_id)
 
-    def _end(self, request_id: str) -> None:
+    def _release_state(self, request_id: str) -> None:
         self._streamed.pop(request_id, None)
         self._ended.add(request_id)
 
@@ -270,7 +270,7 @@ class ARScheduler(Scheduler):
                 self.engine.complete_step_rows(request_id)
         except (OmnistageError, ValueError, TypeError) as exc:
             self.engine.abort(request_id)
-            self._end(request_id)
+            self._release_state(request_id)
             self.outbox.fail(request_id, exc)
             return
         if state.has_payload and state.result is not None:
@@ -307,6 +307,6 @@ class ARScheduler(Scheduler):
         self._finish(out.request_id, out.result)
 
     def _finish(self, request_id: str, result: GenerationResult) -> None:
-        self._end(request_id)
+        self._release_state(request_id)
         data = GenerationSummary(result.codes.shape[0], result.num_prompt_tokens) if self.stream_frames else result
         self.outbox.result(request_id, data, result.finish_reason)

@@ -7,7 +7,7 @@ A scheduler owns one compute thread. The stage runtime puts
 
 Failure has one exit: :meth:`Scheduler.run_batch`, the batch boundary. Whatever a batch's
 compute raises (``torch.OutOfMemoryError`` included) fails exactly the requests of that
-batch, their per-request state is released through ``abort_callback``, and the scheduler
+batch, their per-request state is released through ``release_callback``, and the scheduler
 goes on serving the next requests.
 """
 
@@ -73,13 +73,13 @@ class Scheduler(ABC):
     """Base of all schedulers: an inbox, a compute thread, and the batch boundary.
 
     Args:
-        abort_callback: ``callback(request_id)`` that releases the model's per-request
+        release_callback: ``callback(request_id)`` that releases the model's per-request
             state (KV blocks, vocoder slots, buffers). Called on abort and on failure, on
             every race path, possibly more than once per request: it must be idempotent.
     """
 
-    def __init__(self, abort_callback: Callable[[str], None] | None = None) -> None:
-        self.abort_callback = abort_callback
+    def __init__(self, release_callback: Callable[[str], None] | None = None) -> None:
+        self.release_callback = release_callback
         self.stage_name = "?"
         self.expects_stream = False
         self._outbox: StageOutbox | None = None
@@ -153,9 +153,9 @@ class Scheduler(ABC):
         """Ids of requests this scheduler holds state for (for leak checks)."""
 
     def release(self, request_id: str) -> None:
-        """Call ``abort_callback`` for ``request_id`` (idempotent by contract)."""
-        if self.abort_callback is not None:
-            self.abort_callback(request_id)
+        """Call ``release_callback`` for ``request_id`` (idempotent by contract)."""
+        if self.release_callback is not None:
+            self.release_callback(request_id)
 
     def run_batch(self, request_ids: Iterable[str], compute: Callable[[], None]) -> bool:
         """The batch boundary: run ``compute``; if it raises, fail every request of the

@@ -21,7 +21,7 @@ class SimpleScheduler(Scheduler):
             alone. If ``compute`` raises, the whole batch fails.
         max_batch_size: most payloads per call (>= 1).
         max_batch_wait_ms: how long to hold a partial batch for more arrivals.
-        abort_callback: see :class:`Scheduler`.
+        release_callback: see :class:`Scheduler`.
     """
 
     def __init__(
@@ -29,9 +29,9 @@ class SimpleScheduler(Scheduler):
         compute: Callable[[list[StagePayload]], list[Any]],
         max_batch_size: int = 1,
         max_batch_wait_ms: float = 0.0,
-        abort_callback: Callable[[str], None] | None = None,
+        release_callback: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(abort_callback)
+        super().__init__(release_callback)
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.compute = compute

@@ -46,8 +46,8 @@ class StreamingScheduler(Scheduler):
 
     max_messages_per_tick = 256
 
-    def __init__(self, abort_callback: Callable[[str], None] | None = None) -> None:
-        super().__init__(abort_callback)
+    def __init__(self, release_callback: Callable[[str], None] | None = None) -> None:
+        super().__init__(release_callback)
         self.states: dict[str, StreamState] = {}
         self._ended = Tombstones()
 
@@ -67,10 +67,10 @@ class StreamingScheduler(Scheduler):
 
     def complete(self, state: StreamState, data: Any, finish_reason: FinishReason = "stop") -> None:
         """Finish ``state``'s request with ``data``; its state is dropped."""
-        self._end(state.request_id)
+        self._release_state(state.request_id)
         self.outbox.result(state.request_id, data, finish_reason)
 
-    def _end(self, request_id: str) -> None:
+    def _release_state(self, request_id: str) -> None:
         self.states.pop(request_id, None)
         self._ended.add(request_id)
 
@@ -98,12 +98,12 @@ class StreamingScheduler(Scheduler):
         ids = [s.request_id for s in states]
         if not self.run_batch(ids, lambda: self.step(states)):
             for request_id in ids:
-                self._end(request_id)
+                self._release_state(request_id)
 
     def _ingest(self, message: Any) -> StreamState | None:
         request_id = message.request_id
         if isinstance(message, Abort):
-            self._end(request_id)
+            self._release_state(request_id)
             self.release(request_id)
             return None
         if request_id in self._ended:

@@ -17,24 +17,24 @@ class ThreadedScheduler(Scheduler):
     Several requests in flight at once is what lets a batcher further down (e.g. a
     reference-audio encoder shared by the workers) see batches larger than one.
 
-    An abort releases the request at once (``abort_callback``): work not started yet is
+    An abort releases the request at once (``release_callback``): work not started yet is
     cancelled; a compute already running is marked, and when it finishes its result is
     dropped and the request released again (the third race path), which is why
-    ``abort_callback`` must be idempotent.
+    ``release_callback`` must be idempotent.
 
     Args:
         compute: per-request compute, called on a worker thread.
         num_workers: worker threads (>= 1).
-        abort_callback: see :class:`Scheduler`.
+        release_callback: see :class:`Scheduler`.
     """
 
     def __init__(
         self,
         compute: Callable[[StagePayload], Any],
         num_workers: int = 8,
-        abort_callback: Callable[[str], None] | None = None,
+        release_callback: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(abort_callback)
+        super().__init__(release_callback)
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.compute = compute

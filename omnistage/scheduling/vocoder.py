@@ -139,7 +139,7 @@ class VocoderScheduler(StreamingScheduler):
             that finds no free slot waits, buffering its frames, until one frees).
         sample_rate: Hz of the decoder's output (24000 for Qwen3-TTS).
         plan: the chunk plan.
-        abort_callback: released per request on abort and failure, after the slot is freed.
+        release_callback: released per request on abort and failure, after the slot is freed.
     """
 
     def __init__(
@@ -147,9 +147,9 @@ class VocoderScheduler(StreamingScheduler):
         decoder: StreamingCodecDecoder,
         sample_rate: int,
         plan: ChunkPlan | None = None,
-        abort_callback: Callable[[str], None] | None = None,
+        release_callback: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(abort_callback)
+        super().__init__(release_callback)
         self.decoder = decoder
         self.sample_rate = sample_rate
         self.plan = plan or ChunkPlan()
@@ -224,7 +224,7 @@ class VocoderScheduler(StreamingScheduler):
         return True
 
     def _reject(self, state: StreamState, error: Exception) -> bool:
-        self._end(state.request_id)
+        self._release_state(state.request_id)
         self.release(state.request_id)
         self.outbox.fail(state.request_id, error)
         return False

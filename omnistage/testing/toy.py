@@ -37,7 +37,7 @@ class ToyRequest:
 
 @dataclass
 class Released:
-    """Records abort_callback calls per stage (tests read it)."""
+    """Records release_callback calls per stage (tests read it)."""
 
     calls: dict[str, list[str]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -91,12 +91,12 @@ def encode(ctx: StageBuildContext, max_batch_size: int = 4, max_batch_wait_ms: f
             out.append(ItemFailure(ValueError("bad item")) if "BADITEM" in text else torch.tensor([ord(c) for c in text]))
         return out
 
-    return SimpleScheduler(compute, max_batch_size, max_batch_wait_ms, abort_callback=_release(ctx.stage.name))
+    return SimpleScheduler(compute, max_batch_size, max_batch_wait_ms, release_callback=_release(ctx.stage.name))
 
 
 def double(ctx: StageBuildContext, chunk_size: int = 3, max_batch_size: int = 4) -> SimpleScheduler:
     """Streams ``codes * 2`` in chunks of ``chunk_size``; result: the number of codes."""
-    scheduler = SimpleScheduler(lambda batch: [], max_batch_size, 2.0, abort_callback=_release(ctx.stage.name))
+    scheduler = SimpleScheduler(lambda batch: [], max_batch_size, 2.0, release_callback=_release(ctx.stage.name))
 
     def compute(batch: list[StagePayload]) -> list[object]:
         BATCH_SIZES.append(len(batch))
@@ -135,7 +135,7 @@ class _Accumulate(StreamingScheduler):
 
 
 def accumulate(ctx: StageBuildContext) -> _Accumulate:
-    return _Accumulate(abort_callback=_release(ctx.stage.name))
+    return _Accumulate(release_callback=_release(ctx.stage.name))
 
 
 def hold(ctx: StageBuildContext) -> SimpleScheduler:
@@ -146,7 +146,7 @@ def hold(ctx: StageBuildContext) -> SimpleScheduler:
             GATES.pass_through(f"{ctx.stage.name}:{p.request.text}")
         return [p.request.text for p in batch]
 
-    return SimpleScheduler(compute, 1, 0.0, abort_callback=_release(ctx.stage.name))
+    return SimpleScheduler(compute, 1, 0.0, release_callback=_release(ctx.stage.name))
 
 
 def tag(ctx: StageBuildContext, label: str = "", num_workers: int = 4) -> ThreadedScheduler:
@@ -157,7 +157,7 @@ def tag(ctx: StageBuildContext, label: str = "", num_workers: int = 4) -> Thread
         time.sleep(p.request.delay_s)
         return (label or ctx.stage.name, p.request.text)
 
-    return ThreadedScheduler(compute, num_workers, abort_callback=_release(ctx.stage.name))
+    return ThreadedScheduler(compute, num_workers, release_callback=_release(ctx.stage.name))
 
 
 # ---------------------------------------------------------------- linear pipeline

@@ -17,17 +17,13 @@ section 4). The same classes at the real Qwen3-TTS 0.6B sizes drive
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from omnistage.core.request import FinishReason
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
-from omnistage.engine.model_runner import PREDICTOR_NOISE_SALT, ARModelSpec, SampleFn
-from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
-from omnistage.engine.sequence import GenerationInput
+from omnistage.engine.model_runner import ARModelSpec, SampleFn
 from omnistage.models.qwen3_tts.modeling.config import CodePredictorConfig, DecoderConfig
 from omnistage.models.qwen3_tts.modeling.talker import CodePredictor, Decoder
 
@@ -143,50 +139,3 @@ class ToyTalker(nn.Module):
             for group, embedding in enumerate(self.predictor.model.codec_embedding, start=1):
                 x = x + embedding(codes[:, group])
         return x
-
-
-def reference_generate(model: ToyTalker, inputs: GenerationInput) -> tuple[torch.Tensor, FinishReason]:
-    """The oracle: one request, unbatched, with a dense KV cache; returns the emitted
-    frames ``[T, G] int64`` and the finish_reason."""
-    spec, prompt = model.spec, inputs.prompt.to(model.spec.device)
-    length, steps, groups = prompt.shape[0], inputs.max_new_tokens, spec.num_code_groups
-    cache = DenseKVCache(spec.num_layers, 1, length + steps, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device)
-    sampling = SamplingBatch.build([inputs.sampling], spec.vocab_size, spec.device)
-    sub = SamplingBatch.build([inputs.predictor_sampling or SamplingParams(temperature=0.0)],
-                              max(spec.code_vocab_size, 1), spec.device)
-    sub.seed ^= PREDICTOR_NOISE_SALT  # the engine's own noise stream for the predictor
-    rows = [inputs.step_embeds[k] for k in range(0 if inputs.step_embeds is None else len(inputs.step_embeds))]
-    pad = inputs.pad_embed if inputs.pad_embed is not None else torch.zeros(spec.hidden_size)
-    x = model.embed_tokens(prompt) if prompt.dim() == 1 else prompt.to(spec.dtype)
-    cache.prepare(length)
-    positions = torch.arange(length, device=spec.device)
-    if spec.position_rows == 3:
-        positions = positions.expand(3, -1) if inputs.positions is None else inputs.positions.to(spec.device)
-
-    def decode_position(k: int) -> torch.Tensor:  # cache length + rope_delta (on every row)
-        position = torch.tensor([length + k], device=spec.device)
-        return position if spec.position_rows == 1 else (position + inputs.rope_delta).expand(3, -1)
-
-    hidden = model(x, positions, cache)[-1:]
-    frames = []
-    for k in range(steps):
-        code0 = sample(model.head_logits(hidden), sampling)
-        sampling.record(code0)
-        if int(code0) in inputs.sampling.stop_token_ids:
-            return _frames(frames, groups), "stop"
-
-        def sample_fn(group: int, logits: torch.Tensor, k: int = k) -> torch.Tensor:
-            step = torch.tensor([k * groups + group], device=spec.device)
-            return sample(logits, dataclasses.replace(sub, num_generated=step))
-
-        codes = model.complete_frame(hidden, code0, sample_fn, model.new_frame_cache(1))
-        frames.append(codes)
-        row = (rows[k] if k < len(rows) else pad).to(spec.device, spec.dtype)
-        cache.prepare(1)
-        hidden = model(model.next_input_embeds(codes, row[None]), decode_position(k), cache)
-    return _frames(frames, groups), "length"
-
-
-def _frames(frames: list[torch.Tensor], groups: int) -> torch.Tensor:
-    return torch.cat(frames) if frames else torch.empty(0, groups, dtype=torch.int64)
-

@@ -55,7 +55,7 @@ def toy_ar_input(request: ToyARRequest, hidden_size: int = ToyARConfig.hidden_si
         prompt = torch.randn(request.prompt_len, hidden_size, generator=g, dtype=dtype)
     return GenerationInput(
         prompt, request.sampling, request.max_new_tokens,
-        step_embeds=torch.randn(request.rows, hidden_size, generator=g, dtype=dtype),
+        step_rows=torch.randn(request.rows, hidden_size, generator=g, dtype=dtype),
         pad_embed=torch.randn(hidden_size, generator=g, dtype=dtype), return_hidden=request.return_hidden,
     )
 
@@ -93,12 +93,12 @@ def toy_row_feeder(ctx: StageBuildContext, start_in_payload: bool = False) -> Th
     def compute(payload: StagePayload) -> GenerationInput | None:
         request: ToyARRequest = payload.request
         full = toy_ar_input(request)
-        assert full.step_embeds is not None
-        head = full.step_embeds[: request.given] if request.given else None
-        start = replace(full, step_embeds=head, more_rows=True)
+        assert full.step_rows is not None
+        head = full.step_rows[: request.given] if request.given else None
+        start = replace(full, step_rows=head, more_rows=True)
         if not start_in_payload:
             scheduler.outbox.stream(payload.request_id, start)
-        for row in full.step_embeds[request.given :]:
+        for row in full.step_rows[request.given :]:
             if request.gated:
                 ROW_GATES.wait(request.seed)
             scheduler.outbox.stream(payload.request_id, row[None])

@@ -6,9 +6,10 @@ import torch
 
 from omnistage.core.errors import QueueFullError, RequestValidationError
 from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
-from omnistage.testing.toy_ar import ToyARConfig, ToyTalker, reference_generate
+from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 DTYPE = torch.float64  # batched and unbatched matmuls then agree far below any logit gap
 GREEDY = SamplingParams(temperature=0.0)
@@ -24,7 +25,7 @@ def request(length, max_new, sampling=GREEDY, rows=2, seed=0, token_ids=False, p
         prompt = torch.randn(length, hidden, generator=g, dtype=DTYPE)
     return GenerationInput(
         prompt, sampling, max_new,
-        step_embeds=torch.randn(rows, hidden, generator=g, dtype=DTYPE) if rows else None,
+        step_rows=torch.randn(rows, hidden, generator=g, dtype=DTYPE) if rows else None,
         pad_embed=torch.randn(hidden, generator=g, dtype=DTYPE),
         predictor_sampling=predictor,
     )
@@ -85,7 +86,8 @@ def test_greedy_output_equals_the_reference_loop_with_requests_joining_and_leavi
     results = run(engine, arrivals)
     for inputs_list in arrivals.values():
         for request_id, inputs in inputs_list:
-            codes, reason = reference_generate(model, inputs)
+            expected = reference_generate(model, inputs)
+            codes, reason = expected.codes, expected.finish_reason
             assert results[request_id].finish_reason == reason == "length"
             assert torch.equal(results[request_id].codes, codes), request_id
             assert results[request_id].codes.shape == (inputs.max_new_tokens, model.spec.num_code_groups)
@@ -99,7 +101,7 @@ def test_a_seeded_request_samples_the_same_alone_and_in_a_batch():
     others = [(f"o{i}", request(3 + i, 8, SamplingParams(temperature=0.8, seed=i), seed=20 + i)) for i in range(3)]
     batched = run(engine_for(), {0: others[:2] + [("me", mine)], 3: others[2:]})["me"]
     assert torch.equal(alone.codes, batched.codes)
-    assert torch.equal(alone.codes, reference_generate(MULTI, mine)[0])
+    assert torch.equal(alone.codes, reference_generate(MULTI, mine).codes)
     assert len(set(alone.codes[:, 1:].flatten().tolist())) > 1  # the predictor really sampled
 
 
@@ -110,26 +112,26 @@ def test_a_token_lm_samples_token_prompts_like_the_reference_alone_and_batched()
         return SamplingParams(temperature=0.8, top_k=12, top_p=0.9, repetition_penalty=1.3, seed=seed,
                               stop_token_ids=stop)
 
-    free = reference_generate(TOKEN_LM, request(5, 16, sampled(3), rows=0, seed=30, token_ids=True))[0]
+    free = reference_generate(TOKEN_LM, request(5, 16, sampled(3), rows=0, seed=30, token_ids=True)).codes
     stop = int(free[6, 0])
     mine = request(5, 16, sampled(3, (stop,)), rows=0, seed=30, token_ids=True)
     others = [(f"o{i}", request(2 + i, 10, sampled(40 + i), rows=0, seed=31 + i, token_ids=True)) for i in range(3)]
     alone = run(engine_for(TOKEN_LM), {0: [("me", mine)]})["me"]
     engine = engine_for(TOKEN_LM)
     batched = run(engine, {0: others[:2], 2: [("me", mine)] + others[2:]})
-    expected, reason = reference_generate(TOKEN_LM, mine)
+    expected, reason = (ref := reference_generate(TOKEN_LM, mine)).codes, ref.finish_reason
     assert reason == "stop" and 0 < expected.shape[0] <= 6 and stop not in expected[:, 0].tolist()
     for result in (alone, batched["me"]):
         assert result.finish_reason == "stop" and torch.equal(result.codes, expected)
     for request_id, inputs in others:
-        assert torch.equal(batched[request_id].codes, reference_generate(TOKEN_LM, inputs)[0])
+        assert torch.equal(batched[request_id].codes, reference_generate(TOKEN_LM, inputs).codes)
         assert batched[request_id].codes.shape == (10, 1)
     assert len(set(free[:, 0].tolist())) > 3  # it really sampled
     assert_nothing_held(engine)
 
 
 def test_a_stop_id_ends_with_stop_and_its_frame_is_not_emitted():
-    plain = reference_generate(MULTI, request(3, 12, seed=11))[0][:, 0].tolist()
+    plain = reference_generate(MULTI, request(3, 12, seed=11)).codes[:, 0].tolist()
     stop = plain[3]
     first = plain.index(stop)
     inputs = request(3, 12, SamplingParams(temperature=0.0, stop_token_ids=(stop,)), seed=11)
@@ -141,12 +143,13 @@ def test_a_stop_id_ends_with_stop_and_its_frame_is_not_emitted():
 
 
 def test_min_new_tokens_masks_stop_ids_until_reached():
-    plain = reference_generate(MULTI, request(3, 12, seed=11))[0][:, 0].tolist()
+    plain = reference_generate(MULTI, request(3, 12, seed=11)).codes[:, 0].tolist()
     stop = plain[0]
     sampling = SamplingParams(temperature=0.0, stop_token_ids=(stop,), min_new_tokens=4)
     inputs = request(3, 12, sampling, seed=11)
     result = run(engine_for(), {0: [("r", inputs)]})["r"]
-    codes, reason = reference_generate(MULTI, inputs)
+    expected = reference_generate(MULTI, inputs)
+    codes, reason = expected.codes, expected.finish_reason
     assert torch.equal(result.codes, codes) and result.finish_reason == reason
     assert result.codes.shape[0] >= 4 and stop not in result.codes[:4, 0].tolist()
 
@@ -185,7 +188,7 @@ def test_a_tiny_kv_budget_queues_requests_instead_of_failing_them():
     assert [s.request_id for s in engine.scheduler.running] == ["r0"] and len(engine.scheduler.waiting) == 2
     results = run(engine, {}, streamed)
     for request_id, each in inputs.items():
-        assert torch.equal(results[request_id].codes, reference_generate(MULTI, each)[0])
+        assert torch.equal(results[request_id].codes, reference_generate(MULTI, each).codes)
     assert_nothing_held(engine)
 
 
@@ -229,7 +232,7 @@ def test_a_failing_step_fails_only_its_batch_and_frees_its_blocks(monkeypatch):
     assert calls and engine.live_requests() == {"c"}
     assert engine.kv_blocks.num_free_blocks == engine.kv_blocks.num_blocks
     results = run(engine, {})
-    assert torch.equal(results["c"].codes, reference_generate(MULTI, request(3, 6, seed=3))[0])
+    assert torch.equal(results["c"].codes, reference_generate(MULTI, request(3, 6, seed=3)).codes)
     assert_nothing_held(engine)
 
 
@@ -277,7 +280,7 @@ def cuda_talker(dtype):
 def cuda_request(length, max_new, seed, dtype, sampling=GREEDY):
     g = torch.Generator().manual_seed(seed)
     return GenerationInput(torch.randn(length, 64, generator=g).to(dtype), sampling, max_new,
-                           step_embeds=torch.randn(3, 64, generator=g).to(dtype),
+                           step_rows=torch.randn(3, 64, generator=g).to(dtype),
                            pad_embed=torch.randn(64, generator=g).to(dtype))
 
 
@@ -294,7 +297,7 @@ def test_cuda_engine_with_graphs_equals_the_reference_loop(monkeypatch):
     results = run(engine, arrivals)
     for inputs_list in arrivals.values():
         for request_id, inputs in inputs_list:
-            assert torch.equal(results[request_id].codes.cpu(), reference_generate(model, inputs)[0].cpu()), request_id
+            assert torch.equal(results[request_id].codes.cpu(), reference_generate(model, inputs).codes.cpu()), request_id
     assert_nothing_held(engine)
 
 

@@ -8,9 +8,10 @@ import torch
 from omnistage.core.errors import RequestValidationError
 from omnistage.engine.attention import DenseKVCache
 from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
-from omnistage.testing.toy_ar import ToyARConfig, ToyTalker, reference_generate
+from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 DTYPE = torch.float64
 LAYERS = (0, 2, 1)  # the embedding output, the last layer's, the first's (any order)
@@ -55,7 +56,7 @@ def collect(engine, arrivals):
 
 def test_hidden_rows_of_prompt_and_generated_tokens_equal_a_whole_sequence_forward():
     sampled = SamplingParams(temperature=0.9, top_k=20, seed=5)
-    free = reference_generate(THINKER, request(4, 12, seed=3, sampling=sampled))[0]
+    free = reference_generate(THINKER, request(4, 12, seed=3, sampling=sampled)).codes
     stopper = request(4, 12, seed=3, sampling=SamplingParams(temperature=0.9, top_k=20, seed=5,
                                                              stop_token_ids=(int(free[5, 0]),)))
     arrivals = {0: [("long", request(6, 7, seed=1)), ("plain", request(3, 5, seed=2, hidden=False))],
@@ -66,7 +67,7 @@ def test_hidden_rows_of_prompt_and_generated_tokens_equal_a_whole_sequence_forwa
     assert results["stop"].finish_reason == "stop" and results["long"].finish_reason == "length"
     for request_id, inputs in (("long", arrivals[0][0][1]), ("stop", stopper)):
         tokens = results[request_id].codes
-        assert torch.equal(tokens, reference_generate(THINKER, inputs)[0])
+        assert torch.equal(tokens, reference_generate(THINKER, inputs).codes)
         rows = hidden[request_id]
         assert rows[0].shape == (inputs.prompt.shape[0], len(LAYERS), 32)  # the prompt with frame 0
         assert all(r.shape == (1, len(LAYERS), 32) for r in rows[1:])  # then one token per step

@@ -7,9 +7,10 @@ import torch
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
-from omnistage.testing.toy_ar import ToyARConfig, ToyTalker, reference_generate
+from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 DTYPE = torch.float64
 MROPE = ToyTalker(ToyARConfig(num_code_groups=1, mrope=True, head_dim=12), DTYPE)
@@ -68,7 +69,7 @@ def test_mrope_requests_batched_equal_the_reference_loop():
     results = run(engine, arrivals)
     for inputs_list in arrivals.values():
         for request_id, inputs in inputs_list:
-            codes, reason = reference_generate(MROPE, inputs)
+            codes = reference_generate(MROPE, inputs).codes
             assert torch.equal(results[request_id].codes, codes), request_id
     assert engine.kv_blocks.num_free_blocks == engine.kv_blocks.num_blocks
 

@@ -9,9 +9,10 @@ import torch
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
-from omnistage.testing.toy_ar import ToyARConfig, ToyTalker, reference_generate
+from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 DTYPE = torch.float64
 MULTI = ToyTalker(ToyARConfig(), DTYPE)
@@ -24,15 +25,15 @@ def whole(length, max_new, rows, seed, sampling=GREEDY, predictor=None):
     g = torch.Generator().manual_seed(seed)
     return GenerationInput(
         torch.randn(length, 32, generator=g, dtype=DTYPE), sampling, max_new,
-        step_embeds=torch.randn(rows, 32, generator=g, dtype=DTYPE),
+        step_rows=torch.randn(rows, 32, generator=g, dtype=DTYPE),
         pad_embed=torch.randn(32, generator=g, dtype=DTYPE), predictor_sampling=predictor,
     )
 
 
 def streamed(inputs, given):
     """The same request with only its first ``given`` rows at admission."""
-    head = inputs.step_embeds[:given] if given else None
-    return GenerationInput(inputs.prompt, inputs.sampling, inputs.max_new_tokens, step_embeds=head,
+    head = inputs.step_rows[:given] if given else None
+    return GenerationInput(inputs.prompt, inputs.sampling, inputs.max_new_tokens, step_rows=head,
                            pad_embed=inputs.pad_embed, predictor_sampling=inputs.predictor_sampling, more_rows=True)
 
 
@@ -83,7 +84,7 @@ def test_rows_fed_one_by_one_with_random_gaps_equal_all_rows_at_once(sampling, p
             seq = engine.scheduler.get(request_id)
             if seq is not None and not seq.schedulable and seq.status.value == "running":
                 waited.add(request_id)
-            rows = full[request_id].step_embeds
+            rows = full[request_id].step_rows
             if count < rows.shape[0] and rng.random() < 0.4:
                 engine.append_step_rows(request_id, rows[count : count + 1])
                 fed[request_id] = count + 1
@@ -94,7 +95,7 @@ def test_rows_fed_one_by_one_with_random_gaps_equal_all_rows_at_once(sampling, p
     drain(engine, results, frames, feed)
     assert waited == set(given)  # every streamed request really waited for a row
     for request_id, inputs in full.items():
-        codes, reason = reference_generate(MULTI, inputs)
+        codes, reason = (ref := reference_generate(MULTI, inputs)).codes, ref.finish_reason
         assert results[request_id].finish_reason == reason
         assert torch.equal(results[request_id].codes, codes), request_id
         assert torch.equal(torch.cat(frames[request_id]), codes)
@@ -113,15 +114,15 @@ def test_a_request_waiting_for_its_row_does_not_hold_back_the_others():
                 frames.setdefault(out.request_id, []).append(out.frame)
             if out.result is not None:
                 results[out.request_id] = out.result
-    assert torch.equal(results["other"].codes, reference_generate(MULTI, other)[0])
+    assert torch.equal(results["other"].codes, reference_generate(MULTI, other).codes)
     # "slow" fed row 0 (frame 0 -> frame 1), then waited for row 1: it was never padded
     assert len(frames["slow"]) == 2 and engine.scheduler.get("slow").num_scheduled == 2
     assert engine.wait_hint() is None  # nothing to do until a row arrives: no busy loop
-    engine.append_step_rows("slow", slow.step_embeds[1:])
+    engine.append_step_rows("slow", slow.step_rows[1:])
     engine.complete_step_rows("slow")
     assert engine.wait_hint() == 0.0
     drain(engine, results, frames)
-    assert torch.equal(results["slow"].codes, reference_generate(MULTI, slow)[0])
+    assert torch.equal(results["slow"].codes, reference_generate(MULTI, slow).codes)
     assert_nothing_held(engine)
 
 
@@ -130,13 +131,13 @@ def test_rows_appended_before_admission_are_used():
     engine = engine_for(max_num_seqs=1)
     engine.add_request("first", first)
     engine.add_request("later", streamed(later, 0))
-    engine.append_step_rows("later", later.step_embeds[:2])  # "later" waits for the slot
+    engine.append_step_rows("later", later.step_rows[:2])  # "later" waits for the slot
     assert engine.scheduler.get("later").status.value == "waiting"
-    engine.append_step_rows("later", later.step_embeds[2:])
+    engine.append_step_rows("later", later.step_rows[2:])
     engine.complete_step_rows("later")
     results, frames = {}, {}
     drain(engine, results, frames)
-    assert torch.equal(results["later"].codes, reference_generate(MULTI, later)[0])
+    assert torch.equal(results["later"].codes, reference_generate(MULTI, later).codes)
     assert_nothing_held(engine)
 
 
@@ -145,16 +146,16 @@ def test_rows_past_the_frames_are_dropped_and_completing_early_pads_from_there()
     engine = engine_for()
     engine.add_request("r", streamed(inputs, 0))
     assert engine.scheduler.get("r").inputs.num_step_rows == 5  # 4 rows + the pad row
-    engine.append_step_rows("r", torch.cat([inputs.step_embeds, torch.randn(3, 32, dtype=DTYPE)]))
+    engine.append_step_rows("r", torch.cat([inputs.step_rows, torch.randn(3, 32, dtype=DTYPE)]))
     engine.complete_step_rows("r")
     results = {}
     drain(engine, results, {})
-    assert torch.equal(results["r"].codes, reference_generate(MULTI, inputs)[0])
+    assert torch.equal(results["r"].codes, reference_generate(MULTI, inputs).codes)
     padded = whole(3, 8, rows=2, seed=6)
     engine.add_request("p", streamed(padded, 2))
     engine.complete_step_rows("p")  # no more rows: frames 2.. take the pad row
     drain(engine, results, {})
-    assert torch.equal(results["p"].codes, reference_generate(MULTI, padded)[0])
+    assert torch.equal(results["p"].codes, reference_generate(MULTI, padded).codes)
     assert_nothing_held(engine)
 
 

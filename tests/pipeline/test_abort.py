@@ -36,7 +36,7 @@ def released(stage: str, request_id: str) -> int:
 
 async def test_abort_before_hand_off():
     """Aborted while the producer computes: the consumer never sees it, yet its
-    abort_callback runs (harmlessly) and the producer's late result is dropped."""
+    release_callback runs (harmlessly) and the producer's late result is dropped."""
     toy.GATES.close("a:p1")
     async with Pipeline(two_stage("hold", "tag")) as pipeline:
         handle = pipeline.submit(toy.ToyRequest("p1"))
@@ -70,7 +70,7 @@ async def test_abort_after_hand_off_before_consumer_state():
 
 async def test_producer_finishes_after_the_request_is_gone():
     """A threaded compute outlives its request: the result is dropped and the
-    abort_callback runs again (so it must be idempotent)."""
+    release_callback runs again (so it must be idempotent)."""
     toy.GATES.close("a:p3")
     async with Pipeline(two_stage("tag", "tag")) as pipeline:
         handle = pipeline.submit(toy.ToyRequest("p3"))

@@ -9,11 +9,11 @@ import torch
 
 from omnistage.core.errors import RequestAbortedError, RequestValidationError
 from omnistage.core.messages import StreamBatch, StreamChunk
+from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.scheduling.ar import CodeFrames, FrameWithHidden
 from omnistage.testing.leaks import assert_no_request_state
-from omnistage.testing.toy_ar import reference_generate
 from omnistage.testing.toy_ar_stage import (
     ROW_GATES,
     ToyARRequest,
@@ -46,7 +46,7 @@ async def test_concurrent_requests_stream_every_frame_and_match_the_reference():
         results = await asyncio.gather(*(h.result() for h in handles))
         for request, result in zip(requests, results, strict=True):
             streamed, summary = result.outputs["collect"]
-            expected, reason = reference_generate(model, toy_ar_input(request))
+            expected, reason = (ref := reference_generate(model, toy_ar_input(request))).codes, ref.finish_reason
             assert result.finish_reason == reason == "length"
             assert torch.equal(streamed, expected) and summary.num_frames == expected.shape[0]
             client_frames = torch.cat([chunk.data.codes for chunk in result.chunks])
@@ -60,14 +60,14 @@ async def test_a_plain_token_lm_stage_streams_one_token_per_step_and_stops_on_a_
     model = toy_ar_model(num_code_groups=1)
     sampling = SamplingParams(temperature=0.7, top_k=10, top_p=0.95, repetition_penalty=1.2, seed=4)
     plain = ToyARRequest(6, 20, seed=50, sampling=sampling, token_ids=True)
-    stop = int(reference_generate(model, toy_ar_input(plain))[0][5, 0])
+    stop = int(reference_generate(model, toy_ar_input(plain)).codes[5, 0])
     requests = [replace(plain, sampling=replace(sampling, stop_token_ids=(stop,)))]
     requests += [ToyARRequest(3 + i, 7, seed=51 + i, sampling=replace(sampling, seed=i), token_ids=True)
                  for i in range(3)]
     async with Pipeline(ar_pipeline_config(num_code_groups=1)) as pipeline:
         results = await asyncio.gather(*(pipeline.submit(r).result() for r in requests))
         for request, result in zip(requests, results, strict=True):
-            expected, reason = reference_generate(model, toy_ar_input(request))
+            expected, reason = (ref := reference_generate(model, toy_ar_input(request))).codes, ref.finish_reason
             streamed, generated = result.outputs["collect"]
             assert result.finish_reason == reason and generated.num_frames == streamed.shape[0]
             assert torch.equal(streamed, expected) and expected.shape[1] == 1
@@ -86,11 +86,11 @@ async def test_hidden_rows_stream_out_with_each_token_of_the_requests_that_ask()
         chunks = [chunk.data for chunk in with_rows.chunks]
         assert all(isinstance(c, FrameWithHidden) and c.hidden.shape[1:] == (2, 32) for c in chunks)
         assert [c.hidden.shape[0] for c in chunks] == [5] + [1] * 5  # the prompt, then one token a step
-        expected = reference_generate(model, toy_ar_input(asking))[0]
+        expected = reference_generate(model, toy_ar_input(asking)).codes
         assert torch.equal(torch.cat([c.frame for c in chunks]), expected)
         inputs = toy_ar_input(asking)
         assert torch.equal(chunks[0].hidden[:, 0], model.embed_tokens(inputs.prompt))  # layer 0: the embeddings
-        fed = model.next_input_embeds(expected[:1], inputs.step_embeds[:1])  # token 0 + row 0, fed at step 1
+        fed = model.next_input_embeds(expected[:1], inputs.step_rows[:1])  # token 0 + row 0, fed at step 1
         assert torch.equal(chunks[1].hidden[:, 0], fed)
         await assert_no_request_state(pipeline)
 
@@ -120,7 +120,8 @@ async def test_a_request_that_cannot_fit_fails_with_a_typed_error():
 
 # ------------------------------------------------------- rows streamed into running requests
 def expected_codes(request):
-    return reference_generate(toy_ar_model(), toy_ar_input(request))
+    ref = reference_generate(toy_ar_model(), toy_ar_input(request))
+    return ref.codes, ref.finish_reason
 
 
 @pytest.mark.parametrize("start_in_payload", [False, True], ids=["start-chunk", "start-payload"])
@@ -211,7 +212,7 @@ async def test_a_step_streams_every_requests_frame_in_one_message_per_target():
         handles = [pipeline.submit(r) for r in requests]
         results = await asyncio.gather(*(h.result() for h in handles))
         for request, result in zip(requests, results, strict=True):
-            expected, _ = reference_generate(model, toy_ar_input(request))
+            expected = reference_generate(model, toy_ar_input(request)).codes
             assert torch.equal(torch.cat([chunk.data.codes for chunk in result.chunks]), expected)
         assert not [m for m in sent if isinstance(m, StreamChunk)]
         batches = [m for m in sent if isinstance(m, StreamBatch)]
@@ -230,7 +231,7 @@ async def test_frames_stream_across_processes_in_batches_and_match_the_reference
         results = await asyncio.gather(*(h.result() for h in handles))
         for request, result in zip(requests, results, strict=True):
             streamed, generated = result.outputs["collect"]
-            expected, reason = reference_generate(model, toy_ar_input(request))
+            expected, reason = (ref := reference_generate(model, toy_ar_input(request))).codes, ref.finish_reason
             assert torch.equal(streamed, expected) and torch.equal(streamed, expected)
             assert result.finish_reason == reason
         await assert_no_request_state(pipeline)

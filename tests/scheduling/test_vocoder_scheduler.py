@@ -119,7 +119,7 @@ def make(released):
     schedulers: list[VocoderScheduler] = []
 
     def build(decoder=None, plan: ChunkPlan | None = None, start: bool = True) -> tuple[VocoderScheduler, Outbox]:
-        scheduler = VocoderScheduler(decoder or FakeArena(), RATE, plan, abort_callback=released.append)
+        scheduler = VocoderScheduler(decoder or FakeArena(), RATE, plan, release_callback=released.append)
         outbox = Outbox()
         scheduler.bind("vocoder", outbox, expects_stream=True)
         if start:  # else the test queues messages first, so one tick takes them all

@@ -123,9 +123,9 @@ class SentenceScheduler(Scheduler):
         max_batch_size: int,
         max_length_ratio: float,
         cap: OutputCap,
-        abort_callback: Callable[[str], None] | None = None,
+        release_callback: Callable[[str], None] | None = None,
     ) -> None:
-        super().__init__(abort_callback)
+        super().__init__(release_callback)
         if max_batch_size < 1 or max_length_ratio < 1.0:
             raise ValueError("need max_batch_size >= 1 and max_length_ratio >= 1")
         self.synthesizer = synthesizer

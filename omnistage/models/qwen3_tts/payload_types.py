@@ -37,8 +37,8 @@ class Qwen3TTSRequest:
             ``voice_design``); decides the prompt layout.
         language: ``"auto"`` or a non-dialect ``codec_language_id`` key, as requested
             (the prompt builder switches dialect speakers to their dialect).
-        speaker: CustomVoice speaker name (a ``spk_id`` key); None otherwise.
-        instructions: instruct text (VoiceDesign: always; CustomVoice 1.7B: optional).
+        voice: CustomVoice speaker name (a ``spk_id`` key); None otherwise.
+        instructions: the instructions text (VoiceDesign: always; CustomVoice 1.7B: optional).
         ref_audio: Base only: the reference voice, mono float32 ``[S]`` at 24 kHz,
             0.5..30 s; None for the other types.
         ref_text: transcript of ``ref_audio`` (ICL clone); None in x-vector-only mode.
@@ -60,7 +60,7 @@ class Qwen3TTSRequest:
     text: str
     model_type: ModelType
     language: str
-    speaker: str | None
+    voice: str | None
     instructions: str | None
     ref_audio: np.ndarray | None
     ref_text: str | None

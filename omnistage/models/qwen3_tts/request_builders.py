@@ -150,7 +150,7 @@ def build_qwen3_tts_request(
         text=request.input,
         model_type=facts.model_type,
         language=request.language or AUTO_LANGUAGE,
-        speaker=request.voice if facts.model_type == "custom_voice" else None,
+        voice=request.voice if facts.model_type == "custom_voice" else None,
         instructions=instructions,
         ref_audio=ref_audio,
         ref_text=ref_text,

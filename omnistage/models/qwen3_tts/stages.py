@@ -235,14 +235,14 @@ def create_preprocessing_stage(
         request: Qwen3TTSRequest = payload.request
         prompt = _prompt(builder, references, request)
         sampling = resolve_sampling(request, defaults, facts)
-        positions = prompt.prefill.shape[0] + prompt.trailing_text.shape[0]
+        positions = prompt.prefill.shape[0] + prompt.step_rows.shape[0]
         setup = VocoderSetup(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
         scheduler.outbox.stream(payload.request_id, setup)
         return GenerationInput(
             prompt=prompt.prefill,
             sampling=sampling.talker,
             max_new_tokens=sampling.max_new_tokens,
-            step_embeds=prompt.trailing_text if prompt.trailing_text.shape[0] else None,
+            step_rows=prompt.step_rows if prompt.step_rows.shape[0] else None,
             pad_embed=prompt.tts_pad,
             predictor_sampling=sampling.code_predictor,
         )
@@ -253,18 +253,18 @@ def create_preprocessing_stage(
 
 def _prompt(builder: PromptBuilder, references: ReferenceEncoder | None, request: Qwen3TTSRequest) -> TalkerPrompt:
     """The talker prompt of ``request``'s mode (shared/reference/qwen3-tts.md, section 4)."""
-    text_mode = request.non_streaming_mode
+    non_streaming_mode = request.non_streaming_mode
     if request.model_type == "custom_voice":
-        assert request.speaker is not None
-        return builder.custom_voice(request.text, request.speaker, request.language, request.instructions, text_mode)
+        assert request.voice is not None
+        return builder.custom_voice(request.text, request.voice, request.language, request.instructions, non_streaming_mode)
     if request.model_type == "voice_design":
         assert request.instructions is not None
-        return builder.voice_design(request.text, request.instructions, request.language, text_mode)
+        return builder.voice_design(request.text, request.instructions, request.language, non_streaming_mode)
     assert references is not None and request.ref_audio is not None
     x_vector, ref_codes = references.encode(request.ref_audio)
     if request.icl:
-        return builder.voice_clone(request.text, x_vector, request.language, request.ref_text, ref_codes, text_mode)
-    return builder.voice_clone(request.text, x_vector, request.language, non_streaming_text=text_mode)
+        return builder.voice_clone(request.text, x_vector, request.language, request.ref_text, ref_codes, non_streaming_mode)
+    return builder.voice_clone(request.text, x_vector, request.language, non_streaming_mode=non_streaming_mode)
 
 
 # --------------------------------------------------------------------------- tts_engine

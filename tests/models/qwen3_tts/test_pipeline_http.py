@@ -267,7 +267,7 @@ def test_greedy_custom_voice_equals_reference_loop_decoded_offline(servers, tiny
     checkpoint = load_checkpoint(path, "cpu")
     talker = checkpoint.model.talker
     prompt = PromptBuilder(talker, checkpoint.config, checkpoint.tokenizer).custom_voice(
-        TEXT, speaker, "auto", None, non_streaming_text=True
+        TEXT, speaker, "auto", None, non_streaming_mode=True
     )
     penalty = checkpoint.generation.repetition_penalty
     assert penalty == 1.05

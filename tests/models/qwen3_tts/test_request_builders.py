@@ -147,7 +147,7 @@ def test_custom_voice_request_carries_speaker_and_language(checkpoint):
     req = build(
         checkpoint("custom_voice"), {"input": "Hi.", "voice": "vivian", "language": "english"}
     )
-    assert (req.speaker, req.language) == ("vivian", "english")
+    assert (req.voice, req.language) == ("vivian", "english")
     assert req.ref_audio is None and not req.icl and req.instructions is None
 
 
@@ -155,7 +155,7 @@ def test_voice_and_language_are_case_insensitive_as_on_model_cards(checkpoint):
     req = build(
         checkpoint("custom_voice"), {"input": "Hi.", "voice": "Vivian", "language": "English"}
     )
-    assert (req.speaker, req.language) == ("vivian", "english")
+    assert (req.voice, req.language) == ("vivian", "english")
 
 
 def test_unknown_speaker_is_refused_listing_speakers(checkpoint):
@@ -193,13 +193,13 @@ def test_a_voice_is_ignored_without_speakers(checkpoint, model_type):
     caps = qwen3_tts_capabilities(checkpoint(model_type), ("qwen3-tts",))
     request = validate_speech_request(parse_speech_request(body, caps), caps)
     assert request.ignored_fields == ("voice",)
-    assert build(checkpoint(model_type), body).speaker is None
+    assert build(checkpoint(model_type), body).voice is None
 
 
 def test_task_type_must_be_the_checkpoints_own(checkpoint):
     facts = checkpoint("custom_voice")
     assert (
-        build(facts, {"input": "Hi.", "voice": "ryan", "task_type": "CustomVoice"}).speaker
+        build(facts, {"input": "Hi.", "voice": "ryan", "task_type": "CustomVoice"}).voice
         == "ryan"
     )
     rejects("task_type", facts, {"input": "Hi.", "voice": "ryan", "task_type": "Base"})
@@ -224,7 +224,7 @@ def test_voice_design_needs_instructions(checkpoint):
 
 def test_voice_design_carries_instructions(checkpoint):
     req = build(checkpoint("voice_design"), {"input": "Hi.", "instructions": "a calm low voice"})
-    assert req.instructions == "a calm low voice" and req.speaker is None and req.non_streaming_mode
+    assert req.instructions == "a calm low voice" and req.voice is None and req.non_streaming_mode
 
 
 @pytest.mark.parametrize("model_type", ["voice_design", "custom_voice"])

@@ -43,9 +43,9 @@ def checkpoints(tiny_checkpoints, reference: ReferenceFixture) -> dict[str, Load
 
 def build_prompt(ck: LoadedCheckpoint, case: dict, reference: ReferenceFixture) -> TalkerPrompt:
     builder = PromptBuilder(ck.model.talker, ck.config, ck.tokenizer)
-    common = {"language": case["language"], "non_streaming_text": case["non_streaming"]}
+    common = {"language": case["language"], "non_streaming_mode": case["non_streaming"]}
     if case["type"] == "custom_voice":
-        return builder.custom_voice(case["text"], case["speaker"], instruct=case.get("instruct"), **common)
+        return builder.custom_voice(case["text"], case["speaker"], instructions=case.get("instruct"), **common)
     if case["type"] == "voice_design":
         return builder.voice_design(case["text"], case["instruct"], **common)
     icl = {}
@@ -78,7 +78,7 @@ def test_prompt_matches_reference(name: str, checkpoints, reference: ReferenceFi
     case = reference.cases[name]
     prompt = build_prompt(checkpoints[case["type"]], case, reference)
     assert_rel_close(prompt.prefill, reference.tensors[f"{name}.prefill"], "prefill")
-    assert_rel_close(prompt.trailing_text, reference.tensors[f"{name}.trailing"], "trailing text")
+    assert_rel_close(prompt.step_rows, reference.tensors[f"{name}.trailing"], "trailing text")
     assert_rel_close(prompt.tts_pad, reference.tensors[f"{name}.tts_pad"], "tts_pad")
 
 

@@ -38,10 +38,10 @@ def test_prefill_lengths_match_the_digests_verified_lengths(loaded) -> None:
     x_vector, codes = torch.randn(hidden), torch.randint(0, 2048, (17, 16))
     icl = base.voice_clone(TEXT4, x_vector, "english", ref_text=REF2, ref_codes=codes)
     assert icl.prefill.shape[0] == 27 and icl.ref_codes is not None
-    icl_ns = base.voice_clone(TEXT4, x_vector, "english", ref_text=REF2, ref_codes=codes, non_streaming_text=True)
-    assert icl_ns.prefill.shape[0] == 34 and icl_ns.trailing_text.shape[0] == 0
+    icl_ns = base.voice_clone(TEXT4, x_vector, "english", ref_text=REF2, ref_codes=codes, non_streaming_mode=True)
+    assert icl_ns.prefill.shape[0] == 34 and icl_ns.step_rows.shape[0] == 0
     xvec = base.voice_clone(TEXT4, x_vector, "auto")
-    assert (xvec.prefill.shape[0], xvec.trailing_text.shape[0]) == (9, 4) and xvec.ref_codes is None
+    assert (xvec.prefill.shape[0], xvec.step_rows.shape[0]) == (9, 4) and xvec.ref_codes is None
     custom = builder(loaded["custom_voice"]).custom_voice(TEXT4, "aiden", "english")
     assert custom.prefill.shape[0] == 15
     design = builder(loaded["voice_design"]).voice_design(TEXT4, "x", "english")
@@ -51,18 +51,18 @@ def test_prefill_lengths_match_the_digests_verified_lengths(loaded) -> None:
 def test_trailing_rows_then_tts_pad_feed_the_decode_steps(loaded) -> None:
     ck = loaded["base"]
     prompt = builder(ck).voice_clone(TEXT4, torch.randn(ck.config.talker.decoder.hidden_size), "auto")
-    assert torch.equal(prompt.text_row(3), prompt.trailing_text[3])
+    assert torch.equal(prompt.text_row(3), prompt.step_rows[3])
     assert torch.equal(prompt.text_row(4), prompt.tts_pad) and torch.equal(prompt.text_row(100), prompt.tts_pad)
 
 
 @pytest.mark.parametrize(
     ("model_type", "call", "message"),
     [
-        ("custom_voice", lambda b: b.custom_voice("hi", "nobody"), "unknown speaker 'nobody'"),
+        ("custom_voice", lambda b: b.custom_voice("hi", "nobody"), "unknown voice 'nobody'"),
         ("custom_voice", lambda b: b.custom_voice("hi", "ryan", language="klingon"), "unknown language 'klingon'"),
         ("custom_voice", lambda b: b.custom_voice("hi", "ryan", language="sichuan_dialect"), "unknown language"),
         ("custom_voice", lambda b: b.custom_voice("", "ryan"), "text is empty"),
-        ("voice_design", lambda b: b.voice_design("hi", ""), "non-empty instruct"),
+        ("voice_design", lambda b: b.voice_design("hi", ""), "needs non-empty instructions"),
         ("voice_design", lambda b: b.custom_voice("hi", "ryan"), "custom_voice prompts need a custom_voice checkpoint"),
         ("base", lambda b: b.voice_clone("hi", torch.zeros(32), ref_text="ok"), "both ref_text and ref_codes"),
         ("base", lambda b: b.voice_clone("hi", torch.zeros(32), ref_text="ok", ref_codes=torch.zeros(3, 8, dtype=torch.int64)), r"\[R >= 1, 16\]"),

@@ -1,20 +1,21 @@
-"""The unbatched reference generation loop: one request, a dense KV cache, plain Python.
-
-It is the oracle the engine's batched decoding is tested against and the path of the
-parity tests; it is not the serving path. Semantics of the reference's ``generate`` (digest
-section 5):
+"""Qwen3-TTS generation through the engine's reference loop
+(:func:`omnistage.engine.reference.reference_generate`): one request, unbatched, a dense
+KV cache. It is the oracle the engine's batched decoding is tested against (greedy and
+seeded sampling) and the path of the parity tests; it is not the serving path. Semantics
+of the reference's ``generate`` (digest section 5):
 
 - code 0 is sampled from the talker's logits with the repetition penalty over the code-0 ids
   generated so far, codec ids ``vocab - 1024 .. vocab - 1`` suppressed except EOS, and EOS
   masked until ``min_new_tokens`` (2) ids were generated;
 - a non-EOS code 0 is completed to a frame by the code predictor (no penalty, no EOS) and
-  the frame's embedding plus the next trailing-text row (or tts_pad) is fed back;
+  the frame's embedding plus the next step row (trailing text, then tts_pad) is fed back;
 - EOS ends the request ("stop") and is neither fed back nor returned; ``max_new_frames``
   frames end it with "length".
 
 Greedy: temperature 0 for the talker (the penalty still applies, as in the reference) and
-argmax for the predictor. Sampled mode uses :mod:`omnistage.engine.sampler` (seeded,
-batch-independent draws), so it matches the engine, not the reference's ``torch.multinomial``.
+argmax for the predictor. Sampled mode uses :mod:`omnistage.engine.sampler` with the
+engine's numbering of the draws (seeded, batch-independent), so it matches the engine, not
+the reference's ``torch.multinomial``.
 
 Length accounting: the reference's ``max_new_tokens = F + 1`` returns the same ``F`` frames
 as ``max_new_frames = F`` here (its last sampled code 0 is never completed to a frame).
@@ -23,16 +24,16 @@ as ``max_new_frames = F`` here (its last sampled code 0 is never completed to a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-import torch
-
-from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
+from omnistage.engine.reference import reference_generate
+from omnistage.engine.sampler import SamplingParams
+from omnistage.engine.sequence import GenerationInput, GenerationResult
+from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
 from omnistage.models.qwen3_tts.modeling.config import GenerationConfig, TalkerConfig
 from omnistage.models.qwen3_tts.modeling.prompt import TalkerPrompt
-from omnistage.models.qwen3_tts.modeling.talker import SampleFn, Talker, greedy_sample
+from omnistage.models.qwen3_tts.modeling.talker import Talker
 
-__all__ = ["GenerationResult", "TalkerSampling", "generate", "talker_sampling_params"]
+__all__ = ["TalkerSampling", "generate", "generation_input", "talker_sampling_params"]
 
 MIN_NEW_TOKENS = 2  # the reference's generate() hard-codes it
 SUPPRESSED_CODEC_IDS = 1024  # the top 1024 codec ids are control/speaker/language ids
@@ -75,15 +76,6 @@ class TalkerSampling:
         )
 
 
-@dataclass(frozen=True)
-class GenerationResult:
-    """``codes [T, 16] int64`` (generated frames only; ICL reference codes not included)
-    and why generation ended."""
-
-    codes: torch.Tensor
-    finish_reason: Literal["stop", "length"]
-
-
 def talker_sampling_params(config: TalkerConfig, sampling: TalkerSampling) -> SamplingParams:
     """The engine sampler's settings for code 0 (suppressed range, EOS, min_new_tokens)."""
     vocab, eos = config.decoder.vocab_size, config.codec_eos_id
@@ -99,28 +91,25 @@ def talker_sampling_params(config: TalkerConfig, sampling: TalkerSampling) -> Sa
     )
 
 
-def _predictor_sampler(talker: Talker, sampling: TalkerSampling, device: torch.device) -> SampleFn:
-    if sampling.sub_temperature == 0.0:
-        return greedy_sample
-    params = SamplingParams(
-        temperature=sampling.sub_temperature,
-        top_k=sampling.sub_top_k,
-        top_p=sampling.sub_top_p,
-        seed=(sampling.seed + 1) % 2**31,  # a stream of its own, apart from code 0's
+def generation_input(talker: Talker, prompt: TalkerPrompt, sampling: TalkerSampling, max_new_frames: int) -> GenerationInput:
+    """What the engine generates ``prompt`` from with ``sampling`` (as the serving stage
+    builds it)."""
+    predictor = SamplingParams(
+        temperature=sampling.sub_temperature, top_k=sampling.sub_top_k, top_p=sampling.sub_top_p, seed=sampling.seed
     )
-    batch = SamplingBatch.build([params], talker.code_predictor.model.config.vocab_size, device)
+    return GenerationInput(
+        prompt=prompt.prefill,
+        sampling=talker_sampling_params(talker.config, sampling),
+        max_new_tokens=max_new_frames,
+        step_rows=prompt.step_rows if prompt.step_rows.shape[0] else None,
+        pad_embed=prompt.tts_pad,
+        predictor_sampling=predictor,
+    )
 
-    def draw(group_index: int, logits: torch.Tensor) -> torch.Tensor:
-        token = sample(logits, batch)
-        batch.record(token)  # advances the draw counter; the penalty is off (1.0)
-        return token
 
-    return draw
-
-
-@torch.no_grad()
 def generate(talker: Talker, prompt: TalkerPrompt, sampling: TalkerSampling, max_new_frames: int) -> GenerationResult:
-    """Generate frames for one prompt.
+    """Generate frames for one prompt: ``codes [T, 16] int64`` (generated frames only; ICL
+    reference codes not included) and the finish_reason.
 
     Args:
         talker: loaded talker (any device/dtype; logits are sampled in fp32).
@@ -129,37 +118,6 @@ def generate(talker: Talker, prompt: TalkerPrompt, sampling: TalkerSampling, max
         max_new_frames: cap on returned frames (>= 1).
 
     Raises:
-        ValueError: ``max_new_frames < 1``.
+        RequestValidationError: ``max_new_frames < 1``.
     """
-    if max_new_frames < 1:
-        raise ValueError("max_new_frames must be >= 1")
-    device, dtype = prompt.prefill.device, prompt.prefill.dtype
-    length = prompt.prefill.shape[0]
-    cache = talker.model.new_dense_cache(1, length + max_new_frames, dtype, device)
-    predictor_cache = talker.code_predictor.new_cache(1, dtype, device)
-    code0_batch = SamplingBatch.build([talker_sampling_params(talker.config, sampling)], talker.config.decoder.vocab_size, device)
-    sample_rest = _predictor_sampler(talker, sampling, device)
-    eos = talker.config.codec_eos_id
-
-    cache.prepare(length)
-    hidden = talker(prompt.prefill, torch.arange(length, device=device), cache)[-1:]
-    frames: list[torch.Tensor] = []
-    for step in range(max_new_frames):
-        code0 = sample(talker.codec_logits(hidden), code0_batch)
-        if int(code0) == eos:
-            return GenerationResult(_stack(frames, talker, device), "stop")
-        code0_batch.record(code0)
-        frame = talker.complete_frame(hidden, code0, sample_rest, predictor_cache)
-        frames.append(frame[0])
-        if step + 1 == max_new_frames:
-            break
-        feedback = talker.frame_embedding(frame) + prompt.text_row(step)
-        cache.prepare(1)
-        hidden = talker(feedback, torch.tensor([length + step], device=device), cache)
-    return GenerationResult(_stack(frames, talker, device), "length")
-
-
-def _stack(frames: list[torch.Tensor], talker: Talker, device: torch.device) -> torch.Tensor:
-    if frames:
-        return torch.stack(frames)
-    return torch.zeros(0, talker.config.num_code_groups, dtype=torch.int64, device=device)
+    return reference_generate(Qwen3TTSEngineModel(talker), generation_input(talker, prompt, sampling, max_new_frames))

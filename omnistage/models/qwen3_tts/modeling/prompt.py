@@ -3,7 +3,7 @@
 Each prompt position is the sum of a text track ``T(x) = text_projection(text_embedding(x))``
 and a codec track ``C(x) = codec_embedding(x)`` (digest sections 2 and 4):
 
-1. optional instruct ``T(<|im_start|>user\\n{instruct}<|im_end|>\\n)`` (text only);
+1. optional instructions ``T(<|im_start|>user\\n{instructions}<|im_end|>\\n)`` (text only);
 2. role ``T(<|im_start|>assistant\\n)``;
 3. codec prefix ``[nothink, think_bos, think_eos]`` (language auto) or ``[think, think_bos,
    lang, think_eos]``, then the speaker vector (CustomVoice ``C(spk_id)``, Base x-vector,
@@ -18,7 +18,7 @@ and a codec track ``C(x) = codec_embedding(x)`` (digest sections 2 and 4):
      position (leftover text becomes trailing text, missing text is tts_pad), non-streaming
      puts all text (+ ``C(pad)``) first, then the codec rows (+ ``T(tts_pad)``).
 
-During decoding, step ``g`` feeds the frame embedding plus ``trailing_text[g]`` while it
+During decoding, step ``g`` feeds the frame embedding plus ``step_rows[g]`` while it
 lasts, then ``tts_pad``. Text is tokenized from the reference's templates and sliced as it
 does ([:3] role, [3:-5] text; reference text [3:-2]).
 """
@@ -44,20 +44,20 @@ class TalkerPrompt:
 
     Attributes:
         prefill: ``[L, H]`` embeddings of the prefill (positions 0..L-1).
-        trailing_text: ``[M, H]`` text rows added to decode steps 0..M-1 (M may be 0).
+        step_rows: ``[M, H]`` text rows added to decode steps 0..M-1 (M may be 0).
         tts_pad: ``[H]`` text row added to every decode step from M on.
         ref_codes: ICL only: ``[R, 16] int64`` reference frames to prepend to the generated
             codes before the vocoder (and drop from its audio); else ``None``.
     """
 
     prefill: torch.Tensor
-    trailing_text: torch.Tensor
+    step_rows: torch.Tensor
     tts_pad: torch.Tensor
     ref_codes: torch.Tensor | None = None
 
     def text_row(self, step: int) -> torch.Tensor:
         """The text-track row of decode step ``step`` (0-based): ``[H]``."""
-        return self.trailing_text[step] if step < self.trailing_text.shape[0] else self.tts_pad
+        return self.step_rows[step] if step < self.step_rows.shape[0] else self.tts_pad
 
 
 class PromptBuilder:
@@ -69,7 +69,7 @@ class PromptBuilder:
         tokenizer: the checkpoint's text tokenizer.
 
     Every method raises ``ValueError`` for input the checkpoint cannot serve: empty text, a
-    mode the model type lacks, an unknown language or speaker, a missing instruct
+    mode the model type lacks, an unknown language or speaker, a missing instructions
     (VoiceDesign) or an incomplete ICL reference.
     """
 
@@ -79,31 +79,31 @@ class PromptBuilder:
     # -- public modes --------------------------------------------------------------------
 
     def custom_voice(
-        self, text: str, speaker: str, language: str = AUTO, instruct: str | None = None, non_streaming_text: bool = True
+        self, text: str, voice: str, language: str = AUTO, instructions: str | None = None, non_streaming_mode: bool = True
     ) -> TalkerPrompt:
-        """CustomVoice: a built-in ``speaker`` (case-insensitive). Dialect speakers switch the
+        """CustomVoice: a built-in ``voice`` (case-insensitive). Dialect speakers switch the
         language id to their dialect when ``language`` is chinese or auto. The reference's
-        wrapper drops the instruct for 0.6B CustomVoice models; here that is an error."""
+        wrapper drops the instructions for 0.6B CustomVoice models; here that is an error."""
         self._require_type("custom_voice")
         talker = self.config.talker
-        name = speaker.lower()
+        name = voice.lower()
         if name not in talker.spk_id:
-            raise ValueError(f"unknown speaker {speaker!r}; this model has {sorted(talker.spk_id)}")
-        if instruct and self.config.tts_model_size == "0b6":
-            raise ValueError("instruct is not supported by 0.6B CustomVoice models")
+            raise ValueError(f"unknown voice {voice!r}; this model has {sorted(talker.spk_id)}")
+        if instructions and self.config.tts_model_size == "0b6":
+            raise ValueError("instructions are not supported by 0.6B CustomVoice models")
         language_id = self._language_id(language)
         dialect = talker.spk_is_dialect.get(name)
         if dialect is not None and language.lower() in ("chinese", AUTO):
             language_id = talker.codec_language_id[dialect]
         speaker_row = self.talker.codec_embed(self._ids([talker.spk_id[name]]))[0]
-        return self._build(text, language_id, speaker_row, instruct or None, non_streaming_text)
+        return self._build(text, language_id, speaker_row, instructions or None, non_streaming_mode)
 
-    def voice_design(self, text: str, instruct: str, language: str = AUTO, non_streaming_text: bool = True) -> TalkerPrompt:
-        """VoiceDesign: the voice is described by ``instruct`` (required); no speaker vector."""
+    def voice_design(self, text: str, instructions: str, language: str = AUTO, non_streaming_mode: bool = True) -> TalkerPrompt:
+        """VoiceDesign: the voice is described by ``instructions`` (required); no speaker vector."""
         self._require_type("voice_design")
-        if not instruct:
-            raise ValueError("VoiceDesign needs a non-empty instruct describing the voice")
-        return self._build(text, self._language_id(language), None, instruct, non_streaming_text)
+        if not instructions:
+            raise ValueError("VoiceDesign needs non-empty instructions describing the voice")
+        return self._build(text, self._language_id(language), None, instructions, non_streaming_mode)
 
     def voice_clone(
         self,
@@ -112,7 +112,7 @@ class PromptBuilder:
         language: str = AUTO,
         ref_text: str | None = None,
         ref_codes: torch.Tensor | None = None,
-        non_streaming_text: bool = False,
+        non_streaming_mode: bool = False,
     ) -> TalkerPrompt:
         """Base: x-vector-only (``ref_text`` and ``ref_codes`` both ``None``) or ICL (both
         given: ``ref_codes [R, 16] int64`` from the speech tokenizer's encoder, ``ref_text``
@@ -128,7 +128,7 @@ class PromptBuilder:
             raise ValueError(f"x_vector must be [{hidden}], got {tuple(x_vector.shape)}")
         speaker_row = x_vector.to(self._device, self._dtype)
         icl = None if ref_codes is None else (ref_text, ref_codes.to(self._device, torch.int64))
-        return self._build(text, self._language_id(language), speaker_row, None, non_streaming_text, icl)
+        return self._build(text, self._language_id(language), speaker_row, None, non_streaming_mode, icl)
 
     # -- construction --------------------------------------------------------------------
 
@@ -165,8 +165,8 @@ class PromptBuilder:
         text: str,
         language_id: int | None,
         speaker_row: torch.Tensor | None,
-        instruct: str | None,
-        non_streaming_text: bool,
+        instructions: str | None,
+        non_streaming_mode: bool,
         icl: tuple[str, torch.Tensor] | None = None,
     ) -> TalkerPrompt:
         if not text:
@@ -188,8 +188,8 @@ class PromptBuilder:
         codec = torch.cat(codec_rows)
         text_track = torch.cat((pad_row.expand(codec.shape[0] - 2, -1), bos_row[None]))
         parts = [T(self._ids(role_ids)), text_track + codec[:-1]]
-        if instruct is not None:
-            parts.insert(0, T(self._ids(self._tokenize(f"<|im_start|>user\n{instruct}<|im_end|>\n"))))
+        if instructions is not None:
+            parts.insert(0, T(self._ids(self._tokenize(f"<|im_start|>user\n{instructions}<|im_end|>\n"))))
 
         trailing = pad_row[None][:0]
         if icl is not None:
@@ -198,7 +198,7 @@ class PromptBuilder:
             text_rows = torch.cat((T(self._ids(ref_ids + text_ids)), eos_row[None]))
             codec_rows_icl = torch.cat((C(self._ids([t.codec_bos_id])), self.talker.frame_embedding(ref_codes)))
             n_text, n_codec = text_rows.shape[0], codec_rows_icl.shape[0]
-            if non_streaming_text:
+            if non_streaming_mode:
                 pads = C(self._ids([t.codec_pad_id])).expand(n_text, -1)
                 parts += [text_rows + pads, codec_rows_icl + pad_row]
             elif n_text > n_codec:
@@ -207,7 +207,7 @@ class PromptBuilder:
             else:
                 padded = torch.cat((text_rows, pad_row.expand(n_codec - n_text, -1)))
                 parts.append(padded + codec_rows_icl)
-        elif non_streaming_text:
+        elif non_streaming_mode:
             text_rows = torch.cat((T(self._ids(text_ids)), eos_row[None]))
             parts += [text_rows + C(self._ids([t.codec_pad_id])), (pad_row + codec[-1])[None]]
         else:
@@ -215,7 +215,7 @@ class PromptBuilder:
             trailing = torch.cat((T(self._ids(text_ids[1:])), eos_row[None]))
         return TalkerPrompt(
             prefill=torch.cat(parts),
-            trailing_text=trailing,
+            step_rows=trailing,
             tts_pad=pad_row,
             ref_codes=None if icl is None else icl[1],
         )

@@ -18,13 +18,12 @@ the Qwen3-TTS technical report; frame semantics from the digest sections 2-3.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
+from omnistage.engine.model_runner import SampleFn
 from omnistage.models.qwen3_tts.modeling.config import (
     CodePredictorConfig,
     DecoderConfig,
@@ -35,18 +34,12 @@ __all__ = [
     "CodePredictor",
     "Decoder",
     "RMSNorm",
-    "SampleFn",
     "Talker",
     "greedy_sample",
 ]
 
 # the checkpoints' max_position_embeddings: the talker's RoPE table (32 MB in fp32)
 TALKER_MAX_POSITIONS = 32768
-
-SampleFn = Callable[[int, torch.Tensor], torch.Tensor]
-"""``sample_fn(group_index, logits [B, V]) -> [B] int64``: picks code group ``group_index``
-(1..15) of every frame in the batch."""
-
 
 def greedy_sample(group_index: int, logits: torch.Tensor) -> torch.Tensor:
     """The greedy :data:`SampleFn`: argmax of ``logits [B, V]`` -> ``[B] int64``."""
