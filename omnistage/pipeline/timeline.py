@@ -13,7 +13,8 @@ Marks (``time.monotonic()`` seconds; one clock for every process of the host):
 A phase is named by the mark that ends it and lasts from the mark before it (marks in time
 order), so the phases up to ``first_byte`` are ordered and sum to the server's TTFA
 exactly. For Qwen3-TTS: ``admitted`` (request parsing and reference-audio decoding),
-``preprocessing.first_output`` (prompt building and reference encoding),
+``reference_encoder.result`` (Base: batching and encoding the reference clip),
+``preprocessing.first_output`` (prompt building),
 ``tts_engine.prefill`` (waiting for admission into the engine), ``tts_engine.first_output``
 (prefill and the first frame), ``vocoder.first_output`` (the first vocoder chunk) and
 ``first_byte`` (encoding and handing it to the response).

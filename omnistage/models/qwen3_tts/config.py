@@ -39,6 +39,7 @@ CODE_FRAMES = "omnistage.scheduling.ar:CodeFrames"
 VOCODER_SETUP = "omnistage.scheduling.vocoder:VocoderSetup"
 AUDIO_CHUNK = "omnistage.core.payloads:AudioChunk"
 AUDIO_RESULT = "omnistage.core.payloads:AudioResult"
+ENCODED_REFERENCE = "omnistage.models.qwen3_tts.payload_types:EncodedReference"
 
 
 class Qwen3TTSPipelineConfig(SpeechModelConfig):
@@ -46,12 +47,26 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
 
     @classmethod
     def for_model_path(cls, model_path: str) -> Self:
-        _facts(model_path)  # fail now, naming the file and the field, if unusable
+        facts = _facts(model_path)  # fail now, naming the file and the field, if unusable
         device = "cuda" if torch.cuda.is_available() else "cpu"  # --<stage>.device overrides
+        clone = facts.model_type == "base"
+        # Base: the reference clips of concurrent requests are encoded as one batch first
+        references = [
+            StageConfig(
+                name="reference_encoder",
+                device=device,
+                factory=FactoryConfig(
+                    path=f"{_STAGES}:create_reference_encoder_stage",
+                    args={"max_batch_size": 8, "max_batch_wait_ms": 2.0, "cache_size": 256},
+                ),
+                next="preprocessing",
+                result_type=ENCODED_REFERENCE,
+            )
+        ] if clone else []
         return cls(
             name=f"qwen3_tts:{Path(model_path).name}",
             model_path=model_path,
-            entry_stage="preprocessing",
+            entry_stage="reference_encoder" if clone else "preprocessing",
             stages=[
                 # Built first: the vocoder's weights, state arena and CUDA graphs must be
                 # resident before the engine sizes its KV pool from the free memory.
@@ -67,12 +82,14 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                     result_type=AUDIO_RESULT,
                     stream_types=[AUDIO_CHUNK],
                 ),
+                *references,
                 StageConfig(
                     name="preprocessing",
                     device=device,
                     factory=FactoryConfig(path=f"{_STAGES}:create_preprocessing_stage", args={"num_workers": 8}),
                     next="tts_engine",
                     stream_to=["vocoder"],
+                    payload_type=ENCODED_REFERENCE if clone else None,
                     result_type=GENERATION_INPUT,
                     stream_types=[VOCODER_SETUP],
                 ),

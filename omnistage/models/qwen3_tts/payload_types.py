@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from omnistage.engine.sampler import SamplingParams
 from omnistage.models.qwen3_tts.capabilities import ModelType
@@ -94,3 +95,16 @@ class Qwen3TTSSampling:
     talker: SamplingParams
     code_predictor: SamplingParams
     max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class EncodedReference:
+    """A voice-clone clip, encoded (the ``reference_encoder`` stage's result).
+
+    Attributes:
+        x_vector: ``[H]`` the speaker encoder's embedding, in its dtype, on its device.
+        ref_codes: ``[ceil(S / 1920), 16] int64`` the speech tokenizer's codes, on the host.
+    """
+
+    x_vector: torch.Tensor
+    ref_codes: torch.Tensor

@@ -1,10 +1,11 @@
-"""Stage factories of the Qwen3-TTS pipeline (seed 000): preprocessing -> tts_engine -> vocoder.
+"""Stage factories of the Qwen3-TTS pipeline (seed 000): [reference_encoder ->]
+preprocessing -> tts_engine -> vocoder.
 
+- ``reference_encoder`` (Base checkpoints only; the stock batching scheduler): the
+  request's reference clip -> x-vector + reference codes (:class:`ReferenceEncoder`),
+  clips of concurrent requests in one batch, cached by content.
 - ``preprocessing`` (threaded, 8 workers): the typed request -> the talker prompt (a
-  :class:`~omnistage.engine.sequence.GenerationInput`). For voice clone, reference clips
-  are encoded (x-vector + reference codes) by one :class:`ReferenceEncoder` shared by the
-  workers, which batches clips across requests and caches them by content. It also
-  streams the vocoder its setup (first chunk size, the ICL reference codes as left
+  :class:`~omnistage.engine.sequence.GenerationInput`). It also streams the vocoder its setup (first chunk size, the ICL reference codes as left
   context, stream or not) at once, so the vocoder is ready before the first frame.
 - ``tts_engine`` (the AR engine): one frame of 16 codes per step, each streamed to the
   vocoder as it exists; its result (a summary: the frames travelled already) becomes the
@@ -20,10 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
-import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
@@ -50,14 +48,18 @@ from omnistage.models.qwen3_tts.modeling.weights import (
     default_dtype,
     load_checkpoint,
 )
-from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest, SamplingOverrides
+from omnistage.models.qwen3_tts.payload_types import (
+    EncodedReference,
+    Qwen3TTSRequest,
+    SamplingOverrides,
+)
 from omnistage.models.qwen3_tts.request_builders import (
     REFERENCE_MIN_NEW_TOKENS,
     resolve_sampling,
     sampling_params,
 )
 from omnistage.pipeline.stage import StageBuildContext
-from omnistage.scheduling import ThreadedScheduler
+from omnistage.scheduling import SimpleScheduler, ThreadedScheduler
 from omnistage.scheduling.ar import ARScheduler
 from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler, VocoderSetup
 
@@ -95,145 +97,97 @@ def _model_path(ctx: StageBuildContext) -> str:
 # --------------------------------------------------------------------------- preprocessing
 
 
-@dataclass
-class _ReferenceJob:
-    key: str
-    clip: np.ndarray
-    done: threading.Event = field(default_factory=threading.Event)
-    result: tuple[torch.Tensor, torch.Tensor] | None = None
-    error: BaseException | None = None
-
-
 class ReferenceEncoder:
-    """x-vectors and reference codes of voice-clone clips, shared by the preprocessing
-    workers: batched across requests and cached by content.
+    """x-vectors and reference codes of voice-clone clips, a batch at a time, cached by
+    content (the compute of the ``reference_encoder`` stage, which the stock batching
+    scheduler feeds).
 
     Cache: keyed by the SHA-256 of the clip's 24 kHz float32 samples (architecture rule 8:
     a key derived from content, so one user's voice can never be served for another's
     clip); ``cache_size`` entries, least recently used out first. A hit skips both encoders
     (the "cached reference" case of time to first audio).
 
-    Batching: the first worker to arrive leads: it waits ``hold_ms`` for others to join,
-    then encodes every pending clip, the speech-tokenizer encoder in one padded batch (its
-    output is causal per frame, so padding does not change a clip's codes), the speaker
-    encoder clip by clip (padding would change its statistics pooling).
+    Batching: the clips of a batch not in the cache are encoded together, the
+    speech-tokenizer encoder in one padded batch (its output is causal per frame, so
+    padding does not change a clip's codes), the speaker encoder clip by clip (padding
+    would change its statistics pooling). A clip twice in one batch is encoded once.
 
     Args:
         speaker_encoder: the checkpoint's ECAPA-TDNN.
         codec_encoder: the speech tokenizer's encoder.
-        hold_ms: how long a leader waits for more clips.
         cache_size: cached clips (0 = no cache).
     """
 
-    def __init__(
-        self, speaker_encoder: SpeakerEncoder, codec_encoder: SpeechTokenizerEncoder, hold_ms: float = 2.0, cache_size: int = 256
-    ) -> None:
-        self.speaker_encoder, self.codec_encoder = speaker_encoder, codec_encoder
-        self.hold_s, self.cache_size = hold_ms / 1000, cache_size
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[str, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self._pending: list[_ReferenceJob] = []
-        self._leading = False
-
-    def encode(self, clip: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """``clip``: mono float32 ``[S]`` at 24 kHz -> (x-vector ``[H]`` in the speaker
-        encoder's dtype on the encoders' device, reference codes ``[ceil(S / 1920), 16]
-        int64`` on the host).
-
-        Raises:
-            ValueError / RuntimeError: the encoders failed on this clip or on its batch.
-        """
-        key = hashlib.sha256(np.ascontiguousarray(clip, dtype=np.float32).tobytes()).hexdigest()
-        with self._lock:
-            if key in self._cache:
-                self._cache.move_to_end(key)
-                return self._cache[key]
-            job = _ReferenceJob(key, clip)
-            self._pending.append(job)
-            lead, self._leading = not self._leading, True
-        if lead:
-            time.sleep(self.hold_s)
-            self._lead()
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        assert job.result is not None
-        return job.result
-
-    def _lead(self) -> None:
-        jobs: list[_ReferenceJob] = []
-        try:
-            while True:
-                with self._lock:
-                    jobs, self._pending = self._pending, []
-                    if not jobs:
-                        self._leading = False
-                        return
-                self._run(jobs)
-        finally:
-            if any(not job.done.is_set() for job in jobs):
-                self._abandon(jobs)
-
-    def _abandon(self, jobs: list[_ReferenceJob]) -> None:
-        """``_run`` raised something other than the encoders' errors (it propagates to the
-        leader's request): fail its jobs and the pending ones, and give up the lead, so no
-        worker waits forever for a leader that is gone and the next clip leads again."""
-        with self._lock:
-            jobs, self._pending = jobs + self._pending, []
-            self._leading = False
-        error = RuntimeError("reference encoding failed in a batch shared with this clip")
-        for job in jobs:
-            if not job.done.is_set():
-                job.error = error
-                job.done.set()
-
-    def _run(self, jobs: list[_ReferenceJob]) -> None:
-        try:
-            results = self._encode([job.clip for job in jobs])
-        except (RuntimeError, ValueError) as exc:  # every job of the batch fails with it
-            for job in jobs:
-                job.error = exc
-                job.done.set()
-            return
-        with self._lock:
-            for job, result in zip(jobs, results, strict=True):
-                job.result = result
-                if self.cache_size:
-                    self._cache[job.key] = result
-                    while len(self._cache) > self.cache_size:
-                        self._cache.popitem(last=False)
-        for job in jobs:
-            job.done.set()
+    def __init__(self, speaker_encoder: SpeakerEncoder, codec_encoder: SpeechTokenizerEncoder, cache_size: int = 256) -> None:
+        self.speaker_encoder, self.codec_encoder, self.cache_size = speaker_encoder, codec_encoder, cache_size
+        self._cache: OrderedDict[str, EncodedReference] = OrderedDict()  # used by the stage's one thread
 
     @torch.inference_mode()
-    def _encode(self, clips: list[np.ndarray]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def encode(self, clips: list[np.ndarray]) -> list[EncodedReference]:
+        """``clips``: mono float32 ``[S]`` at 24 kHz each -> their x-vectors and reference
+        codes, in order.
+
+        Raises:
+            ValueError / RuntimeError: the encoders failed (on the whole batch).
+        """
+        keys = [hashlib.sha256(np.ascontiguousarray(c, dtype=np.float32).tobytes()).hexdigest() for c in clips]
+        missing = {key: clip for key, clip in zip(keys, clips, strict=True) if key not in self._cache}
+        fresh = dict(zip(missing, self._encode(list(missing.values())), strict=True)) if missing else {}
+        results = [fresh[key] if key in fresh else self._cache[key] for key in keys]
+        for key in keys:  # every key is cached now; the batch's are the most recent
+            if key in fresh:
+                self._cache[key] = fresh[key]
+            self._cache.move_to_end(key)
+        while len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
+        return results
+
+    def _encode(self, clips: list[np.ndarray]) -> list[EncodedReference]:
         device = next(self.codec_encoder.parameters()).device
         tensors = [torch.tensor(c, dtype=torch.float32, device=device) for c in clips]  # clips may be read-only
         codes = self.codec_encoder.encode_batch(tensors)
-        # the codes go to the host once here (a preprocessing worker's sync), not on the
+        # the codes go to the host once here (the reference stage's sync), not on the
         # vocoder's or the engine's thread: the prompt copies them back, the vocoder
         # hashes them (its left-context cache) and copies them in on its own stream
-        return [(self.speaker_encoder.embed(t), c.cpu()) for t, c in zip(tensors, codes, strict=True)]
+        return [EncodedReference(self.speaker_encoder.embed(t), c.cpu()) for t, c in zip(tensors, codes, strict=True)]
 
 
-def create_preprocessing_stage(
-    ctx: StageBuildContext, num_workers: int = 8, reference_hold_ms: float = 2.0, reference_cache_size: int = 256
-) -> ThreadedScheduler:
-    """Request -> :class:`GenerationInput` (and the vocoder's setup, streamed at once)."""
+def reference_scheduler(encoder: ReferenceEncoder, max_batch_size: int, max_batch_wait_ms: float) -> SimpleScheduler:
+    """The stock batching scheduler over ``encoder``: a request's payload is its
+    :class:`EncodedReference`."""
+
+    def compute(batch: list[StagePayload]) -> list[EncodedReference]:
+        return encoder.encode([p.request.ref_audio for p in batch])
+
+    return SimpleScheduler(compute, max_batch_size, max_batch_wait_ms)
+
+
+def create_reference_encoder_stage(
+    ctx: StageBuildContext, max_batch_size: int = 8, max_batch_wait_ms: float = 2.0, cache_size: int = 256
+) -> SimpleScheduler:
+    """Base checkpoints: the request's reference clip -> :class:`EncodedReference`, clips of
+    concurrent requests batched (``max_batch_size`` clips, waiting ``max_batch_wait_ms``
+    for more after the first)."""
+    model_path, where = _model_path(ctx), resolve_device(ctx)
+    checkpoint = loaded_checkpoint(model_path, where)
+    assert checkpoint.model.speaker_encoder is not None, "a Base checkpoint has a speaker encoder"
+    codec_encoder = load_encoder(Path(model_path) / "speech_tokenizer", where)
+    return reference_scheduler(ReferenceEncoder(checkpoint.model.speaker_encoder, codec_encoder, cache_size), max_batch_size, max_batch_wait_ms)
+
+
+def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 8) -> ThreadedScheduler:
+    """Request (and, for Base, its :class:`EncodedReference`) -> :class:`GenerationInput`
+    (and the vocoder's setup, streamed at once)."""
     model_path = _model_path(ctx)
     where = resolve_device(ctx)
     checkpoint = loaded_checkpoint(model_path, where)
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
     facts, defaults = Qwen3TTSModelFacts.from_config(checkpoint.config), checkpoint.generation
-    references = None
-    if checkpoint.model.speaker_encoder is not None:
-        codec_encoder = load_encoder(Path(model_path) / "speech_tokenizer", where)
-        references = ReferenceEncoder(checkpoint.model.speaker_encoder, codec_encoder, reference_hold_ms, reference_cache_size)
 
     @torch.inference_mode()
     def compute(payload: StagePayload) -> GenerationInput:
         request: Qwen3TTSRequest = payload.request
-        prompt = _prompt(builder, references, request)
+        prompt = _prompt(builder, payload.data, request)
         sampling = resolve_sampling(request, defaults, facts)
         positions = prompt.prefill.shape[0] + prompt.step_rows.shape[0]
         setup = VocoderSetup(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
@@ -251,7 +205,7 @@ def create_preprocessing_stage(
     return scheduler
 
 
-def _prompt(builder: PromptBuilder, references: ReferenceEncoder | None, request: Qwen3TTSRequest) -> TalkerPrompt:
+def _prompt(builder: PromptBuilder, reference: EncodedReference | None, request: Qwen3TTSRequest) -> TalkerPrompt:
     """The talker prompt of ``request``'s mode (shared/reference/qwen3-tts.md, section 4)."""
     non_streaming_mode = request.non_streaming_mode
     if request.model_type == "custom_voice":
@@ -260,8 +214,8 @@ def _prompt(builder: PromptBuilder, references: ReferenceEncoder | None, request
     if request.model_type == "voice_design":
         assert request.instructions is not None
         return builder.voice_design(request.text, request.instructions, request.language, non_streaming_mode)
-    assert references is not None and request.ref_audio is not None
-    x_vector, ref_codes = references.encode(request.ref_audio)
+    assert reference is not None, "Base pipelines run the reference_encoder stage first"
+    x_vector, ref_codes = reference.x_vector, reference.ref_codes
     if request.icl:
         return builder.voice_clone(request.text, x_vector, request.language, request.ref_text, ref_codes, non_streaming_mode)
     return builder.voice_clone(request.text, x_vector, request.language, non_streaming_mode=non_streaming_mode)

@@ -453,7 +453,7 @@ def test_timeline_marks_are_ordered_and_its_phases_sum_to_the_ttfa(servers):
     marks = parse_header(response.headers["x-timeline"])
     names = [name for name, _ in marks]
     assert names == [
-        "received", "admitted", "preprocessing.first_output", "preprocessing.result",
+        "received", "admitted", "reference_encoder.result", "preprocessing.first_output", "preprocessing.result",
         "tts_engine.prefill", "tts_engine.first_output", "vocoder.first_output",
     ]  # fmt: skip
     offsets = [ms for _, ms in marks]

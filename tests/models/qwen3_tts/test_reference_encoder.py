@@ -1,12 +1,14 @@
-"""ReferenceEncoder: voice-clone clips batched across preprocessing workers, cached by content."""
+"""The reference_encoder stage: voice-clone clips of concurrent requests batched by the
+stock batching scheduler, cached by content; a failing batch fails its requests only."""
 
 import threading
+from dataclasses import dataclass, field
 
 import numpy as np
-import pytest
 import torch
 
-from omnistage.models.qwen3_tts.stages import ReferenceEncoder
+from omnistage.core.messages import StagePayload
+from omnistage.models.qwen3_tts.stages import ReferenceEncoder, reference_scheduler
 
 
 class FakeCodecEncoder:
@@ -39,79 +41,96 @@ def clip(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(24000).astype(np.float32)
 
 
-def encode_concurrently(encoder: ReferenceEncoder, clips: list[np.ndarray]):
-    results, errors, start = [None] * len(clips), [None] * len(clips), threading.Barrier(len(clips))
+@dataclass(frozen=True)
+class ClipRequest:
+    ref_audio: np.ndarray
 
-    def work(i):
-        start.wait()
-        try:
-            results[i] = encoder.encode(clips[i])
-        except RuntimeError as exc:
-            errors[i] = exc
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(len(clips))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert not any(t.is_alive() for t in threads), "a worker hung"
-    return results, errors
+@dataclass
+class Outbox:
+    results: dict = field(default_factory=dict)
+    failures: dict = field(default_factory=dict)
+    ended: threading.Condition = field(default_factory=threading.Condition)
+
+    def result(self, request_id, data, finish_reason="stop"):
+        with self.ended:
+            self.results[request_id] = data
+            self.ended.notify_all()
+
+    def fail(self, request_id, error):
+        with self.ended:
+            self.failures[request_id] = error
+            self.ended.notify_all()
+
+    def dead(self, error):
+        raise AssertionError(f"compute loop died: {error!r}")
+
+    def wait(self, request_ids, timeout=10.0):
+        with self.ended:
+            ok = self.ended.wait_for(lambda: all(r in self.results or r in self.failures for r in request_ids), timeout)
+        assert ok, f"requests {request_ids} did not end"
+
+
+def run_stage(encoder: ReferenceEncoder, clips: list[np.ndarray]) -> Outbox:
+    """Queue one request per clip, then start the stage: its first tick takes them all."""
+    scheduler, outbox = reference_scheduler(encoder, max_batch_size=8, max_batch_wait_ms=0.0), Outbox()
+    scheduler.bind("reference_encoder", outbox, expects_stream=False)
+    ids = [f"r{i}" for i in range(len(clips))]
+    for request_id, c in zip(ids, clips, strict=True):
+        scheduler.put(StagePayload(request_id, ClipRequest(c), None))
+    scheduler.start()
+    try:
+        outbox.wait(ids)
+    finally:
+        scheduler.stop()
+    return outbox
+
+
+def expected_codes(c: np.ndarray) -> torch.Tensor:
+    return (torch.from_numpy(c[:16]) * 100).round().long()[None, :]
 
 
 def test_concurrent_clips_are_encoded_in_one_batch_each_getting_its_own_result():
     codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
-    encoder = ReferenceEncoder(speaker, codec, hold_ms=200.0)  # ample for 4 threads to join
     clips = [clip(i) for i in range(4)]
-    results, errors = encode_concurrently(encoder, clips)
-    assert errors == [None] * 4
-    assert codec.batches == [4]
-    for c, (x_vector, codes) in zip(clips, results, strict=True):
-        torch.testing.assert_close(x_vector, torch.from_numpy(c[:4]))
-        assert torch.equal(codes, (torch.from_numpy(c[:16]) * 100).round().long()[None, :])
+    outbox = run_stage(ReferenceEncoder(speaker, codec), clips)
+    assert not outbox.failures and codec.batches == [4]
+    for i, c in enumerate(clips):
+        encoded = outbox.results[f"r{i}"]
+        torch.testing.assert_close(encoded.x_vector, torch.from_numpy(c[:4]))
+        assert torch.equal(encoded.ref_codes, expected_codes(c))
 
 
 def test_a_repeated_clip_is_a_cache_hit_and_another_clip_is_not():
     codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
-    encoder = ReferenceEncoder(speaker, codec, hold_ms=0.0)
-    first = encoder.encode(clip(1))
-    again = encoder.encode(clip(1).copy())  # same content, another array
-    other = encoder.encode(clip(2))
+    encoder = ReferenceEncoder(speaker, codec)
+    [first] = encoder.encode([clip(1)])
+    [again, other] = encoder.encode([clip(1).copy(), clip(2)])  # same content, another array
     assert again is first
     assert codec.batches == [1, 1] and speaker.calls == 2
-    assert not torch.equal(other[0], first[0])
+    assert not torch.equal(other.x_vector, first.x_vector)
+
+
+def test_a_clip_twice_in_one_batch_is_encoded_once():
+    codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
+    a, b = ReferenceEncoder(speaker, codec).encode([clip(3), clip(3)])
+    assert a is b and codec.batches == [1] and speaker.calls == 1
 
 
 def test_the_cache_keeps_only_the_most_recent_clips():
     codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
-    encoder = ReferenceEncoder(speaker, codec, hold_ms=0.0, cache_size=1)
-    encoder.encode(clip(1))
-    encoder.encode(clip(2))
-    encoder.encode(clip(1))
+    encoder = ReferenceEncoder(speaker, codec, cache_size=1)
+    for seed in (1, 2, 1):
+        encoder.encode([clip(seed)])
     assert codec.batches == [1, 1, 1]
 
 
-def test_a_failing_batch_fails_every_waiting_request_and_none_hangs():
-    encoder = ReferenceEncoder(FakeSpeakerEncoder(), FakeCodecEncoder(fail=True), hold_ms=50.0)
-    results, errors = encode_concurrently(encoder, [clip(i) for i in range(3)])
-    assert results == [None] * 3
-    assert all(isinstance(e, RuntimeError) and "encoder broke" in str(e) for e in errors)
-    with pytest.raises(RuntimeError, match="encoder broke"):  # and the next one still runs
-        encoder.encode(clip(9))
-
-
-class UnexpectedlyFailingCodecEncoder(FakeCodecEncoder):
-    """Fails its first batch with an error the encoder does not expect (not Runtime/Value)."""
-
-    def encode_batch(self, clips):
-        if not self.batches:
-            self.batches.append(len(clips))
-            raise IndexError("a bug in the encoder")
-        return super().encode_batch(clips)
-
-
-def test_an_unexpected_error_gives_up_the_lead_so_later_clips_do_not_hang():
-    encoder = ReferenceEncoder(FakeSpeakerEncoder(), UnexpectedlyFailingCodecEncoder(), hold_ms=0.0)
-    with pytest.raises(IndexError):  # the leader's own request sees the real error
-        encoder.encode(clip(1))
-    results, errors = encode_concurrently(encoder, [clip(2)])  # before: waited for a gone leader
-    assert errors == [None] and results[0] is not None
+def test_a_failing_batch_fails_its_requests_and_the_stage_serves_the_next():
+    codec = FakeCodecEncoder(fail=True)
+    encoder = ReferenceEncoder(FakeSpeakerEncoder(), codec)
+    outbox = run_stage(encoder, [clip(i) for i in range(3)])
+    assert not outbox.results and len(outbox.failures) == 3
+    assert all(isinstance(e, RuntimeError) and "encoder broke" in str(e) for e in outbox.failures.values())
+    codec.fail = False
+    outbox = run_stage(encoder, [clip(9)])
+    assert torch.equal(outbox.results["r0"].ref_codes, expected_codes(clip(9)))

@@ -121,10 +121,10 @@ def test_a_saved_voice_costs_no_encoding_per_request(server):
 
 
 def reference_encoder(server: RunningServer):
-    """The preprocessing stage's ReferenceEncoder (the compute closure's)."""
-    compute = inspect.unwrap(server.speech.pipeline.host.stages["preprocessing"].scheduler.compute)
+    """The reference_encoder stage's ReferenceEncoder (the compute closure's)."""
+    compute = inspect.unwrap(server.speech.pipeline.host.stages["reference_encoder"].scheduler.compute)
     cells = dict(zip(compute.__code__.co_freevars, compute.__closure__, strict=True))
-    return cells["references"].cell_contents
+    return cells["encoder"].cell_contents
 
 
 def test_name_clash_is_409_and_names_are_per_key(server):
