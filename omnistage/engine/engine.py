@@ -171,7 +171,7 @@ class AREngine:
 
     def append_step_rows(self, request_id: str, rows: torch.Tensor) -> bool:
         """Give a request given with ``more_rows`` its next step rows ``[K, H]`` (any
-        device, float dtype; copied, so the caller may reuse ``rows``). A step of the
+        device, float dtype; not to be written to afterwards). A step of the
         request that waited for them runs in the next batch. Rows past the request's
         capacity (one per frame that can be fed back) are dropped.
 
@@ -194,7 +194,7 @@ class AREngine:
                 f"step rows must be [K, {hidden}] floats, got {tuple(rows.shape)} {rows.dtype}", "step_rows"
             )
         if seq.status is SequenceStatus.WAITING:
-            seq.pending_rows.append(rows.clone())
+            seq.pending_rows.append(rows)
         else:
             self._store_rows(seq, rows)
         return True

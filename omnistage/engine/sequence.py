@@ -53,7 +53,8 @@ class GenerationInput:
             It may share ``sampling.seed``: the engine draws its noise from a stream of
             its own.
         positions: ``[3, L] int64`` multimodal RoPE positions (T, H, W) of the prompt, for
-            a model with ``spec.position_rows == 3`` (None: ``0..L-1`` on each row).
+            a model with ``spec.position_rows == 3`` (None: ``0..L-1`` on each row); a
+            host tensor (it is uploaded with the prefill's other indices).
         rope_delta: added to a decode step's position, which is then the cache length +
             ``rope_delta`` on all three rows (Qwen3-Omni: ``max(positions) + 1 - L``,
             shared/reference/qwen3-omni.md section 4). Only with ``position_rows == 3``.

@@ -84,3 +84,32 @@ def test_a_model_without_hidden_layers_refuses_return_hidden():
     plain = ToyTalker(ToyARConfig(num_code_groups=1), DTYPE)
     with pytest.raises(RequestValidationError, match="no hidden states"):
         engine_for(plain).add_request("r", request(3, 3, seed=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_return_the_same_hidden_rows_and_mrope_tokens_as_eager():
+    config = ToyARConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_code_groups=1,
+                         mrope=True, hidden_layers=(0, 2))
+    model = ToyTalker(config, torch.bfloat16, "cuda")
+    sampling = SamplingParams(temperature=0.9, top_k=20, seed=5)
+
+    def inputs(i):
+        g = torch.Generator().manual_seed(i)
+        length = 4 + i
+        positions = torch.arange(length).expand(3, -1).clone()
+        positions[1:, 1:3] += 2  # an "image" patch: H and W rows differ from T
+        return GenerationInput(torch.randint(0, 64, (length,), generator=g), sampling, 12,
+                               positions=positions, rope_delta=3, return_hidden=i % 2 == 0)
+
+    outputs = []
+    for sizes in ((), (1, 2, 4, 8)):
+        engine = AREngine(model, EngineConfig(kv_cache_bytes=16 << 20, max_num_seqs=8, max_model_len=256,
+                                              prefill_hold_ms=0.0, cuda_graph_batch_sizes=sizes))
+        outputs.append(collect(engine, {0: [(f"r{i}", inputs(i)) for i in range(6)]}))
+    (eager, eager_hidden, _), (graphs, graph_hidden, _) = outputs
+    assert set(eager_hidden) == set(graph_hidden) == {"r0", "r2", "r4"}
+    for request_id in eager:
+        assert torch.equal(eager[request_id].codes, graphs[request_id].codes), request_id
+    for request_id, rows in eager_hidden.items():
+        assert torch.equal(torch.cat(rows), torch.cat(graph_hidden[request_id])), request_id

@@ -20,13 +20,13 @@ GREEDY = SamplingParams(temperature=0.0)
 SAMPLED = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.1, seed=7)
 
 
-def whole(length, max_new, rows, seed, sampling=GREEDY, predictor=None):
+def whole(length, max_new, rows, seed, sampling=GREEDY, predictor=None, hidden=32, dtype=DTYPE):
     """A request with all its ``rows`` step rows given at once."""
     g = torch.Generator().manual_seed(seed)
     return GenerationInput(
-        torch.randn(length, 32, generator=g, dtype=DTYPE), sampling, max_new,
-        step_rows=torch.randn(rows, 32, generator=g, dtype=DTYPE),
-        pad_embed=torch.randn(32, generator=g, dtype=DTYPE), predictor_sampling=predictor,
+        torch.randn(length, hidden, generator=g, dtype=dtype), sampling, max_new,
+        step_rows=torch.randn(rows, hidden, generator=g, dtype=dtype),
+        pad_embed=torch.randn(hidden, generator=g, dtype=dtype), predictor_sampling=predictor,
     )
 
 
@@ -68,12 +68,16 @@ def assert_nothing_held(engine):
 def test_rows_fed_one_by_one_with_random_gaps_equal_all_rows_at_once(sampling, predictor):
     """Three requests get their rows one at a time, each step or after gaps of a few steps,
     while a fourth has all its rows; each equals the reference with every row given."""
-    rng = random.Random(0)
     full = {f"s{i}": whole(3 + i, 14, rows=6 + 2 * i, seed=i, sampling=sampling, predictor=predictor)
             for i in range(3)}
     full["w"] = whole(4, 12, rows=3, seed=9, sampling=sampling, predictor=predictor)
-    engine = engine_for()
-    given = {"s0": 0, "s1": 1, "s2": 3}
+    assert_random_gaps_equal_all_at_once(MULTI, engine_for(), full, {"s0": 0, "s1": 1, "s2": 3})
+
+
+def assert_random_gaps_equal_all_at_once(model, engine, full, given):
+    """Add ``full`` (streamed with only ``given`` rows for the ids in it), feed the other
+    rows one at a time with random gaps, and compare with the reference loop."""
+    rng = random.Random(0)
     for request_id, inputs in full.items():
         engine.add_request(request_id, streamed(inputs, given[request_id]) if request_id in given else inputs)
     fed = dict(given)
@@ -95,10 +99,10 @@ def test_rows_fed_one_by_one_with_random_gaps_equal_all_rows_at_once(sampling, p
     drain(engine, results, frames, feed)
     assert waited == set(given)  # every streamed request really waited for a row
     for request_id, inputs in full.items():
-        codes, reason = (ref := reference_generate(MULTI, inputs)).codes, ref.finish_reason
+        codes, reason = (ref := reference_generate(model, inputs)).codes, ref.finish_reason
         assert results[request_id].finish_reason == reason
-        assert torch.equal(results[request_id].codes, codes), request_id
-        assert torch.equal(torch.cat(frames[request_id]), codes)
+        assert torch.equal(results[request_id].codes.cpu(), codes.cpu()), request_id
+        assert torch.equal(torch.cat(frames[request_id]).cpu(), codes.cpu())
     assert_nothing_held(engine)
 
 
@@ -192,3 +196,20 @@ def test_a_streamed_request_reserves_a_row_per_frame_and_is_refused_if_the_pool_
     engine = engine_for(num_step_rows=32)
     with pytest.raises(RequestValidationError, match="step rows exceed the pool"):
         engine.add_request("big", streamed(whole(3, 60, rows=1, seed=9), 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_graphs_and_overlap_with_waiting_requests_equal_the_reference(monkeypatch):
+    """Parked requests make smaller batches (other CUDA-graph buckets); the host resolves
+    step t while step t+1 runs, and rows land while a step is in flight."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = ToyTalker(ToyARConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16), torch.float32, "cuda")
+    engine = AREngine(model, EngineConfig(kv_cache_bytes=16 << 20, max_num_seqs=8, max_model_len=256,
+                                          prefill_hold_ms=0.0, num_step_rows=1024,
+                                          cuda_graph_batch_sizes=(1, 2, 4, 8)))
+    assert engine.graphs is not None and engine.overlap
+    sampled = SamplingParams(temperature=0.9, top_k=20, seed=11)
+    full = {f"r{i}": whole(3 + i, 16, rows=5 + i, seed=20 + i, hidden=64, dtype=torch.float32,
+                           sampling=sampled if i % 2 else GREEDY) for i in range(6)}
+    assert_random_gaps_equal_all_at_once(model, engine, full, {"r0": 0, "r1": 1, "r2": 2, "r3": 0})
