@@ -382,8 +382,8 @@ class Qwen3OmniProcessor:
         """Render the template, extract every item's features and expand its placeholder.
 
         Raises:
-            RequestValidationError: an empty prompt, an audio of no samples or a media item
-                the template did not place, naming the field.
+            RequestValidationError: an audio shorter than 10 ms (one mel frame), or a media
+                item the chat template did not place, naming the field.
         """
         parts = [p for m in messages for p in m.parts]
         audios = [p for p in parts if p.kind == "audio" or (p.kind == "video" and p.use_audio)]

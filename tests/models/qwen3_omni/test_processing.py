@@ -170,3 +170,24 @@ def test_bad_media_name_the_field(processor) -> None:
     with pytest.raises(RequestValidationError, match="shorter than 10 ms") as error:
         processor([ChatMessage("user", (short,))])
     assert error.value.param == "messages[0].content[1].input_audio"
+
+
+def test_a_video_with_its_audio_puts_both_in_the_prompt(processor) -> None:
+    frames = np.stack([np.asarray(Image.fromarray(chat_media()[1][0]))] * 6)
+    track = chat_media()[0][0][:16000]  # 1 s: 13 audio tokens
+    video = DecodedVideo(frames, fps=2.0, audio=track)
+    part = ChatPart("video", video=video, use_audio=True, param="messages[0].content[0]")
+    out = processor([ChatMessage("user", (part, ChatPart("text", text="What happens?")))])
+    t, h, w = out.video_grid_thw[0].tolist()
+    assert (
+        t == 3 and out.video_second_per_grid.tolist() == [1.0] and out.use_audio_in_video == (True,)
+    )
+    assert out.audio_frames.tolist() == [100] and out.audio_features.shape == (128, 100)
+    ids = out.input_ids.tolist()
+    assert ids.count(151656) == t * h * w // 4 and ids.count(151675) == 13
+    start, end = ids.index(151669), ids.index(151670)  # audio start / end around both
+    assert ids[start - 1] == 151652 and ids[end + 1] == 151653  # inside vision start / end
+    assert set(ids[start + 1 : end]) == {151656, 151675}
+    assert processor.tokenizer.decode(ids[start : end + 1]) == processor._video_pads(
+        (t, h, w), 1.0, 13
+    )
