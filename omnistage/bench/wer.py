@@ -58,7 +58,7 @@ __all__ = [
 _MONEY = re.compile(r"\$(\d[\d,]*)(?:\.(\d\d))?\b")
 _TIME = re.compile(r"\b(\d{1,2}):(\d\d)\b")
 _ORDINAL = re.compile(r"(\d[\d,]*)(st|nd|rd|th)\b")
-_NUMBER = re.compile(r"(?<!\d)(-)?(\d{1,3}(?:,\d{3})+|\d+)(?:\.(\d+))?")
+_NUMBER = re.compile(r"(?<!\d)(-)?(\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.(\d+))?")
 _NOT_WORD = re.compile(r"[^\w\s']|_")
 _LOOSE_APOSTROPHE = re.compile(r"(?<!\w)'|'(?!\w)")
 
@@ -97,7 +97,9 @@ def _time(match: re.Match[str]) -> str:
     return f" {hours} {'oh ' + minutes[1] if minutes[0] == '0' else minutes} "
 
 
-_MERIDIEM = re.compile(r"\b([ap])\.?\s?m\b\.?")
+# After punctuation became spaces: "a.m.", "a m", "A:M" are all "a m" by then, so the merge
+# sees the same text on a second pass (the normalizer is idempotent).
+_MERIDIEM = re.compile(r"\b([ap]) m\b")
 
 
 def normalize_for_wer(text: str) -> str:
@@ -107,11 +109,11 @@ def normalize_for_wer(text: str) -> str:
     ordinals and numbers to words with num2words (American style: no "and"; integers
     1100-1999 without separators read as years, "1998" -> "nineteen ninety eight"; decimals
     digit by digit), then every character except letters, digits, whitespace and in-word
-    apostrophes becomes a space, and whitespace is collapsed; "a.m."/"p.m." -> "am"/"pm" (an
-    ASR writes them as one word).
+    apostrophes becomes a space, and whitespace is collapsed; last, the words "a m"/"p m"
+    (from "a.m.", "p.m." and the like) become "am"/"pm" (an ASR writes them as one word).
+    Idempotent: ``normalize_for_wer(normalize_for_wer(t)) == normalize_for_wer(t)``.
     """
     text = unicodedata.normalize("NFKC", text).lower()
-    text = _MERIDIEM.sub(lambda m: f" {m[1]}m ", text)
     text = _MONEY.sub(_money, text)
     text = _TIME.sub(_time, text).replace("%", " percent ")
     text = _ORDINAL.sub(
@@ -119,7 +121,7 @@ def normalize_for_wer(text: str) -> str:
     )
     text = _NUMBER.sub(_number, text)
     text = _LOOSE_APOSTROPHE.sub(" ", _NOT_WORD.sub(" ", text.replace("-", " ")))
-    return " ".join(text.split())
+    return _MERIDIEM.sub(r"\1m", " ".join(text.split()))
 
 
 # ------------------------------------------------------------------------------ scoring
