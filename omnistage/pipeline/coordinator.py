@@ -73,7 +73,10 @@ class RequestHandle:
     """The client's view of one request: its stream chunks, then its result or error.
 
     Queued chunks count against the coordinator's global stream byte cap until the client
-    takes them (:meth:`stream`, :meth:`result`) or drops them (:meth:`close`); a handle
+    takes them (:meth:`stream`, :meth:`result`) or drops them (:meth:`close`; also done when
+    the request is aborted), or until the request fails: then they stop counting but stay
+    queued, so :meth:`stream` yields every chunk that arrived before the failure and then
+    raises, however late the client reads. A handle
     made with ``collect=True`` (a client that wants the whole output at the end) is not
     subject to the cap. ``timeline`` collects the request's marks
     (:mod:`omnistage.pipeline.timeline`) as the stages report them.
@@ -126,6 +129,11 @@ class RequestHandle:
     def close(self) -> None:
         """Drop the chunks still queued (a client that stops reading); idempotent."""
         self._drain()
+
+    def _uncount(self) -> None:
+        """Keep the queued chunks readable but release their bytes from the global cap."""
+        for chunk in self._drain():
+            self._queue.put_nowait((chunk, 0))
 
     def _drain(self) -> list[StreamChunk]:
         chunks = []
@@ -292,8 +300,10 @@ class Coordinator:
         if finish_reason is not None:
             handle._finish_reason = finish_reason
         handle._error = error
-        if error is not None:
-            handle.close()
+        if finish_reason == "abort":
+            handle.close()  # its client is gone
+        elif error is not None:
+            handle._uncount()  # no more chunks come; those that came are still the client's
         # Also on success: a stage that still holds the request (its hooks disagreed with
         # the terminal set on a request the sample requests did not cover) lets it go.
         self._broadcast_abort(request_id)

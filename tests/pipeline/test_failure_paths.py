@@ -5,6 +5,7 @@ import asyncio
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from omnistage.core.errors import (
@@ -17,6 +18,7 @@ from omnistage.core.errors import (
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.testing import toy
 from omnistage.testing.leaks import assert_no_request_state
+from omnistage.testing.tone import ToneConfig, ToneRequest, tone_samples
 
 pytestmark = pytest.mark.anyio
 APART = ("a", "b")
@@ -129,3 +131,20 @@ async def test_stream_after_result_ends_instead_of_hanging():
         handle = pipeline.submit(toy.ToyRequest("abc"))
         await handle.result()
         assert [c async for c in handle.stream()] == []
+
+
+async def test_chunks_that_came_before_a_failure_reach_a_client_that_reads_late():
+    """A terminal stage streams one chunk, then fails. The client starts reading only after
+    the request ended (what a loaded machine does to a server's handler): it still gets
+    that chunk, then the error, and the chunk no longer counts against the byte cap."""
+    request = ToneRequest("LATEFAIL", "sine", 1.0, 10_000, 0.0)
+    async with Pipeline(ToneConfig.for_model_path("tone-test")) as pipeline:
+        handle = pipeline.submit(request)
+        await asyncio.wait_for(handle._done.wait(), 10)
+        assert pipeline.coordinator.queued_bytes == 0
+        chunks = []
+        with pytest.raises(StageFailureError, match="after the first chunk"):
+            async for chunk in handle.stream():
+                chunks.append(chunk.data.samples)
+        assert len(chunks) == 1 and np.array_equal(chunks[0], tone_samples(request)[0])
+        await assert_no_request_state(pipeline)
