@@ -79,8 +79,15 @@ def _check_address(host: str, port: int) -> None:
 
 
 def _media_domains(values: list[str] | None) -> tuple[str, ...]:
-    """The ``--allowed-media-domain`` values; exits on one that is not a bare domain name."""
+    """The ``--allowed-media-domain`` values; exits on one that is not a bare domain name
+    (wildcards included: ``*`` would otherwise match no host at all, and a domain already
+    allows its subdomains)."""
     for value in values or ():
+        if "*" in value:
+            fail(
+                f"--allowed-media-domain {value!r}: wildcards are not supported; give a domain "
+                "name such as example.com (it also allows its subdomains)"
+            )
         if not value.strip(". ") or any(c in value for c in "/:@ "):
             fail(f"--allowed-media-domain {value!r}: give a domain name such as example.com")
     return tuple(values or ())
@@ -242,8 +249,8 @@ class ServeArgs:
     allowed_media_domain: Annotated[
         list[str] | None,
         typer.Option(
-            help="Domain reference audio URLs may be fetched from (with its subdomains); "
-            "repeatable.",
+            help="Domain reference audio URLs may be fetched from (with its subdomains; no "
+            "wildcards); repeatable.",
             show_default=False,
         ),
     ] = None

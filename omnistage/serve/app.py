@@ -49,6 +49,7 @@ from omnistage.core.errors import (
     UnsupportedMediaTypeError,
 )
 from omnistage.core.messages import StreamChunk
+from omnistage.core.request import new_request_id
 from omnistage.pipeline.coordinator import PipelineResult, RequestHandle
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.pipeline.timeline import FIRST_BYTE
@@ -59,6 +60,7 @@ from omnistage.serve.audio import (
     encode_audio,
     resample,
 )
+from omnistage.serve.decoding import request_id_var
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.metrics import ServerMetrics
 from omnistage.serve.model import SpeechModelConfig
@@ -248,6 +250,10 @@ def _install_error_handlers(app: FastAPI) -> None:
             body = {"error": {"message": str(exc.detail), "type": "invalid_request_error", "param": None, "code": status}}
         return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        return _error_response(exc)  # 500 server_error, no details leaked
+
     @app.exception_handler(FastAPIValidationError)
     async def validation_error(request: Request, exc: FastAPIValidationError) -> JSONResponse:
         """A route's declared parameter (a form field, a path part) is missing or bad: 400
@@ -339,6 +345,8 @@ async def _open_call(
     Raises:
         OmnistageError: the request is invalid, or the server cannot take it now.
     """
+    request_id = new_request_id()
+    request_id_var.set(request_id)  # for the decoder pool's log lines (threads copy it)
     try:
         if not server.ready:
             raise PipelineUnhealthyError(server.start_error or "the server is starting; see GET /health")
@@ -346,9 +354,15 @@ async def _open_call(
             _require_json(request)
             body = await _read_body(request, server.settings.max_body_bytes)
         speech_request, model_request = await run_in_threadpool(server.prepare, body, request.state.owner)
-        handle = server.pipeline.submit(model_request, collect=not speech_request.streaming, received_at=received)
+        handle = server.pipeline.submit(
+            model_request, request_id, collect=not speech_request.streaming, received_at=received
+        )
     except OmnistageError as exc:
         server.metrics.request_rejected(exc.http_status)
+        raise
+    except Exception:  # a bug before admission: logged, counted, a 500 envelope
+        logger.exception("request %s failed before admission", request_id)
+        server.metrics.request_rejected(500)
         raise
     server.metrics.request_started()
     return _SpeechCall(server, request, speech_request, handle, received)

@@ -5,8 +5,11 @@ A reference is given as one string, read as (first match wins):
 1. ``data:audio/<type>;base64,<data>``: inline audio;
 2. ``http://...`` / ``https://...``: fetched, only from allowed domains (off by default);
 3. ``file://<path>``: a local file, only under the allowed directory (off by default);
-4. standard base64 (alphabet ``A-Z a-z 0-9 + /``, padded, whitespace ignored): inline audio;
-5. anything else: a local path (absolute, or relative to the allowed directory).
+4. standard base64 (alphabet ``A-Z a-z 0-9 + /``, padded, whitespace ignored) that decodes
+   to a known audio container (WAV, FLAC, Ogg, MP3, MP4/M4A, Matroska/WebM, AIFF, CAF,
+   AU, WavPack, TTA, APE, AMR, WMA, ADTS AAC, AC-3; :data:`_AUDIO_MAGIC`): inline audio;
+5. anything else: a local path (absolute, or relative to the allowed directory), so a
+   path that happens to be made of base64 characters (``/srv/media/a.wav``) is a path.
 
 URL fetches are hardened against server-side request forgery: the host must be an allowed
 domain or a subdomain of one; every address it resolves to must be public (no loopback,
@@ -20,7 +23,9 @@ Local paths: never with ``..``; the resolved path (symlinks followed) must lie i
 allowed directory; only regular files.
 
 Audio is decoded with PyAV (any format FFmpeg reads: wav, flac, mp3, ogg/opus, m4a/aac,
-webm, ...) and downmixed to mono by averaging the channels. Nothing falls back silently:
+webm, ...) in a decoder worker process (:mod:`omnistage.serve.decoding`: a codec crash or
+a decode past ``decode_timeout_s`` is a 400 for this request, never a server crash) and
+downmixed to mono by averaging the channels. Nothing falls back silently:
 every failure raises :class:`~omnistage.core.errors.RequestValidationError` (HTTP 400), or
 :class:`~omnistage.core.errors.PayloadTooLargeError` (413) for the size and duration caps, with
 ``param`` naming the request field and a message saying what is allowed.
@@ -40,9 +45,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import io
 import ipaddress
-import itertools
 import os
 import re
 import socket
@@ -55,12 +58,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-import av
 import httpx
 import numpy as np
 import soxr
 
-from omnistage.core.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
+from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.serve.decode_jobs import AudioDecodeJob, DecodeRefused
+from omnistage.serve.decoding import DecoderCrashed, DecoderTimeout, shared_pool
 
 __all__ = ["MediaPolicy", "ReferenceAudio", "load_reference_audio", "resample"]
 
@@ -83,6 +87,9 @@ class MediaPolicy:
         max_bytes: cap on the encoded media size in bytes (default 10 MiB).
         max_duration_s: cap on the decoded duration in seconds (default 60).
         fetch_timeout_s: total time limit of a URL fetch in seconds, redirects included.
+        decode_timeout_s: time limit of decoding one item in a decoder worker, seconds.
+        decode_memory_bytes: memory one decode job may allocate in its worker, bytes
+            (a 7 MB 64-channel 96 kHz WAV peaks at ~25 MiB).
     """
 
     allowed_local_media_path: Path | None = None
@@ -90,6 +97,8 @@ class MediaPolicy:
     max_bytes: int = 10 * 1024 * 1024
     max_duration_s: float = 60.0
     fetch_timeout_s: float = 10.0
+    decode_timeout_s: float = 10.0
+    decode_memory_bytes: int = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -205,8 +214,29 @@ def _read_source(text: str, policy: MediaPolicy, param: str, transport) -> bytes
         return _read_local(_file_uri_path(text, param), policy, param)
     compact = "".join(text.split())
     if len(compact) % 4 == 0 and _BASE64.fullmatch(compact):
-        return _from_base64(compact, policy, param)
+        data = _from_base64(compact, policy, param)
+        if _is_audio_container(data):
+            return data
     return _read_local(text, policy, param)
+
+
+#: Leading bytes of the audio containers plain base64 may carry: (offset, magic). Other
+#: bytes are not taken for audio, so a path made of base64 characters stays a path.
+_AUDIO_MAGIC: Final = (
+    (0, b"RIFF"), (0, b"RF64"), (0, b"riff"),  # WAV, RF64, Wave64
+    (0, b"fLaC"), (0, b"OggS"), (0, b"ID3"), (0, b"FORM"), (0, b".snd"), (0, b"caff"),
+    (0, b"wvpk"), (0, b"TTA1"), (0, b"MAC "), (0, b"#!AMR"), (0, b"\x1aE\xdf\xa3"),  # EBML
+    (0, b"\x30\x26\xb2\x75\x8e\x66\xcf\x11"),  # ASF (wma)
+    (4, b"ftyp"), (4, b"moov"), (4, b"mdat"), (4, b"free"), (4, b"wide"),  # MP4 / MOV
+)  # fmt: skip
+
+
+def _is_audio_container(data: bytes) -> bool:
+    """Whether ``data`` starts like a known audio container or a bare MPEG/AAC/AC-3 stream."""
+    if any(data[offset : offset + len(magic)] == magic for offset, magic in _AUDIO_MAGIC):
+        return True
+    frame_sync = len(data) >= 2 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0  # mp3 / adts
+    return frame_sync or data[:2] == b"\x0b\x77"  # AC-3 sync word
 
 
 def _from_data_uri(text: str, policy: MediaPolicy, param: str) -> bytes:
@@ -269,6 +299,8 @@ def _read_local(text: str, policy: MediaPolicy, param: str) -> bytes:
             "allow files under DIR",
             param=param,
         )
+    if "\x00" in text:
+        raise RequestValidationError(f"{param}: a file path cannot contain a NUL character", param=param)
     path = Path(text)
     real_root = Path(root).resolve()
     real = (path if path.is_absolute() else real_root / path).resolve()  # follows symlinks
@@ -364,9 +396,10 @@ def _fetch_once(client: httpx.Client, url: httpx.URL, policy, param, deadline):
 def _parse_url(text: str, param: str) -> httpx.URL:
     try:
         url = httpx.URL(text)
-    except (httpx.InvalidURL, ValueError, TypeError):
-        url = None
-    if url is None or url.scheme not in ("http", "https") or not url.host:
+        host = url.host  # decodes an IDNA host: raises for a malformed one (xn--)
+    except (httpx.InvalidURL, ValueError, TypeError, UnicodeError):  # idna.IDNAError is one
+        url, host = None, ""
+    if url is None or url.scheme not in ("http", "https") or not host:
         raise RequestValidationError(f"{param}: malformed URL {text!r}", param=param)
     return url
 
@@ -427,7 +460,9 @@ def _is_public(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
 def _redirect_target(url: httpx.URL, location: str, param: str) -> httpx.URL:
     try:
         target = url.join(location) if location else None
-    except (httpx.InvalidURL, ValueError):
+        if target is not None and not target.host:  # also decodes its IDNA host
+            target = None
+    except (httpx.InvalidURL, ValueError, TypeError, UnicodeError):
         target = None
     if target is None:
         raise RequestValidationError(
@@ -471,49 +506,32 @@ def _fetch_timeout(policy: MediaPolicy, param: str) -> RequestValidationError:
 
 def decode_audio(data: bytes, policy: MediaPolicy, param: str) -> ReferenceAudio:
     """Decode the first audio stream of any FFmpeg-readable bytes (an audio file, or a
-    video's audio track) to mono float32 at its own rate, enforcing the duration cap.
+    video's audio track) to mono float32 at its own rate, enforcing the duration cap, in a
+    decoder worker process (:mod:`omnistage.serve.decoding`).
 
     Raises:
         PayloadTooLargeError: longer than ``policy.max_duration_s``.
-        RequestValidationError: no audio stream, no samples or undecodable, naming ``param``.
+        RequestValidationError: no audio stream, no samples, undecodable, or the decoder
+            crashed or ran past ``policy.decode_timeout_s``, naming ``param``.
     """
+    job = AudioDecodeJob(data, policy.max_duration_s, policy.decode_memory_bytes)
     try:
-        with av.open(io.BytesIO(data), "r") as container:
-            if not container.streams.audio:
-                raise RequestValidationError(f"{param} contains no audio stream", param=param)
-            chunks, rate = _decode_mono(container, policy, param)
-    except OmnistageError:
-        raise
-    except Exception as exc:  # untrusted bytes: any decoder failure is a client error
-        raise RequestValidationError(
-            f"{param} could not be decoded as audio ({type(exc).__name__}: {exc}); send "
-            "wav, flac, mp3, ogg/opus, m4a or another common audio format",
-            param=param,
-        ) from None
-    samples = np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
-    if len(samples) == 0 or not rate:
-        raise RequestValidationError(f"{param} contains no audio samples", param=param)
-    return ReferenceAudio(samples.astype(np.float32, copy=False), int(rate))
+        reply = shared_pool().run(job, policy.decode_timeout_s)
+    except DecoderTimeout:
+        raise _undecodable(param, f"decoding took longer than {policy.decode_timeout_s:g} s") from None
+    except DecoderCrashed as exc:
+        raise _undecodable(param, f"the decoder process crashed: {exc}") from None
+    if isinstance(reply, DecodeRefused):
+        if reply.too_large:
+            raise PayloadTooLargeError(f"{param} {reply.reason}", param=param)
+        raise _undecodable(param, reply.reason)
+    samples = np.frombuffer(reply.samples, dtype="<f4").astype(np.float32)
+    return ReferenceAudio(samples, reply.sample_rate)
 
 
-def _decode_mono(container, policy: MediaPolicy, param: str) -> tuple[list[np.ndarray], int]:
-    # Packed (interleaved) float32, layout and rate kept: one data plane whatever the
-    # channel count. Planar output has one plane per channel, and PyAV's to_ndarray
-    # reads past its 8 inline plane pointers for more than 8 channels (a segfault).
-    to_float = av.AudioResampler(format="flt")
-    chunks: list[np.ndarray] = []
-    total, rate = 0, 0
-    frames = container.decode(container.streams.audio[0])
-    for frame in itertools.chain(frames, [None]):  # None flushes the converter
-        for out in to_float.resample(frame):
-            rate = out.sample_rate
-            channels = out.layout.nb_channels
-            interleaved = out.to_ndarray().reshape(out.samples, channels)
-            chunks.append(interleaved.mean(axis=1, dtype=np.float32))  # downmix
-            total += out.samples
-            if total > policy.max_duration_s * rate:
-                raise PayloadTooLargeError(
-                    f"{param} is longer than the limit of {policy.max_duration_s} s",
-                    param=param,
-                )
-    return chunks, rate
+def _undecodable(param: str, why: str) -> RequestValidationError:
+    return RequestValidationError(
+        f"{param} could not be decoded as audio ({why}); send wav, flac, mp3, ogg/opus, "
+        "m4a or another common audio format",
+        param=param,
+    )

@@ -137,6 +137,9 @@ def test_serve_rejects_bad_options_before_loading():
     url_not_domain = ("--allowed-media-domain", "https://example.com")
     result = invoke("serve", "--model-path", "tone-test", *url_not_domain)
     assert_usage_error(result, "--allowed-media-domain", "example.com")
+    for wildcard in ("*", "*.example.com"):
+        result = invoke("serve", "--model-path", "tone-test", "--allowed-media-domain", wildcard)
+        assert_usage_error(result, "--allowed-media-domain", "wildcards are not supported")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -189,6 +189,24 @@ def test_missing_file_directory_and_size(media_dirs):
     rejects("ref.wav", small, status=413)
 
 
+def test_a_path_with_a_nul_byte_is_a_400(media_dirs):
+    _, _, policy = media_dirs
+    assert "NUL" in rejects("ref\x00.wav", policy)
+    assert "NUL" in rejects("file:///media/ref%00.wav", policy)
+
+
+def test_base64_characters_that_are_not_audio_are_a_path(media_dirs):
+    # Regression: a path made of base64 characters ("/srv/mediaab") was decoded as inline
+    # audio; plain base64 is taken only when it decodes to an audio container.
+    root, _, policy = media_dirs
+    (root / "sub" / "refs").write_bytes(WAV)
+    assert base64.b64decode("sub/refs")  # valid base64, 6 bytes that are not audio
+    assert_tone(load_reference_audio("sub/refs", policy))
+    assert "local file paths are disabled" in rejects("/srv/mediaab")
+    flac = base64.b64encode(audio_bytes(tone(), fmt="FLAC")).decode()
+    assert_tone(load_reference_audio(flac, MediaPolicy()))
+
+
 # ----------------------------------------------------------------------------- URLs
 
 
@@ -233,6 +251,11 @@ class Server:
 
 
 URL_POLICY = MediaPolicy(allowed_media_domains=("media.example.com",))
+
+
+@pytest.mark.parametrize("url", ["http://xn--/", "https://xn--.media.example.com/r.wav"])
+def test_a_url_with_an_invalid_host_is_a_400(url):
+    assert "malformed URL" in rejects(url, URL_POLICY)
 
 
 @pytest.mark.parametrize("address", [PUBLIC_IP, "2606:2800:220:1:248:1893:25c8:1946"])

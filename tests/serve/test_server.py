@@ -213,6 +213,22 @@ def test_stage_failure_is_500_and_serving_goes_on(tone_server):
     assert speech(tone_server, {"input": "ok", "response_format": "pcm"}).content == expected_pcm("ok")
 
 
+def test_a_bug_before_admission_is_a_500_envelope_counted_in_metrics(tone_server, monkeypatch):
+    def broken(self, request, media):
+        raise ValueError("a bug in a request builder")
+
+    monkeypatch.setattr(ToneConfig, "build_request", broken)
+    counter = 'omnistage_requests_total{finish_reason="rejected",status="500"} '
+    before = httpx.get(f"{tone_server.base_url}/metrics").text.count(counter + "1.0")
+    response = speech(tone_server, {"input": "hi"})
+    assert response.status_code == 500 and response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "bug" not in error["message"]  # nothing leaked
+    assert before == 0 and counter + "1.0" in httpx.get(f"{tone_server.base_url}/metrics").text
+    monkeypatch.undo()
+    assert speech(tone_server, {"input": "ok", "response_format": "pcm"}).content == expected_pcm("ok")
+
+
 def test_streaming_failure_before_first_audio_is_a_json_error(tone_server):
     response = speech(tone_server, {"input": "FAIL", "stream": True})
     assert response.status_code == 500 and response.json()["error"]["type"] == "stage_failure"

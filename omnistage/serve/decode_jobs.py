@@ -1,0 +1,77 @@
+"""The messages between the server and its media decoder workers (msgpack via msgspec).
+
+A job is one untrusted media item to decode; each kind of media is one job type, and the
+worker answers with that kind's result or with :class:`DecodeRefused`. Only this module
+and the standard library are imported by both sides, so a worker stays small (no torch).
+
+Frames on the pipes: a 4-byte big-endian length, then the msgpack body.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Final
+
+import msgspec
+
+__all__ = [
+    "AudioDecodeJob",
+    "DecodeJob",
+    "DecodeRefused",
+    "DecodeReply",
+    "DecodedAudio",
+    "FRAME_HEADER",
+    "decode_frame",
+    "encode_frame",
+]
+
+FRAME_HEADER: Final = struct.Struct(">I")
+
+
+class AudioDecodeJob(msgspec.Struct, tag="audio", frozen=True):
+    """Decode one audio file (any container/codec FFmpeg reads) to mono float32.
+
+    Attributes:
+        data: the encoded file's bytes.
+        max_duration_s: refuse (``too_large``) audio longer than this, seconds; checked
+            while decoding, so a long file stops early.
+        memory_bytes: address space the job may add to the worker's (RLIMIT_AS), bytes.
+    """
+
+    data: bytes
+    max_duration_s: float
+    memory_bytes: int
+
+
+class DecodedAudio(msgspec.Struct, tag="audio", frozen=True):
+    """Mono audio: ``samples`` little-endian float32 ``[N]`` in [-1, 1] at ``sample_rate`` Hz."""
+
+    samples: bytes
+    sample_rate: int
+
+
+class DecodeRefused(msgspec.Struct, tag="refused", frozen=True):
+    """The worker could not decode the input (a client error): ``reason`` says why;
+    ``too_large`` marks a cap (duration) rather than a malformed input."""
+
+    reason: str
+    too_large: bool = False
+
+
+#: Every job kind (image and video jobs for chat media join this union).
+DecodeJob = AudioDecodeJob
+#: Every reply kind.
+DecodeReply = DecodedAudio | DecodeRefused
+
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode_frame(message: DecodeJob | DecodeReply) -> bytes:
+    """One frame: length header + msgpack body."""
+    body = _encoder.encode(message)
+    return FRAME_HEADER.pack(len(body)) + body
+
+
+def decode_frame(body: bytes, kind: type) -> DecodeJob | DecodeReply:
+    """Decode a frame body as ``kind`` (a job or reply union); raises ``msgspec.DecodeError``."""
+    return msgspec.msgpack.decode(body, type=kind)

@@ -1,0 +1,123 @@
+"""The media decoder pool: a worker that dies, hangs or runs out of memory fails only its
+own job (a 400 naming the field), is replaced, and never takes the server process down."""
+
+from __future__ import annotations
+
+import base64
+import io
+import logging
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from omnistage.core.errors import RequestValidationError
+from omnistage.serve.decode_jobs import AudioDecodeJob, DecodedAudio, DecodeRefused
+from omnistage.serve.decoding import DecoderCrashed, DecoderPool, DecoderTimeout, request_id_var
+from omnistage.serve.media import MediaPolicy, load_reference_audio
+
+RATE = 16000
+
+
+def wav(seconds: float = 0.5, channels: int = 1) -> bytes:
+    t = np.arange(int(seconds * RATE)) / RATE
+    mono = (0.5 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
+    buf = io.BytesIO()
+    sf.write(buf, np.tile(mono[:, None], (1, channels)), RATE, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
+def job(data: bytes, memory_bytes: int = 256 << 20) -> AudioDecodeJob:
+    return AudioDecodeJob(data, max_duration_s=60.0, memory_bytes=memory_bytes)
+
+
+@pytest.fixture
+def pool():
+    pool = DecoderPool(size=1)
+    yield pool
+    pool.close()
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def test_a_job_decodes_to_mono_float32(pool):
+    reply = pool.run(job(wav(channels=3)), timeout_s=30)
+    assert isinstance(reply, DecodedAudio) and reply.sample_rate == RATE
+    samples = np.frombuffer(reply.samples, "<f4")
+    assert samples.shape == (RATE // 2,) and 0.49 < np.abs(samples).max() < 0.51
+
+
+def test_garbage_is_refused_by_the_worker_not_crashing_it(pool):
+    reply = pool.run(job(b"\x00garbage" * 100), timeout_s=30)
+    assert isinstance(reply, DecodeRefused) and not reply.too_large
+    assert isinstance(pool.run(job(wav()), timeout_s=30), DecodedAudio)
+
+
+def test_a_worker_killed_mid_job_fails_only_that_job_and_is_replaced(pool, caplog):
+    pool.start()
+    (pid,) = pool.pids
+    os.kill(pid, signal.SIGSTOP)  # holds the job in flight until the kill below
+    outcome: list[BaseException] = []
+
+    def decode() -> None:
+        token = request_id_var.set("req-killed")
+        try:
+            pool.run(job(wav()), timeout_s=30)
+        except DecoderCrashed as exc:
+            outcome.append(exc)
+        finally:
+            request_id_var.reset(token)
+
+    with caplog.at_level(logging.ERROR, logger="omnistage.serve.decoding"):
+        thread = threading.Thread(target=decode)
+        thread.start()
+        wait_until(lambda: pool.jobs_in_flight == 1)
+        os.kill(pid, signal.SIGKILL)
+        thread.join(30)
+    assert len(outcome) == 1 and "SIGKILL" in str(outcome[0])
+    assert "req-killed" in caplog.text and str(pid) in caplog.text
+    assert isinstance(pool.run(job(wav()), timeout_s=30), DecodedAudio)
+    assert pool.pids and pool.pids != [pid]
+
+
+def test_a_job_past_its_deadline_kills_the_worker(pool):
+    pool.start()
+    (pid,) = pool.pids
+    os.kill(pid, signal.SIGSTOP)  # a decoder that never answers
+    started = time.monotonic()
+    with pytest.raises(DecoderTimeout):
+        pool.run(job(wav()), timeout_s=0.3)
+    assert time.monotonic() - started < 5
+    wait_until(lambda: pid not in pool.pids)
+    assert isinstance(pool.run(job(wav()), timeout_s=30), DecodedAudio)
+
+
+def test_a_job_over_its_memory_limit_is_refused(pool):
+    reply = pool.run(job(wav(seconds=10.0), memory_bytes=1 << 20), timeout_s=30)
+    assert isinstance(reply, DecodeRefused)
+    assert isinstance(pool.run(job(wav()), timeout_s=30), DecodedAudio)
+
+
+def test_a_worker_that_died_idle_is_replaced_without_failing_the_job(pool):
+    pool.start()
+    (pid,) = pool.pids
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: pid not in pool.pids)
+    assert isinstance(pool.run(job(wav()), timeout_s=30), DecodedAudio)
+
+
+def test_load_reference_audio_turns_a_timeout_into_a_400_naming_the_field():
+    data = base64.b64encode(wav(seconds=0.37)).decode()  # a clip no other test decodes (cache)
+    with pytest.raises(RequestValidationError) as err:
+        load_reference_audio(data, MediaPolicy(decode_timeout_s=1e-6), "speaker_audio")
+    assert err.value.http_status == 400 and err.value.param == "speaker_audio"
+    assert "could not be decoded" in str(err.value)
