@@ -172,6 +172,12 @@ def _graceful_signals() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def _stop_on_fatal(reason: str) -> None:
+    """The pipeline gave up (a stage process died past its restart limit): stop uvicorn
+    gracefully; :func:`serve` then exits 1 so that a supervisor restarts the server."""
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _run(app: FastAPI, server: ServeArgs, console: Console, what: str) -> None:
     """Run uvicorn, showing a status spinner until ``/health`` answers 200."""
     host, port = server.host, server.port
@@ -204,6 +210,9 @@ def _run(app: FastAPI, server: ServeArgs, console: Console, what: str) -> None:
         status.stop()
     if failure:
         fail(f"the model failed to start: {failure[0]}", code=1)
+    fatal = app.state.server.pipeline.fatal_error
+    if fatal is not None:
+        fail(f"the pipeline gave up: {fatal}", code=1)
     console.print("stopped", highlight=False)
 
 
@@ -263,6 +272,14 @@ class ServeArgs:
             show_default=False,
         ),
     ] = None
+    max_body_bytes: Annotated[
+        int,
+        typer.Option(
+            help="Request body cap in bytes (413 above it); the default fits 10 MiB of "
+            "base64 reference audio plus the text.",
+            min=1024,
+        ),
+    ] = ServerSettings.max_body_bytes
     log_level: Annotated[LogLevel, typer.Option(help="Server log level.")] = LogLevel.info
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Skip the warm-up request before reporting ready.")
@@ -279,6 +296,7 @@ class ServeArgs:
             api_keys=tuple(key for key in self.api_key or () if key),
             data_dir=self.data_dir or default_data_dir(),
             media_policy=media,
+            max_body_bytes=self.max_body_bytes,
             warmup=not self.no_warmup,
             playground=not self.no_playground,
             served_model_names=_served_names(self.served_model_name),
@@ -295,7 +313,7 @@ def serve(ctx: typer.Context, *, model: ModelArgs, server: ServeArgs) -> None:
     console = Console(stderr=True)
     _configure_logging(console, server.log_level)
     try:
-        app = create_app(resolved.config, settings)
+        app = create_app(resolved.config, settings, on_fatal=_stop_on_fatal)
     except OmnistageError as exc:
         fail(f"invalid pipeline: {exc}")
     _run(app, server, console, resolved.config.name)

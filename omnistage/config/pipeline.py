@@ -128,12 +128,36 @@ class PipelineConfig(_Strict):
     stream_queue_max_bytes: int = Field(
         default=256 * 1024 * 1024,
         ge=1,
-        description="global cap on stream bytes queued for clients; a request whose "
-        "chunk would exceed it fails (slow consumer) instead of exhausting memory",
+        description="global cap on stream bytes queued for clients; when a chunk would "
+        "exceed it, the request holding the most unread bytes is aborted (never a client "
+        "that reads)",
+    )
+    stream_request_max_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=1,
+        description="cap on one request's unread stream bytes (32 MiB: ~5.8 min of 24 kHz "
+        "float32 audio ahead of its client; at most stream_queue_max_bytes); a client that "
+        "stops reading past it is aborted (499) and its bytes released",
     )
     request_timeout_s: float | None = Field(default=600.0, gt=0)
     process_death_timeout_s: float = Field(
         default=2.0, gt=0, description="bound on detecting a dead stage process"
+    )
+    max_stage_restarts: int = Field(
+        default=3,
+        ge=0,
+        description="restarts of one dead stage process allowed within "
+        "stage_restart_window_s; one more and the pipeline gives up (the server exits "
+        "non-zero, for its supervisor to restart it)",
+    )
+    stage_restart_window_s: float = Field(
+        default=600.0, gt=0, description="the window max_stage_restarts counts in, seconds"
+    )
+    stage_restart_backoff_s: float = Field(
+        default=0.5,
+        ge=0,
+        description="wait before the first restart of a dead stage process, seconds; "
+        "doubled at each restart within the window, at most 30 s",
     )
 
     @property

@@ -17,6 +17,7 @@ class                          HTTP    meaning
 ``RequestTimeoutError``        504     the request's deadline passed
 ``StageFailureError``          500     a stage raised while computing the request
 ``RequestAbortedError``        499     the request was aborted (client gone, explicit)
+``StreamBufferFullError``      499     aborted: its client stopped reading its stream
 =============================  ======  ==============================================
 
 ``PipelineConfigError`` is raised at build time (never per request) and names the stage.
@@ -115,10 +116,20 @@ class QueueFullError(OmnistageError):
 
 
 class PipelineUnhealthyError(OmnistageError):
-    """The pipeline cannot serve: a stage process died, or it is starting or stopping."""
+    """The pipeline cannot serve: a stage process died, or it is starting or stopping.
+
+    Args:
+        message: why.
+        retry_after_s: when a retry may succeed (a dead stage process is being restarted),
+            seconds; the server sends it as ``Retry-After``.
+    """
 
     http_status = 503
     error_type = "service_unavailable"
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
 
 
 class RequestTimeoutError(OmnistageError):
@@ -152,9 +163,9 @@ class RequestAbortedError(OmnistageError):
     error_type = "aborted"
 
 
-class StreamBufferFullError(OmnistageError):
-    """The stream bytes queued for clients reached the global cap; the request whose chunk
-    would exceed it fails (its client is not reading fast enough)."""
+class StreamBufferFullError(RequestAbortedError):
+    """The request's client stopped reading its stream: its unread bytes passed the
+    per-request cap, or it held the most when the global cap was reached. The request is
+    aborted (499, finish_reason ``abort``) and its bytes released."""
 
-    http_status = 503
     error_type = "stream_buffer_full"

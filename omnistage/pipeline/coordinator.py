@@ -2,7 +2,7 @@
 
 It admits requests (bounded: over the bound raises :class:`QueueFullError`), decides each
 request's terminal set, hands the request to the entry stage, collects terminal stream
-output into a per-request queue (with a global byte cap), merges the results of several
+output into a per-request queue (with a per-request and a global byte cap), merges the results of several
 terminal stages, enforces deadlines, and ends every request exactly once: success, error
 or abort. Any stage failure fails the request and aborts it at every stage (fail fast).
 
@@ -72,19 +72,19 @@ def chunk_nbytes(data: Any) -> int:
 class RequestHandle:
     """The client's view of one request: its stream chunks, then its result or error.
 
-    Queued chunks count against the coordinator's global stream byte cap until the client
-    takes them (:meth:`stream`, :meth:`result`) or drops them (:meth:`close`; also done when
-    the request is aborted), or until the request fails: then they stop counting but stay
-    queued, so :meth:`stream` yields every chunk that arrived before the failure and then
-    raises, however late the client reads. A handle
-    made with ``collect=True`` (a client that wants the whole output at the end) is not
-    subject to the cap. ``timeline`` collects the request's marks
+    Queued chunks (``queued_bytes`` of them) count against the coordinator's per-request
+    and global stream byte caps until the client takes them (:meth:`stream`,
+    :meth:`result`) or drops them (:meth:`close`; also done when the request is aborted),
+    or until the request fails: then they stop counting but stay queued, so :meth:`stream`
+    yields every chunk that arrived before the failure and then raises, however late the
+    client reads. A handle made with ``collect=True`` (a client that wants the whole output
+    at the end) is not subject to the caps. ``timeline`` collects the request's marks
     (:mod:`omnistage.pipeline.timeline`) as the stages report them.
     """
 
     request_id: str
     terminals: frozenset[str]
-    _release_bytes: Callable[[int], None]
+    _release_bytes: Callable[[RequestHandle, int], None]
     collect: bool = False
     timeline: Timeline = field(default_factory=Timeline)
     _queue: asyncio.Queue[tuple[StreamChunk, int] | None] = field(default_factory=asyncio.Queue)
@@ -93,10 +93,20 @@ class RequestHandle:
     _finish_reason: FinishReason = "stop"
     _error: OmnistageError | None = None
     _timer: asyncio.TimerHandle | None = None
+    queued_bytes: int = 0
 
     @property
     def finished(self) -> bool:
         return self._done.is_set()
+
+    @property
+    def error(self) -> OmnistageError | None:
+        """Why the request failed, once it has (None while running or after success)."""
+        return self._error
+
+    async def wait_finished(self) -> None:
+        """Return once the request has ended (success, error or abort)."""
+        await self._done.wait()
 
     async def stream(self) -> AsyncIterator[StreamChunk]:
         """Terminal stages' stream chunks in arrival order, until the request ends.
@@ -109,7 +119,7 @@ class RequestHandle:
             if item is None:
                 break
             chunk, size = item
-            self._release_bytes(size)
+            self._release(size)
             yield chunk
         if self._error is not None:
             raise self._error
@@ -140,9 +150,13 @@ class RequestHandle:
         while not self._queue.empty():
             item = self._queue.get_nowait()
             if item is not None:
-                self._release_bytes(item[1])
+                self._release(item[1])
                 chunks.append(item[0])
         return chunks
+
+    def _release(self, size: int) -> None:
+        self.queued_bytes -= size
+        self._release_bytes(self, size)
 
 
 class Coordinator:
@@ -154,6 +168,8 @@ class Coordinator:
         broadcast_abort: tells every stage (every process) to drop a request.
         max_concurrent_requests: admission bound.
         stream_queue_max_bytes: global cap on queued stream bytes.
+        stream_request_max_bytes: cap on one request's queued stream bytes (at most the
+            global cap); a chunk always fits a request with nothing queued.
         request_timeout_s: default deadline per request (None: no deadline).
     """
 
@@ -165,6 +181,7 @@ class Coordinator:
         *,
         max_concurrent_requests: int,
         stream_queue_max_bytes: int,
+        stream_request_max_bytes: int,
         request_timeout_s: float | None,
     ) -> None:
         self.topology = topology
@@ -172,11 +189,14 @@ class Coordinator:
         self._broadcast_abort = broadcast_abort
         self.max_concurrent_requests = max_concurrent_requests
         self.stream_queue_max_bytes = stream_queue_max_bytes
+        self.stream_request_max_bytes = min(stream_request_max_bytes, stream_queue_max_bytes)
         self.request_timeout_s = request_timeout_s
         self.loop = asyncio.get_running_loop()
         self.requests: dict[str, RequestHandle] = {}
         self.queued_bytes = 0
+        self._holders: set[RequestHandle] = set()  # handles with unread stream bytes
         self.unhealthy_reason: str | None = None
+        self.retry_after_s: float | None = None  # set while a stage process restarts
         self._ended = Tombstones()
 
     @property
@@ -206,7 +226,7 @@ class Coordinator:
                 request cannot be sent to the entry stage's process.
         """
         if self.unhealthy_reason is not None:
-            raise PipelineUnhealthyError(self.unhealthy_reason)
+            raise PipelineUnhealthyError(self.unhealthy_reason, self.retry_after_s)
         if len(self.requests) >= self.max_concurrent_requests:
             raise QueueFullError(self.max_concurrent_requests)
         request_id = request_id or new_request_id()
@@ -264,26 +284,61 @@ class Coordinator:
         elif isinstance(event, StageFailed):
             self._finish(event.request_id, error=event.error, finish_reason="error")
 
-    def fail_all(self, reason: str) -> None:
-        """Mark the pipeline unhealthy and fail every in-flight request (a process died)."""
-        self.unhealthy_reason = reason
+    def fail_all(self, reason: str, retry_after_s: float | None = None) -> None:
+        """Mark the pipeline unhealthy and fail every in-flight request (a process died);
+        ``retry_after_s``: when it may serve again (a restart is under way)."""
+        self.unhealthy_reason, self.retry_after_s = reason, retry_after_s
         for request_id in list(self.requests):
-            self._finish(request_id, error=PipelineUnhealthyError(reason), finish_reason="error")
+            error = PipelineUnhealthyError(reason, retry_after_s)
+            self._finish(request_id, error=error, finish_reason="error")
+
+    def recovered(self) -> None:
+        """The pipeline serves again (a dead stage process was restarted)."""
+        self.unhealthy_reason, self.retry_after_s = None, None
 
     def _enqueue(self, handle: RequestHandle, chunk: StreamChunk) -> None:
+        """Queue a chunk for its client. A client past its own cap is aborted; when the
+        global cap is reached, the requests holding the most unread bytes are aborted
+        (possibly this one) until the chunk fits, so a client that reads is never the one
+        that pays for clients that do not."""
         size = 0 if handle.collect else chunk_nbytes(chunk.data)
-        if size and self.queued_bytes + size > self.stream_queue_max_bytes:
+        if size and handle.queued_bytes and handle.queued_bytes + size > self.stream_request_max_bytes:
             error = StreamBufferFullError(
-                f"stream buffers are full ({self.queued_bytes} of {self.stream_queue_max_bytes} bytes); "
-                "the client is not reading its stream"
+                f"the client stopped reading its stream: {handle.queued_bytes} bytes unread, "
+                f"the per-request cap is {self.stream_request_max_bytes} bytes"
             )
-            self._finish(handle.request_id, error=error, finish_reason="error")
+            self._finish(handle.request_id, error=error, finish_reason="abort")
             return
+        while size and self._holders and self.queued_bytes + size > self.stream_queue_max_bytes:
+            slowest = max(self._holders, key=lambda h: h.queued_bytes)
+            error = StreamBufferFullError(
+                f"the client stopped reading its stream: {slowest.queued_bytes} bytes unread, "
+                f"the most of any request when the global cap of {self.stream_queue_max_bytes} "
+                "bytes was reached"
+            )
+            self._drop_unread(slowest, error)
+            if slowest is handle:
+                return
+        handle.queued_bytes += size
         self.queued_bytes += size
+        if size:
+            self._holders.add(handle)
         handle._queue.put_nowait((chunk, size))
 
-    def _release_bytes(self, size: int) -> None:
+    def _drop_unread(self, handle: RequestHandle, error: StreamBufferFullError) -> None:
+        """Abort ``handle`` for not reading: in flight, it ends here; already ended (its
+        client still has chunks to take), its chunks are dropped and it fails instead, so
+        the client never sees a shortened stream end as if complete."""
+        if handle.request_id in self.requests:
+            self._finish(handle.request_id, error=error, finish_reason="abort")
+        else:
+            handle._error, handle._finish_reason = error, "abort"
+            handle.close()
+
+    def _release_bytes(self, handle: RequestHandle, size: int) -> None:
         self.queued_bytes -= size
+        if not handle.queued_bytes:
+            self._holders.discard(handle)
 
     def _expire(self, request_id: str, timeout_s: float) -> None:
         if request_id in self.requests:

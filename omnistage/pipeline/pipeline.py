@@ -5,7 +5,12 @@ process; each other process group is one spawned OS process. Start-up builds the
 in list order (a model relies on that: e.g. the vocoder is resident before the engine
 sizes its KV pool), waits until every process reports ready, then admits requests. A
 process that dies fails every in-flight request within ``process_death_timeout_s`` and
-marks the pipeline unhealthy (new requests get :class:`PipelineUnhealthyError`).
+marks the pipeline unhealthy (new requests get :class:`PipelineUnhealthyError` with a
+retry delay); the supervisor restarts the process after a backoff
+(``stage_restart_backoff_s``, doubling), and the pipeline serves again once it is ready.
+More than ``max_stage_restarts`` restarts of one group within ``stage_restart_window_s``
+and it gives up: :attr:`Pipeline.fatal_error` is set and ``on_fatal`` called (the server
+exits non-zero so that its own supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -15,7 +20,10 @@ import logging
 import multiprocessing
 import os
 import tempfile
+import time
 import uuid
+from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from omnistage.config.pipeline import PipelineConfig
@@ -59,8 +67,21 @@ class Pipeline:
         PipelineConfigError: at construction, if the topology is invalid.
     """
 
-    def __init__(self, config: PipelineConfig, *, startup_timeout_s: float = 120.0) -> None:
+    #: longest wait between two restarts of a stage process, seconds
+    MAX_RESTART_BACKOFF_S = 30.0
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        *,
+        startup_timeout_s: float = 120.0,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
+        self.on_fatal = on_fatal
+        self.fatal_error: str | None = None
+        self.down: dict[str, list[str]] = {}  # process group -> its stages, while down
+        self._restarts: dict[str, deque[float]] = {}
         self.topology = build_topology(config)
         self.startup_timeout_s = startup_timeout_s
         self.routes = {s.name: s.process or MAIN_GROUP for s in config.stages}
@@ -94,6 +115,7 @@ class Pipeline:
             self._broadcast_abort,
             max_concurrent_requests=config.max_concurrent_requests,
             stream_queue_max_bytes=config.stream_queue_max_bytes,
+            stream_request_max_bytes=config.stream_request_max_bytes,
             request_timeout_s=config.request_timeout_s,
         )
         self.host = StageHost(MAIN_GROUP, self.routes, self.coordinator.post)
@@ -124,10 +146,19 @@ class Pipeline:
         self._addresses = addresses
 
     async def _spawn_groups(self) -> None:
+        await self._start_groups(self.groups)
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch_processes())
+
+    async def _start_groups(self, groups: list[str]) -> None:
+        """Spawn ``groups`` and wait until each reports ready.
+
+        Raises:
+            PipelineConfigError: a process died, failed or timed out while starting.
+        """
         context = multiprocessing.get_context("spawn")
         config_class = f"{type(self.config).__module__}:{type(self.config).__qualname__}"
-        ready = [self._expect(f"ready:{g}") for g in self.groups]
-        for group in self.groups:
+        ready = [self._expect(f"ready:{g}") for g in groups]
+        for group in groups:
             process = context.Process(
                 target=run_child,
                 args=(config_class, self.config.model_dump_json(), group, self._addresses, self.routes, self._segment_prefix),
@@ -140,7 +171,7 @@ class Pipeline:
         deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
         while not waiting.done():
             await asyncio.wait({waiting}, timeout=0.2)
-            dead = [f"{g} (exit code {p.exitcode})" for g, p in self.processes.items() if not p.is_alive()]
+            dead = [f"{g} (exit code {self.processes[g].exitcode})" for g in groups if not self.processes[g].is_alive()]
             if dead and not waiting.done():
                 waiting.cancel()
                 raise PipelineConfigError(f"stage processes died while starting: {', '.join(dead)}")
@@ -148,7 +179,6 @@ class Pipeline:
                 waiting.cancel()
                 raise PipelineConfigError(f"stage processes not ready within {self.startup_timeout_s:g} s")
         await waiting  # raises the first start-up failure a process reported
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch_processes())
 
     async def stop(self) -> None:
         """Stop all stages and processes; fails requests still in flight."""
@@ -177,16 +207,57 @@ class Pipeline:
             self._socket_dir = None
 
     async def _watch_processes(self) -> None:
+        """Supervise the stage processes: restart a dead one, or give up past the limit."""
         interval = self.config.process_death_timeout_s / 4
         while True:
             await asyncio.sleep(interval)
-            for group, process in self.processes.items():
-                if not process.is_alive():
-                    reason = f"stage process {group!r} (pid {process.pid}) died with exit code {process.exitcode}"
-                    logger.error(reason)
-                    assert self.coordinator is not None
-                    self.coordinator.fail_all(reason)
-                    return
+            dead = next((g for g, p in self.processes.items() if not p.is_alive()), None)
+            if dead is not None and not await self._restart(dead):
+                return
+
+    async def _restart(self, group: str) -> bool:
+        """Fail the requests in flight, wait the backoff, respawn ``group`` until it is
+        ready; False once past the restart limit (the pipeline stays down: fatal)."""
+        assert self.coordinator is not None
+        process = self.processes[group]
+        stages = [s.name for s in self.config.stages if self.routes[s.name] == group]
+        self.down[group] = stages
+        reason = f"stage process {group!r} (stages {', '.join(stages)}; pid {process.pid}) died with exit code {process.exitcode}"
+        while True:
+            now = time.monotonic()
+            restarts = self._restarts.setdefault(group, deque())
+            while restarts and now - restarts[0] > self.config.stage_restart_window_s:
+                restarts.popleft()
+            if len(restarts) >= self.config.max_stage_restarts:
+                self._give_up(f"{reason}; it was restarted {len(restarts)} times within "
+                              f"{self.config.stage_restart_window_s:g} s: giving up")  # fmt: skip
+                return False
+            backoff = min(self.config.stage_restart_backoff_s * 2 ** len(restarts), self.MAX_RESTART_BACKOFF_S)
+            restarts.append(now)
+            logger.error("%s; restarting it in %.1f s (restart %d of at most %d)", reason, backoff,
+                         len(restarts), self.config.max_stage_restarts)  # fmt: skip
+            self.coordinator.fail_all(f"{reason}; restarting it", retry_after_s=backoff + 1.0)
+            await asyncio.sleep(backoff)
+            try:
+                await self._start_groups([group])
+            except PipelineConfigError as exc:
+                if self.processes[group].is_alive():  # timed out starting
+                    self.processes[group].kill()
+                reason = f"stage process {group!r} failed to restart: {exc}"
+                continue
+            del self.down[group]
+            if not self.down:
+                self.coordinator.recovered()
+            logger.info("stage process %r restarted (pid %s); serving again", group, self.processes[group].pid)
+            return True
+
+    def _give_up(self, reason: str) -> None:
+        logger.critical(reason)
+        assert self.coordinator is not None
+        self.fatal_error = reason
+        self.coordinator.fail_all(reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     # ------------------------------------------------------------------ requests
     def submit(

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from omnistage.core.messages import StageInput
 from omnistage.core.request import FinishReason
+from omnistage.scheduling.faults import FaultInjector
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class Scheduler(ABC):
         self._inbox: queue.SimpleQueue[StageInput | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self.batch_observer: Callable[[int], None] | None = None  # e.g. a metrics histogram
+        self.faults: FaultInjector | None = None  # OMNISTAGE_FAULTS (tests, soak runs)
 
     @property
     def outbox(self) -> StageOutbox:
@@ -96,6 +98,7 @@ class Scheduler(ABC):
         """Attach to a stage. ``expects_stream``: the stage has stream sources, so every
         request also gets one :class:`StreamDone` (after all its sources finished)."""
         self.stage_name, self._outbox, self.expects_stream = stage_name, outbox, expects_stream
+        self.faults = FaultInjector.from_env(stage_name)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._thread_main, name=f"stage-{self.stage_name}", daemon=True)
@@ -164,6 +167,8 @@ class Scheduler(ABC):
         if self.batch_observer is not None:
             self.batch_observer(len(ids))
         try:
+            if self.faults is not None:
+                self.faults.before_batch()
             compute()
         except Exception as exc:  # noqa: BLE001 -- the one batch boundary (module docstring)
             logger.warning("stage %s: batch of %d failed: %r", self.stage_name, len(ids), exc)

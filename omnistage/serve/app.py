@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP server (FastAPI).
 
 Endpoints: ``POST /v1/audio/speech``, ``GET /v1/audio/voices``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``GET /health`` (503 while starting or after a stage process died), ``GET /metrics``
-(Prometheus), and the web playground at ``GET /`` (:mod:`omnistage.serve.playground`).
+``GET /v1/models/{id}``, ``GET /health`` (503 while starting, while a dead stage process
+restarts, naming its stages in ``stages_down``, and ``failed`` past the restart limit),
+``GET /metrics`` (Prometheus), and the web playground at ``GET /`` (:mod:`omnistage.serve.playground`).
 Errors use the OpenAI envelope, mapped from the typed errors of :mod:`omnistage.core.errors`.
 Request flow: capped body -> parse -> validate against the model's capabilities -> the
 model's request builder (all 4xx, before any model work) -> admission -> response. A
@@ -24,6 +25,7 @@ import asyncio
 import base64
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -107,7 +109,10 @@ class ServerSettings:
         api_keys: when any, ``/v1/*`` requires ``Authorization: Bearer <one of them>``;
             each key owns the voices it saves.
         media_policy: where reference audio may come from, and its caps.
-        max_body_bytes: request body cap (413 above it).
+        max_body_bytes: request body cap (413 above it); the default, 15 MiB, fits the
+            largest legitimate request: 10 MiB of reference audio (the media cap) is 13.3
+            MiB as base64, plus at most 4,096 characters of text (issue 12: the cap was 32
+            MiB, and 8 parallel 30 MB bodies kept 324 MiB of RSS).
         warmup: run the model's warm-up request before reporting ready.
         playground: serve the web playground at ``/`` (its assets under ``/playground``;
             both public, the page sends its key to ``/v1`` itself).
@@ -119,7 +124,7 @@ class ServerSettings:
 
     api_keys: tuple[str, ...] = ()
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 15 * 1024 * 1024
     warmup: bool = True
     playground: bool = True
     served_model_names: tuple[str, ...] = ()
@@ -129,13 +134,15 @@ class ServerSettings:
 class SpeechServer:
     """The server's state: the model, its running pipeline, metrics, readiness."""
 
-    def __init__(self, model: SpeechModelConfig, settings: ServerSettings) -> None:
+    def __init__(
+        self, model: SpeechModelConfig, settings: ServerSettings, on_fatal: Callable[[str], None] | None = None
+    ) -> None:
         self.model, self.settings = model, settings
         self.capabilities = model.capabilities()
         if settings.served_model_names:
             names = tuple(dict.fromkeys(settings.served_model_names))
             self.capabilities = self.capabilities.model_copy(update={"model_names": names})
-        self.pipeline = Pipeline(model)
+        self.pipeline = Pipeline(model, on_fatal=on_fatal)
         self.metrics = ServerMetrics()
         self.ready = False
         self.start_error: str | None = None
@@ -197,9 +204,19 @@ class SpeechServer:
         self.metrics.set_queued(sum(depths.values()))
 
 
-def create_app(model: SpeechModelConfig, settings: ServerSettings | None = None) -> FastAPI:
-    """Build the FastAPI app for ``model``; the pipeline starts with the app's lifespan."""
-    server = SpeechServer(model, settings or ServerSettings())
+def create_app(
+    model: SpeechModelConfig,
+    settings: ServerSettings | None = None,
+    *,
+    on_fatal: Callable[[str], None] | None = None,
+) -> FastAPI:
+    """Build the FastAPI app for ``model``; the pipeline starts with the app's lifespan.
+
+    ``on_fatal(reason)`` is called once the pipeline gives up (a stage process died more
+    often than its restart limit): the caller should stop the server, non-zero. Until
+    then ``/health`` answers 503 ``failed``.
+    """
+    server = SpeechServer(model, settings or ServerSettings(), on_fatal)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -213,6 +230,7 @@ def create_app(model: SpeechModelConfig, settings: ServerSettings | None = None)
             await asyncio.gather(starting, return_exceptions=True)
             await server.stop()
 
+    _quiet_stream_cuts()
     app = FastAPI(title="omnistage", lifespan=lifespan)
     app.state.server = server
     _install_error_handlers(app)
@@ -233,6 +251,8 @@ async def _start(server: SpeechServer) -> None:
 def _error_response(exc: BaseException) -> JSONResponse:
     status, body = error_envelope(exc)
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthenticationError) else None
+    if isinstance(exc, PipelineUnhealthyError) and exc.retry_after_s is not None:
+        headers = {"Retry-After": str(math.ceil(exc.retry_after_s))}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
@@ -284,13 +304,22 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
-        if server.start_error is not None:
-            return JSONResponse({"status": "failed", "reason": server.start_error}, status_code=503)
+        pipeline = server.pipeline
+        failed = server.start_error or pipeline.fatal_error
+        if failed is not None:
+            return JSONResponse({"status": "failed", "reason": failed}, status_code=503)
         if not server.ready:
             return JSONResponse({"status": "starting"}, status_code=503)
-        if not server.pipeline.healthy:
-            reason = server.pipeline.coordinator.unhealthy_reason if server.pipeline.coordinator else None
-            return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+        if not pipeline.healthy:
+            coordinator = pipeline.coordinator
+            body = {
+                "status": "unhealthy",
+                "reason": coordinator.unhealthy_reason if coordinator else None,
+                "stages_down": sorted(s for stages in pipeline.down.values() for s in stages),
+            }
+            retry = coordinator.retry_after_s if coordinator else None
+            headers = {"Retry-After": str(math.ceil(retry))} if retry is not None else None
+            return JSONResponse(body, status_code=503, headers=headers)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -428,6 +457,26 @@ class WholeAudio:
     headers: dict[str, str]
 
 
+class StreamCut(Exception):
+    """Raised into the ASGI server to end a streamed body on purpose without its final
+    chunk (the request failed after its headers went out). It is logged as one warning
+    line by the route; :class:`_QuietStreamCuts` keeps uvicorn from adding a traceback."""
+
+
+class _QuietStreamCuts(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" record when the exception is a
+    deliberate :class:`StreamCut` (issue 12: every failed stream logged a traceback)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], StreamCut))
+
+
+def _quiet_stream_cuts() -> None:
+    uvicorn_errors = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _QuietStreamCuts) for f in uvicorn_errors.filters):
+        uvicorn_errors.addFilter(_QuietStreamCuts())
+
+
 class _SpeechCall:
     """One speech request's response, with metrics and abort-on-disconnect."""
 
@@ -496,7 +545,16 @@ class _SpeechCall:
             TIMELINE_HEADER: self.handle.timeline.header(),
         }
         headers.update(self._ignored_header())
+        self._end_watch = asyncio.ensure_future(self._count_failure_when_it_ends())
         return StreamingResponse(body, media_type=media_type, headers=headers)
+
+    async def _count_failure_when_it_ends(self) -> None:
+        """Count a stream the pipeline fails (or aborts: a client past its stream cap) when
+        it fails: the response itself may be stuck sending to a client that stopped
+        reading, and would count it only once that client goes."""
+        await self.handle.wait_finished()
+        if self.handle.error is not None:
+            self._finished(self.handle.error)
 
     async def _first_chunk(self, stream: AsyncIterator[StreamChunk]) -> np.ndarray:
         async for chunk in stream:
@@ -534,9 +592,15 @@ class _SpeechCall:
                 yield data
             assert self.result is not None
             self._finished(None, self.result.finish_reason)
+        except OmnistageError as exc:
+            error = exc
+            logger.warning(
+                "request %s: stream cut after %d samples: %s", self.handle.request_id, self.samples_sent, exc
+            )
+            raise StreamCut(self.handle.request_id) from None  # no clean end of the chunked body
         except BaseException as exc:
             error = exc
-            raise  # truncates the chunked body: the client sees no clean end
+            raise
         finally:
             self._close(error)
 
@@ -564,6 +628,9 @@ class _SpeechCall:
         if not self.handle.finished:  # the client went away mid-stream
             self.server.pipeline.abort(self.handle.request_id)
             error = RequestAbortedError("client disconnected")
+        elif self.handle.error is not None and not isinstance(error, OmnistageError):
+            error = self.handle.error  # it ended while the response was stuck sending
+        self._end_watch.cancel()
         self.handle.close()
         if error is not None:
             self._finished(error)

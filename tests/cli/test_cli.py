@@ -286,3 +286,55 @@ def test_serve_then_bench_speed_end_to_end(tmp_path: Path):
     assert server.returncode == 0, stderr
     assert f"ready: http://127.0.0.1:{port}" in stderr
     assert "Traceback" not in stderr and "stopped" in stderr
+
+
+def _stage_process_of(server: subprocess.Popen) -> int:
+    """The pid of the server's one spawned stage process (its multiprocessing child)."""
+    children = []
+    for task in Path(f"/proc/{server.pid}/task").iterdir():
+        children += (task / "children").read_text().split()
+    for pid in children:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+            return int(pid)
+    raise AssertionError(f"no stage process among the children {children}")
+
+
+def test_serve_exits_non_zero_when_a_stage_process_dies_past_its_restart_limit():
+    env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+    env.update(ENV)
+    port = _free_port()
+    serve = [
+        *_omnistage(),
+        "serve",
+        "--model-path",
+        "tone-test",
+        "--port",
+        str(port),
+        "--no-warmup",
+    ]
+    server = subprocess.Popen(
+        [
+            *serve,
+            "--tone.process",
+            "synth",
+            "--max_stage_restarts",
+            "0",
+            "--process_death_timeout_s",
+            "0.4",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _wait_healthy(server, f"http://127.0.0.1:{port}/health")
+        os.kill(_stage_process_of(server), signal.SIGKILL)
+        _, stderr = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.communicate()
+    assert server.returncode == 1, stderr
+    assert "the pipeline gave up" in stderr and "synth" in stderr

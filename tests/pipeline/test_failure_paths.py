@@ -147,4 +147,33 @@ async def test_chunks_that_came_before_a_failure_reach_a_client_that_reads_late(
             async for chunk in handle.stream():
                 chunks.append(chunk.data.samples)
         assert len(chunks) == 1 and np.array_equal(chunks[0], tone_samples(request)[0])
+
+
+async def test_a_client_past_its_stream_cap_is_aborted_and_a_reading_client_is_not():
+    config = toy.linear_config(stream_queue_max_bytes=100_000, stream_request_max_bytes=240)
+    async with Pipeline(config) as pipeline:
+        stalled = pipeline.submit(toy.ToyRequest("s" * 200))  # 1,600 bytes, never read
+        reader = pipeline.submit(toy.ToyRequest("r" * 30))  # 240 bytes: within the cap
+        chunks = [c.data.tolist() async for c in reader.stream()]
+        assert chunks == toy.expected_linear("r" * 30)[0]
+        with pytest.raises(StreamBufferFullError, match="per-request cap is 240") as err:
+            await stalled.result()
+        assert err.value.http_status == 499 and stalled._finish_reason == "abort"
+        assert pipeline.coordinator.queued_bytes == 0
+        await assert_no_request_state(pipeline)
+
+
+async def test_at_the_global_cap_the_request_holding_the_most_is_aborted_not_the_newcomer():
+    config = toy.linear_config(stream_queue_max_bytes=600, stream_request_max_bytes=600)
+    async with Pipeline(config) as pipeline:
+        first = pipeline.submit(toy.ToyRequest("a" * 60))  # 480 bytes, ends unread
+        await first.wait_finished()
+        assert first.error is None and first.queued_bytes == 480
+        second = pipeline.submit(toy.ToyRequest("b" * 30))  # 240 bytes: 720 > 600 together
+        await second.wait_finished()
+        assert second.error is None and second.queued_bytes == 240
+        with pytest.raises(StreamBufferFullError, match="global cap of 600"):
+            [c async for c in first.stream()]  # dropped, and it says so: never a short success
+        assert [c.data.tolist() async for c in second.stream()] == toy.expected_linear("b" * 30)[0]
+        assert pipeline.coordinator.queued_bytes == 0
         await assert_no_request_state(pipeline)

@@ -20,6 +20,7 @@ import numpy as np
 from omnistage.core.messages import Abort, StageInput, StagePayload
 from omnistage.core.payloads import AudioChunk, AudioResult
 from omnistage.models.piper.modeling import (
+    MemoryArena,
     PiperPhonemizer,
     PiperSynthesizer,
     PiperVoiceSpec,
@@ -59,6 +60,7 @@ def create_synthesis_stage(
     intra_op_threads: int = 2,
     max_seconds_per_phoneme: float = 0.25,
     max_audio_seconds: float = 900.0,
+    memory_arena: MemoryArena = "shrink",
 ) -> SentenceScheduler:
     """The ONNX synthesis stage. ``max_length_ratio``: sentences share a call only if the
     longest has at most this many times the phonemes of the shortest, because every item
@@ -71,7 +73,7 @@ def create_synthesis_stage(
     per unit of length_scale with noise_w <= 0.8 (numbers, spelled letters, prose), and up
     to 0.22 with noise_w = 2, so the cap stops only runaway durations."""
     assert ctx.pipeline.model_path is not None
-    synthesizer = PiperSynthesizer.load(voice_spec(ctx.pipeline.model_path), intra_op_threads)
+    synthesizer = PiperSynthesizer.load(voice_spec(ctx.pipeline.model_path), intra_op_threads, memory_arena)
     cap = OutputCap(max_seconds_per_phoneme, max_audio_seconds)
     return SentenceScheduler(synthesizer, max_batch_size, max_length_ratio, cap)
 

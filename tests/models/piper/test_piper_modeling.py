@@ -63,9 +63,9 @@ class _CountingSession:
     def get_outputs(self):
         return self._session.get_outputs()
 
-    def run(self, names, feeds):
+    def run(self, names, feeds, run_options=None):
         self.batch_sizes.append(feeds["input"].shape[0])
-        return self._session.run(names, feeds)
+        return self._session.run(names, feeds, run_options)
 
 
 # ------------------------------------------------------------------------------ voice spec
@@ -147,6 +147,17 @@ def test_zero_noise_is_deterministic(phonemizer, synthesizer):
     assert np.array_equal(alone, again)
     pair, pair_again = (synthesizer.synthesize_batch([item, item]) for _ in range(2))
     assert all(np.array_equal(a, b) for a, b in zip(pair, pair_again, strict=True))
+
+
+@pytest.mark.parametrize("arena", ["grow", "off"])
+def test_every_memory_arena_setting_gives_the_same_audio(phonemizer, synthesizer, spec, arena):
+    item = _item(phonemizer.phonemize(SENTENCES[0]))  # zero noise: deterministic
+    other = PiperSynthesizer.load(spec, intra_op_threads=2, memory_arena=arena)
+    assert np.array_equal(
+        other.synthesize_batch([item])[0], synthesizer.synthesize_batch([item])[0]
+    )
+    with pytest.raises(ValueError, match="memory_arena"):
+        PiperSynthesizer.load(spec, memory_arena="sometimes")
 
 
 def test_batch_equals_single_in_one_call(phonemizer, synthesizer, spec):

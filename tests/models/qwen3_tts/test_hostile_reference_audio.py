@@ -5,6 +5,7 @@ server keeps serving (issue 12: a 9-channel WAV used to segfault the process).""
 from __future__ import annotations
 
 import base64
+import io
 import logging
 import os
 import signal
@@ -14,7 +15,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import soundfile
 
 from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
 from omnistage.serve.app import ServerSettings, create_app
@@ -114,3 +117,20 @@ def test_a_decoder_killed_mid_request_is_a_400_with_a_logged_request_id(base_ser
     assert_refused(responses[0], "could not be decoded", "crashed")
     assert "request req-" in caplog.text and "SIGKILL" in caplog.text
     assert speak(base_server, wav_data_uri(tone_clip(1.0))).status_code == 200
+
+
+def test_the_default_body_cap_fits_the_largest_legitimate_request(base_server):
+    """10 MiB of reference audio (the media cap) as base64 with the longest text (2,000
+    characters) passes the body cap: the reference's own 30 s limit refuses it (413 naming
+    ref_audio), not the body size."""
+    rate, pcm_bytes = 16_000, 10 * 1024 * 1024 - 44
+    samples = (np.sin(np.arange(pcm_bytes // 2) / 7) * 8000).astype("<i2")
+    data = io.BytesIO()
+    soundfile.write(data, samples, rate, format="WAV", subtype="PCM_16")
+    assert len(data.getvalue()) == 10 * 1024 * 1024
+    response = speak(base_server, base64.b64encode(data.getvalue()).decode(), input="a" * 2000)
+    assert response.status_code == 413, response.text
+    assert (
+        response.json()["error"]["param"] == "ref_audio"
+        and "30" in response.json()["error"]["message"]
+    )

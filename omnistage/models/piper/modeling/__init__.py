@@ -8,6 +8,8 @@ Pure model code without pipeline wiring: :mod:`.text` normalizes and splits requ
 from omnistage.models.piper.modeling.speed import MAX_SPEED, MIN_SPEED, change_speed, check_speed
 from omnistage.models.piper.modeling.text import normalize_text, split_sentences
 from omnistage.models.piper.modeling.voice import (
+    MEMORY_ARENAS,
+    MemoryArena,
     PiperPhonemizer,
     PiperSynthesizer,
     PiperVoiceSpec,
@@ -18,7 +20,9 @@ from omnistage.models.piper.modeling.voice import (
 
 __all__ = [
     "MAX_SPEED",
+    "MEMORY_ARENAS",
     "MIN_SPEED",
+    "MemoryArena",
     "PiperPhonemizer",
     "PiperSynthesizer",
     "PiperVoiceSpec",

