@@ -36,7 +36,7 @@ def run_child(
             failed = StageFailed(event.request_id, stage, exc)
             transport.send(MAIN_GROUP, "event", failed, request_id=event.request_id)
 
-    host = StageHost(group, routes, coordinator_sink=send_event)
+    host = StageHost(group, routes, coordinator_sink=send_event, hold_until_built=True)
     transport = ZmqTransport(group, addresses, prefix, host.on_message, host.on_undeliverable)
     host.transport = transport
 
@@ -59,6 +59,7 @@ def run_child(
         stopped.wait(5.0)
         transport.stop()
         return
+    host.stages_built()
     for stage in host.stages.values():
         stage.start()
     transport.send(MAIN_GROUP, "ready", group)

@@ -8,6 +8,7 @@ process, over ZMQ from a child process).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +23,8 @@ class StageHost:
     group: this process's group name (``"main"`` for the server process).
     routes: stage name -> group name of the process that runs it.
     coordinator_sink: receives coordinator events (thread-safe callable).
+    hold_until_built: hold stage and abort messages until :meth:`stages_built` (a stage
+        process, whose transport starts before its stages exist).
     """
 
     def __init__(
@@ -29,11 +32,15 @@ class StageHost:
         group: str,
         routes: dict[str, str],
         coordinator_sink: Callable[[CoordinatorEvent], None],
+        *,
+        hold_until_built: bool = False,
     ) -> None:
         self.group, self.routes, self.coordinator_sink = group, routes, coordinator_sink
         self.stages: dict[str, StageRuntime] = {}
         self.transport: ZmqTransport | None = None
         self.on_control: Callable[[Envelope, Any], None] | None = None
+        self._held: list[tuple[Envelope, Any]] | None = [] if hold_until_built else None
+        self._held_lock = threading.Lock()
 
     # StageLinks --------------------------------------------------------------
     def send(self, target: str, message: StageInput, source: str) -> None:
@@ -53,8 +60,26 @@ class StageHost:
         for stage in self.stages.values():
             stage.deliver(Abort(request_id), MAIN_GROUP)
 
+    def stages_built(self) -> None:
+        """Deliver, in order, the messages held while the stages were being built. A
+        process that replaces a dead one receives what was queued for it: the aborts of
+        the requests that failed with it must reach the new stages before a late payload
+        of one of them (which they then drop instead of starting it)."""
+        with self._held_lock:
+            for envelope, body in self._held or ():
+                self._dispatch(envelope, body)
+            self._held = None
+
     def on_message(self, envelope: Envelope, body: Any) -> None:
         """Transport callback (receiver thread)."""
+        if envelope.kind in ("stage", "abort"):
+            with self._held_lock:
+                if self._held is not None:
+                    self._held.append((envelope, body))
+                    return
+        self._dispatch(envelope, body)
+
+    def _dispatch(self, envelope: Envelope, body: Any) -> None:
         if envelope.kind == "stage":
             self.stages[envelope.target].deliver(body, envelope.source)
         elif envelope.kind == "abort":

@@ -36,7 +36,7 @@ from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.host import StageHost
 from omnistage.pipeline.stage import StageRuntime, build_scheduler
 from omnistage.pipeline.topology import Topology
-from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport, segment_name_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -245,11 +245,22 @@ class Pipeline:
                     self.processes[group].kill()
                 reason = f"stage process {group!r} failed to restart: {exc}"
                 continue
+            self._sweep_segments_of(group)
             del self.down[group]
             if not self.down:
                 self.coordinator.recovered()
             logger.info("stage process %r restarted (pid %s); serving again", group, self.processes[group].pid)
             return True
+
+    def _sweep_segments_of(self, group: str) -> None:
+        """Unlink the shared-memory segments the dead process of ``group`` made or was sent
+        but never received: all belong to requests that failed with it (no request is
+        admitted before :meth:`Coordinator.recovered`, which follows)."""
+        swept = relay.sweep_segments(segment_name_prefix(self._segment_prefix, group))
+        for sender in [MAIN_GROUP, *self.groups]:
+            swept += relay.sweep_segments(segment_name_prefix(self._segment_prefix, sender, group))
+        if swept:
+            logger.info("stage process %r: swept %d shared-memory segments it never received", group, swept)
 
     def _give_up(self, reason: str) -> None:
         logger.critical(reason)

@@ -9,8 +9,10 @@ calls for, never configured:
   segment each; the receiver copies the data out and unlinks the segment at once.
 - Smaller CPU tensors/arrays: inline in the pickle (a segment costs more than the copy).
 
-Segments are named ``<prefix><n>`` so a pipeline can sweep the segments of messages that
-were never received (e.g. a process died) when it stops (:func:`sweep_segments`).
+Segments are named ``<prefix><n>`` (the transport's prefix names the sender and the
+receiver) so a pipeline can sweep the segments of messages that were never received
+(:func:`sweep_segments`): those of a process that died, when it is replaced, and all of
+them when the pipeline stops.
 """
 
 from __future__ import annotations

