@@ -102,9 +102,8 @@ def test_a_decoder_killed_mid_request_is_a_400_with_a_logged_request_id(base_ser
     for pid in stopped:
         os.kill(pid, signal.SIGSTOP)  # the next job stays in flight until the kill
     responses: list[httpx.Response] = []
-    thread = threading.Thread(
-        target=lambda: responses.append(speak(base_server, wav_data_uri(tone_clip(1.0))))
-    )
+    fresh = wav_data_uri(tone_clip(1.0, seed=12))  # not in the decode cache: reaches a worker
+    thread = threading.Thread(target=lambda: responses.append(speak(base_server, fresh)))
     with caplog.at_level(logging.ERROR, logger="omnistage.serve.decoding"):
         thread.start()
         deadline = time.monotonic() + 30
