@@ -74,6 +74,7 @@ def default_faults(timeout_s: float) -> str:
     return ",".join(
         [
             "preprocessing:raise~0.01",  # both models have a stage of this name
+            "reference_encoder:raise~0.01",
             "synthesis:raise~0.01",
             "synthesis:oom~0.005",
             f"synthesis:{hang}@40",
