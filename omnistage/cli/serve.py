@@ -208,11 +208,11 @@ def _run(app: FastAPI, server: ServeArgs, console: Console, what: str) -> None:
         stop.set()
         watcher.join()
         status.stop()
+    fatal = app.state.server.pipeline.fatal_error
+    if fatal is not None:  # first: the readiness watcher may also have seen /health "failed"
+        fail(f"the pipeline gave up: {fatal}", code=1)
     if failure:
         fail(f"the model failed to start: {failure[0]}", code=1)
-    fatal = app.state.server.pipeline.fatal_error
-    if fatal is not None:
-        fail(f"the pipeline gave up: {fatal}", code=1)
     console.print("stopped", highlight=False)
 
 
