@@ -40,6 +40,7 @@ from omnistage.core.messages import (
     StageResult,
     StreamChunk,
 )
+from omnistage.core.payloads import AudioChunk
 from omnistage.core.request import FinishReason, most_severe, new_request_id
 from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.relay import RelayError
@@ -60,7 +61,10 @@ class PipelineResult:
 
 
 def chunk_nbytes(data: Any) -> int:
-    """Bytes a stream chunk holds (tensor, array or bytes; other objects count 0)."""
+    """Bytes a stream chunk holds (tensor, array, bytes, or an :class:`AudioChunk`'s
+    samples; other objects count 0)."""
+    if isinstance(data, AudioChunk):
+        data = data.samples
     if isinstance(data, torch.Tensor):
         return data.nbytes
     if isinstance(data, np.ndarray | bytes | bytearray):
