@@ -1,0 +1,188 @@
+"""The Qwen3-MoE decoder stack shared by the thinker's text model and the talker.
+
+Pre-RMSNorm layers: grouped-query attention with per-head q/k RMSNorm and interleaved MRoPE
+(the Qwen3-TTS :class:`~omnistage.models.qwen3_tts.modeling.talker.Attention`, which calls the
+engine's attention contract ``attn(layer, q, k, v)``), then a feed-forward block chosen per
+layer (routed experts, the talker's shared-expert MoE, or a dense SwiGLU), then a final norm.
+Tokens are flattened over the batch: ``[N, H]`` rows with positions ``[3, N]``.
+
+Deepstack (DeepStack, Meng et al. 2024; transformers' ``_deepstack_process``): after decoder
+layer ``l < len(deepstack.embeds)``, ``deepstack.embeds[l]`` is added to the rows at
+``deepstack.rows``. A *captured* hidden state follows the reference's ``hidden_states`` tuple:
+index 0 is the input embeddings, ``k`` in 1..L-1 the output of layer ``k - 1`` before its
+deepstack addition, ``L`` the final-norm output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.engine.attention import AttentionBackend
+from omnistage.engine.moe import SparseMoE
+from omnistage.models.qwen3_omni.modeling.config import MoEDecoderConfig
+from omnistage.models.qwen3_omni.modeling.mrope import MRotaryEmbedding
+from omnistage.models.qwen3_tts.modeling.config import DecoderConfig
+from omnistage.models.qwen3_tts.modeling.talker import MLP, Attention, RMSNorm
+
+__all__ = ["Deepstack", "DecoderOutput", "MoEDecoder", "SharedExpertMoE", "attention_config"]
+
+
+def attention_config(config: MoEDecoderConfig) -> DecoderConfig:
+    """The attention geometry in the form the shared attention module reads (its
+    ``intermediate_size`` and ``rope_theta`` are unused by attention)."""
+    return DecoderConfig(
+        hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, num_layers=config.num_layers,
+        num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps, rope_theta=config.rope.theta, vocab_size=config.vocab_size,
+        attention_bias=config.attention_bias,
+    )  # fmt: skip
+
+
+class SharedExpertMoE(SparseMoE):
+    """The talker's feed-forward: routed experts plus a shared SwiGLU expert gated per token by
+    ``sigmoid(shared_expert_gate(x))`` (transformers' ``Qwen3OmniMoeTalkerTextSparseMoeBlock``)."""
+
+    def __init__(self, config: MoEDecoderConfig) -> None:
+        super().__init__(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.num_experts,
+            config.top_k,
+            config.norm_topk_prob,
+        )
+        assert (
+            config.shared_expert_intermediate_size is not None
+        )  # parse() requires it for the talker
+        self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return super().forward(x) + shared
+
+
+FeedForwardFactory = Callable[[MoEDecoderConfig, int], nn.Module]
+
+
+def routed_or_dense(config: MoEDecoderConfig, layer: int) -> nn.Module:
+    """The thinker's rule: routed experts where :meth:`MoEDecoderConfig.is_moe_layer`, else a
+    dense SwiGLU of ``intermediate_size``."""
+    if config.is_moe_layer(layer):
+        return SparseMoE(
+            config.hidden_size,
+            config.moe_intermediate_size,
+            config.num_experts,
+            config.top_k,
+            config.norm_topk_prob,
+        )
+    return MLP(config.hidden_size, config.intermediate_size)
+
+
+def shared_expert_moe(config: MoEDecoderConfig, layer: int) -> nn.Module:
+    """The talker's rule: every layer is a :class:`SharedExpertMoE`."""
+    return SharedExpertMoE(config)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(
+        self, config: MoEDecoderConfig, layer: int, feed_forward: FeedForwardFactory
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(attention_config(config), layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = feed_forward(config, layer)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass(frozen=True)
+class Deepstack:
+    """Visual features added to the hidden states of the first layers.
+
+    Attributes:
+        rows: ``[M] int64`` indices of the visual rows among the forward's ``N`` tokens.
+        embeds: one ``[M, H]`` tensor per level; level ``l`` is added after layer ``l``.
+    """
+
+    rows: torch.Tensor
+    embeds: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class DecoderOutput:
+    """``hidden [N, H]`` after the final norm; ``captured [N, H]`` (the requested
+    ``hidden_states`` index, see the module docstring) or None."""
+
+    hidden: torch.Tensor
+    captured: torch.Tensor | None = None
+
+
+class MoEDecoder(nn.Module):
+    """``layers``, ``norm`` and the MRoPE tables of one stack.
+
+    Args:
+        config: the stack's geometry.
+        feed_forward: builds layer ``l``'s feed-forward block (:func:`routed_or_dense` or
+            :func:`shared_expert_moe`).
+    """
+
+    def __init__(self, config: MoEDecoderConfig, feed_forward: FeedForwardFactory) -> None:
+        super().__init__()
+        self.config = config
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, feed_forward) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = MRotaryEmbedding(config.head_dim, config.rope)
+
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Rebuild the non-persistent RoPE buffers on ``device``."""
+        self.rotary.reset_buffers(device)
+
+    def decode(
+        self,
+        input_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        deepstack: Deepstack | None = None,
+        capture_layer: int | None = None,
+    ) -> DecoderOutput:
+        """``input_embeds [N, H]``, ``positions [3, N]`` (or ``[N]`` for text-only rows) ->
+        :class:`DecoderOutput`. ``attn`` must be prepared for this forward.
+
+        Raises: ValueError when ``capture_layer`` is not in 0..num_layers or deepstack has
+        more levels than layers."""
+        n_layers = len(self.layers)
+        if capture_layer is not None and not 0 <= capture_layer <= n_layers:
+            raise ValueError(f"capture_layer = {capture_layer} is not in 0..{n_layers}")
+        if deepstack is not None and len(deepstack.embeds) > n_layers:
+            raise ValueError(f"{len(deepstack.embeds)} deepstack levels for {n_layers} layers")
+        cos, sin = self.rotary(positions, input_embeds.dtype)
+        x = input_embeds
+        captured = x if capture_layer == 0 else None
+        for index, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn)
+            if capture_layer == index + 1 and capture_layer < n_layers:
+                captured = x
+            if deepstack is not None and index < len(deepstack.embeds):
+                x = x.index_add(0, deepstack.rows, deepstack.embeds[index].to(x.dtype))
+        hidden = self.norm(x)
+        return DecoderOutput(
+            hidden=hidden, captured=hidden if capture_layer == n_layers else captured
+        )
+
+    def forward(
+        self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """The engine contract: hidden ``[N, H]`` after the final norm."""
+        return self.decode(input_embeds, positions, attn).hidden

@@ -1,0 +1,57 @@
+"""Shared helpers of the Qwen3-Omni thinker/talker tests: the reference fixture file written by
+``tools/parity/qwen3_omni_reference.py`` and the checkpoint digest it was made from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
+
+FIXTURE = Path(__file__).parent / "fixtures" / "thinker_talker_reference.safetensors"
+SEED = 0  # the seed the fixture's checkpoint was written with
+REL_TOL = 1e-4
+
+
+@dataclass
+class ReferenceFixture:
+    tensors: dict[str, torch.Tensor]
+    meta: dict
+
+    @classmethod
+    def load(cls) -> ReferenceFixture:
+        with safe_open(str(FIXTURE), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            meta = json.loads(f.metadata()["meta"])
+        return cls(tensors=tensors, meta=meta)
+
+    def case(self, name: str, key: str) -> torch.Tensor:
+        return self.tensors[f"{name}.{key}"]
+
+
+def weights_digest(checkpoint_dir: Path) -> str:
+    return hashlib.sha256((checkpoint_dir / "model.safetensors").read_bytes()).hexdigest()
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| / max |expected| (both fp32)."""
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    scale = expected.abs().max().clamp_min(1e-12)
+    return float((actual.float() - expected.float()).abs().max() / scale)
+
+
+def layout_of(ref: ReferenceFixture, name: str) -> MultimodalLayout:
+    """The case's multimodal layout as stored by the reference script."""
+    raw = ref.meta["cases"][name]["layout"]
+    return MultimodalLayout(
+        image_grids=[tuple(g) for g in raw.get("image_grids", [])],
+        video_grids=[tuple(g) for g in raw.get("video_grids", [])],
+        video_seconds_per_grid=raw.get("video_seconds_per_grid", []),
+        audio_lengths=raw.get("audio_lengths", []),
+        use_audio_in_video=raw.get("use_audio_in_video", False),
+    )

@@ -1,0 +1,93 @@
+"""The engine's routed MoE layer: routing, both execution paths, the expert layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnistage.engine.moe import SparseMoE, route
+
+
+def random_moe(
+    h: int = 16, i: int = 8, e: int = 6, k: int = 2, norm: bool = True
+) -> tuple[SparseMoE, list]:
+    g = torch.Generator().manual_seed(0)
+    moe = SparseMoE(h, i, e, k, norm)
+    experts = [
+        (
+            torch.randn(i, h, generator=g),
+            torch.randn(i, h, generator=g),
+            torch.randn(h, i, generator=g),
+        )
+        for _ in range(e)
+    ]
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(e, h, generator=g))
+    for n, (gate, up, down) in enumerate(experts):
+        moe.load_expert(n, gate, up, down)
+    return moe, experts
+
+
+def per_token_reference(x: torch.Tensor, moe: SparseMoE, experts: list) -> torch.Tensor:
+    """Token by token: softmax over all experts, top-k, renormalize, weighted SwiGLU sum."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        probs = torch.softmax(moe.gate.weight @ x[t], dim=-1)
+        top, idx = probs.topk(moe.top_k)
+        if moe.norm_topk_prob:
+            top = top / top.sum()
+        for w, e in zip(top, idx.tolist(), strict=True):
+            gate, up, down = experts[e]
+            out[t] += w * (down @ (F.silu(gate @ x[t]) * (up @ x[t])))
+    return out
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("impl", ["loop", "grouped"])
+def test_paths_equal_the_per_token_definition(impl: str, norm: bool) -> None:
+    moe, experts = random_moe(norm=norm)
+    moe.impl = impl
+    x = torch.randn(11, 16, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            moe(x), per_token_reference(x, moe, experts), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_experts_without_tokens_and_a_single_token() -> None:
+    """One token reaches only k experts: the others get empty groups in both paths."""
+    moe, experts = random_moe(e=8, k=2)
+    x = torch.randn(1, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        moe.impl = "grouped"
+        grouped = moe(x)
+        moe.impl = "loop"
+        torch.testing.assert_close(grouped, moe(x), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            grouped, per_token_reference(x, moe, experts), rtol=1e-5, atol=1e-5
+        )
+
+
+def test_route_renormalizes_top_k_in_decreasing_order() -> None:
+    x = torch.randn(5, 16, generator=torch.Generator().manual_seed(3))
+    weight = torch.randn(6, 16, generator=torch.Generator().manual_seed(4))
+    weights, experts = route(x, weight, 3, True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(5))
+    assert bool((weights[:, :-1] >= weights[:, 1:]).all())
+    assert torch.equal(experts, torch.softmax(x @ weight.T, dim=-1).topk(3).indices)
+
+
+def test_expert_layout_is_stacked_gate_then_up() -> None:
+    moe, experts = random_moe()
+    gate, up, down = experts[3]
+    assert torch.equal(moe.expert_gate_up[3, :, :8], gate.T)
+    assert torch.equal(moe.expert_gate_up[3, :, 8:], up.T)
+    assert torch.equal(moe.expert_down[3], down.T)
+
+
+def test_rejects_bad_top_k_and_impl() -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        SparseMoE(8, 4, 4, 5, True)
+    with pytest.raises(ValueError, match="impl"):
+        SparseMoE(8, 4, 4, 2, True, impl="fast")  # type: ignore[arg-type]

@@ -1,0 +1,118 @@
+"""Our thinker, MRoPE positions, talker prompt and talker against transformers 5.24.
+
+The fixture comes from ``tools/parity/qwen3_omni_reference.py`` (transformers'
+``Qwen3OmniMoeForConditionalGeneration.generate`` on the same tiny seed-0 checkpoint, fp32,
+CPU), for a text prompt and image, audio, video, mixed and audio-in-video prompts; the encoder
+rows transformers' encoders produced are fed to our thinker. Tolerances: positions exact,
+greedy thinker tokens and talker codes exact, float tensors within relative error 1e-4
+(max abs difference / max abs reference value).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omni_fixtures import REL_TOL, ReferenceFixture, layout_of, rel_err, weights_digest
+
+from omnistage.models.qwen3_omni.modeling.generate import talker_generate, thinker_generate
+from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, load_model
+from omnistage.models.qwen3_omni.modeling.mrope import prompt_positions
+from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
+from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
+
+CASES = ["text", "image", "audio", "video", "image_audio_video", "audio_in_video"]
+
+
+@pytest.fixture(scope="module")
+def model(omni_tiny_checkpoint, omni_reference: ReferenceFixture) -> LoadedOmni:
+    if weights_digest(omni_tiny_checkpoint) != omni_reference.meta["digest"]:
+        pytest.fail(
+            "the seed-0 tiny checkpoint differs from the fixture's; regenerate (tools/parity/qwen3_omni_reference.py)"
+        )
+    return load_model(omni_tiny_checkpoint)
+
+
+def encoder_rows(ref: ReferenceFixture, name: str) -> EncoderRows:
+    t = {k[len(name) + 1 :]: v for k, v in ref.tensors.items() if k.startswith(f"{name}.")}
+
+    def levels(kind: str) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            t[f"{kind}_deepstack.{i}"]
+            for i in range(len([k for k in t if k.startswith(f"{kind}_deepstack.")]))
+        )
+
+    return EncoderRows(audio=t.get("audio"), image=t.get("image"), image_deepstack=levels("image"),
+                       video=t.get("video"), video_deepstack=levels("video"))  # fmt: skip
+
+
+_RUNS: dict[str, tuple] = {}  # case -> (ids, ThinkerResult): the thinker runs once per case
+
+
+def run_thinker(model: LoadedOmni, ref: ReferenceFixture, name: str):
+    if name in _RUNS:
+        return _RUNS[name]
+    ids = ref.case(name, "ids")
+    positions = prompt_positions(ids.tolist(), model.config.thinker, layout_of(ref, name))
+    embeds, deepstack = model.thinker.merge(ids, encoder_rows(ref, name))
+    result = thinker_generate(
+        model.thinker, ids, positions, ref.meta["thinker_tokens"], model.config.im_end_id,
+        input_embeds=embeds, deepstack=deepstack, capture_layer=model.config.talker.accept_hidden_layer,
+    )  # fmt: skip
+    _RUNS[name] = (ids, result)
+    return ids, result
+
+
+def test_fixture_covers_every_case(omni_reference: ReferenceFixture) -> None:
+    assert sorted(omni_reference.meta["cases"]) == sorted(CASES)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_positions_match_reference(
+    name: str, model: LoadedOmni, omni_reference: ReferenceFixture
+) -> None:
+    """3-D MRoPE positions and the decode delta equal transformers' get_rope_index exactly
+    (fractional video T included)."""
+    ids = omni_reference.case(name, "ids")
+    positions = prompt_positions(
+        ids.tolist(), model.config.thinker, layout_of(omni_reference, name)
+    )
+    torch.testing.assert_close(
+        positions.positions, omni_reference.case(name, "positions"), rtol=0, atol=0
+    )
+    assert positions.delta == float(omni_reference.case(name, "delta"))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_thinker_greedy_matches_reference(
+    name: str, model: LoadedOmni, omni_reference: ReferenceFixture
+) -> None:
+    """Greedy tokens exactly; logits at the stored vocabulary ids and at each step's argmax
+    within 1e-4."""
+    _, result = run_thinker(model, omni_reference, name)
+    torch.testing.assert_close(result.tokens, omni_reference.case(name, "tokens"), rtol=0, atol=0)
+    ids = omni_reference.tensors["logit_ids"]
+    assert rel_err(result.logits[:, ids], omni_reference.case(name, "logits")) <= REL_TOL
+    steps = torch.arange(result.logits.shape[0])
+    chosen = result.logits[steps, result.tokens]
+    assert rel_err(chosen, omni_reference.case(name, "argmax_logits")) <= REL_TOL
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_talker_matches_reference(
+    name: str, model: LoadedOmni, omni_reference: ReferenceFixture
+) -> None:
+    """From our thinker's output: the talker prefill (layer-accept_hidden_layer rows at the
+    multimodal positions) and trailing text rows within 1e-4, first code-0 logits within 1e-4,
+    greedy codes exactly."""
+    ref = omni_reference
+    ids, result = run_thinker(model, ref, name)
+    rows = ThinkerRows(
+        prompt_ids=ids, reply_ids=result.tokens, embeds=result.embeds, hidden=result.captured
+    )
+    prompt = build_talker_prompt(model.talker, model.thinker.model.embed_tokens, model.config, rows, ref.meta["speaker"],
+                                 layout_of(ref, name))  # fmt: skip
+    assert rel_err(prompt.prefill, ref.case(name, "talker_prefill")) <= REL_TOL
+    assert rel_err(prompt.trailing, ref.case(name, "talker_trailing")) <= REL_TOL
+    talker = talker_generate(model.talker, prompt, ref.meta["talker_frames"])
+    assert rel_err(talker.first_logits, ref.case(name, "talker_first_logits")) <= REL_TOL
+    torch.testing.assert_close(talker.codes, ref.case(name, "codes"), rtol=0, atol=0)
