@@ -34,7 +34,6 @@ from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.modeling.talker import Talker
 from omnistage.models.qwen3_omni.modeling.thinker import Thinker
 from omnistage.models.qwen3_omni.modeling.weights import checkpoint_shapes, random_source
-from omnistage.models.qwen3_tts.random_checkpoint import _shards
 
 __all__ = [
     "SIZES",
@@ -47,6 +46,7 @@ __all__ = [
 
 Size = Literal["tiny", "30b-a3b"]
 SIZES: tuple[str, ...] = ("tiny", "30b-a3b")
+SHARD_BYTES = 2 * 1024**3
 
 _IDS = {
     "im_start_token_id": 151644, "im_end_token_id": 151645, "tts_pad_token_id": 151671,
@@ -170,6 +170,20 @@ def checkpoint_tensor_shapes(raw: dict) -> dict[str, torch.Size]:
     return shapes
 
 
+def _shards(shapes: dict[str, torch.Size], dtype: torch.dtype) -> list[list[str]]:
+    """Names in order, cut into shards of at most :data:`SHARD_BYTES` (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
 def write_config(out_dir: str | Path, size: Size) -> Path:
     """Only config.json (what ``--load-format dummy`` needs). Returns ``out_dir`` as a Path."""
     out = Path(out_dir)
@@ -191,7 +205,7 @@ def write_random_checkpoint(
     raw = build_config_dict(size)
     dtype = _dtype(size)
     shapes = checkpoint_tensor_shapes(raw)
-    shards = list(_shards(shapes, dtype))
+    shards = _shards(shapes, dtype)
     files = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]  # fmt: skip

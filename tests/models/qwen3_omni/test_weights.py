@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import omnistage.models.qwen3_tts.random_checkpoint as tts_random
+import omnistage.models.qwen3_omni.random_checkpoint as omni_random
 from omnistage.models.qwen3_omni.modeling.model import load_model
 from omnistage.models.qwen3_omni.modeling.weights import CheckpointWeightsError
 from omnistage.models.qwen3_omni.random_checkpoint import (
@@ -79,7 +79,7 @@ def test_a_stage_reads_only_its_part(tiny_copy, tmp_path) -> None:
 
 def test_sharded_checkpoint_loads_like_a_single_file(tiny_copy, tmp_path, monkeypatch) -> None:
     root, _ = tiny_copy
-    monkeypatch.setattr(tts_random, "SHARD_BYTES", 16 * 1024**2)
+    monkeypatch.setattr(omni_random, "SHARD_BYTES", 16 * 1024**2)
     sharded = write_random_checkpoint(tmp_path, "tiny", seed=3)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1

@@ -27,12 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omnistage.models.qwen3_tts.modeling.config import (
-    CheckpointConfigError,
-    CodePredictorConfig,
-    DecoderConfig,
-    _require,
-)
+from omnistage.engine.layers import CodePredictorConfig, DecoderConfig
 
 __all__ = [
     "ARCHITECTURE",
@@ -49,6 +44,34 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
+
+
+class CheckpointConfigError(ValueError):
+    """config.json is missing or unreadable, or a field is missing, malformed or out of range;
+    the message names the file and the dotted field."""
+
+
+def _require(section: Any, key: str, where: str, kind: Callable[[Any], Any] | None = None) -> Any:
+    """``section[key]``, converted by ``kind`` when given (a bool is not an int or a float,
+    a float not an int). Raises: CheckpointConfigError naming ``where.key``."""
+    field = f"{where}.{key}" if where else key
+    if not isinstance(section, dict):
+        raise CheckpointConfigError(f"{where or 'config'} is not a JSON object")
+    if key not in section:
+        raise CheckpointConfigError(f"{field} is missing")
+    value = section[key]
+    if kind is None:
+        return value
+    if (kind in (int, float) and isinstance(value, bool)) or (
+        kind is int and isinstance(value, float)
+    ):
+        raise CheckpointConfigError(f"{field} = {value!r} is not a {kind.__name__}")
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        raise CheckpointConfigError(
+            f"{field} = {value!r} is not a {getattr(kind, '__name__', kind)}"
+        ) from None
 
 
 def _positive(value: int | float, field: str) -> None:

@@ -1,7 +1,7 @@
 """The Qwen3-MoE decoder stack shared by the thinker's text model and the talker.
 
 Pre-RMSNorm layers: grouped-query attention with per-head q/k RMSNorm and interleaved MRoPE
-(the Qwen3-TTS :class:`~omnistage.models.qwen3_tts.modeling.talker.Attention`, which calls the
+(the shared :class:`~omnistage.engine.layers.Attention`, which calls the
 engine's attention contract ``attn(layer, q, k, v)``), then a feed-forward block chosen per
 layer (routed experts, the talker's shared-expert MoE, or a dense SwiGLU), then a final norm.
 Tokens are flattened over the batch: ``[N, H]`` rows with positions ``[3, N]``.
@@ -23,11 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend
+from omnistage.engine.layers import MLP, Attention, DecoderConfig, RMSNorm
 from omnistage.engine.moe import SparseMoE
 from omnistage.models.qwen3_omni.modeling.config import MoEDecoderConfig
 from omnistage.models.qwen3_omni.modeling.mrope import MRotaryEmbedding
-from omnistage.models.qwen3_tts.modeling.config import DecoderConfig
-from omnistage.models.qwen3_tts.modeling.talker import MLP, Attention, RMSNorm
 
 __all__ = ["Deepstack", "DecoderOutput", "MoEDecoder", "SharedExpertMoE", "attention_config"]
 
@@ -120,11 +119,11 @@ class Deepstack:
 
 @dataclass(frozen=True)
 class DecoderOutput:
-    """``hidden [N, H]`` after the final norm; ``captured [N, H]`` (the requested
-    ``hidden_states`` index, see the module docstring) or None."""
+    """``hidden [N, H]`` after the final norm; ``captured``: one ``[N, H]`` per requested
+    ``hidden_states`` index (see the module docstring), in the order asked."""
 
     hidden: torch.Tensor
-    captured: torch.Tensor | None = None
+    captured: tuple[torch.Tensor, ...] = ()
 
 
 class MoEDecoder(nn.Module):
@@ -155,31 +154,31 @@ class MoEDecoder(nn.Module):
         positions: torch.Tensor,
         attn: AttentionBackend,
         deepstack: Deepstack | None = None,
-        capture_layer: int | None = None,
+        capture_layers: tuple[int, ...] = (),
     ) -> DecoderOutput:
         """``input_embeds [N, H]``, ``positions [3, N]`` (or ``[N]`` for text-only rows) ->
-        :class:`DecoderOutput`. ``attn`` must be prepared for this forward.
+        :class:`DecoderOutput`, with the ``hidden_states`` indices ``capture_layers``
+        captured in that order. ``attn`` must be prepared for this forward.
 
-        Raises: ValueError when ``capture_layer`` is not in 0..num_layers or deepstack has
+        Raises: ValueError when a capture index is not in 0..num_layers or deepstack has
         more levels than layers."""
         n_layers = len(self.layers)
-        if capture_layer is not None and not 0 <= capture_layer <= n_layers:
-            raise ValueError(f"capture_layer = {capture_layer} is not in 0..{n_layers}")
+        if any(not 0 <= i <= n_layers for i in capture_layers):
+            raise ValueError(f"capture_layers {capture_layers} are not all in 0..{n_layers}")
         if deepstack is not None and len(deepstack.embeds) > n_layers:
             raise ValueError(f"{len(deepstack.embeds)} deepstack levels for {n_layers} layers")
         cos, sin = self.rotary(positions, input_embeds.dtype)
         x = input_embeds
-        captured = x if capture_layer == 0 else None
+        states = {0: x} if 0 in capture_layers else {}
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn)
-            if capture_layer == index + 1 and capture_layer < n_layers:
-                captured = x
+            if index + 1 in capture_layers and index + 1 < n_layers:
+                states[index + 1] = x
             if deepstack is not None and index < len(deepstack.embeds):
                 x = x.index_add(0, deepstack.rows, deepstack.embeds[index].to(x.dtype))
         hidden = self.norm(x)
-        return DecoderOutput(
-            hidden=hidden, captured=hidden if capture_layer == n_layers else captured
-        )
+        states[n_layers] = hidden
+        return DecoderOutput(hidden=hidden, captured=tuple(states[i] for i in capture_layers))
 
     def forward(
         self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

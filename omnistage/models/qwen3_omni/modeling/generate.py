@@ -20,14 +20,13 @@ from typing import Literal
 import torch
 
 from omnistage.engine.attention import DenseKVCache
+from omnistage.engine.layers import greedy_sample
 from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
 from omnistage.models.qwen3_omni.modeling.decoder import Deepstack
 from omnistage.models.qwen3_omni.modeling.mrope import PromptPositions
 from omnistage.models.qwen3_omni.modeling.prompt import TalkerPrompt
 from omnistage.models.qwen3_omni.modeling.talker import Talker
 from omnistage.models.qwen3_omni.modeling.thinker import Thinker
-from omnistage.models.qwen3_tts.modeling.generate import _stack
-from omnistage.models.qwen3_tts.modeling.talker import greedy_sample
 
 __all__ = [
     "SUPPRESSED_CODEC_IDS",
@@ -92,8 +91,9 @@ def thinker_generate(
     length = input_ids.shape[0]
     cache = _dense_cache(c.num_layers, c.num_kv_heads, c.head_dim, length + max_new_tokens, embeds)
     cache.prepare(length)
+    capture = () if capture_layer is None else (capture_layer,)
     out = thinker.model.decode(
-        embeds, positions.positions.to(embeds.device), cache, deepstack, capture_layer
+        embeds, positions.positions.to(embeds.device), cache, deepstack, capture
     )
     rows, captured = [embeds], [out.captured]
     tokens, logits = [], []
@@ -108,7 +108,7 @@ def thinker_generate(
         x = thinker.embed(token[None])
         cache.prepare(1)
         out = thinker.model.decode(
-            x, positions.decode(length + step).to(x.device), cache, capture_layer=capture_layer
+            x, positions.decode(length + step).to(x.device), cache, capture_layers=capture
         )
         rows.append(x)
         captured.append(out.captured)
@@ -117,7 +117,7 @@ def thinker_generate(
         tokens=torch.stack(tokens),
         logits=torch.stack(logits),
         embeds=torch.cat(rows),
-        captured=None if capture_layer is None else torch.cat(captured),
+        captured=torch.cat([c[0] for c in captured]) if capture else None,
         finish_reason="stop" if int(tokens[-1]) == eos_id else "length",
     )
 
@@ -166,7 +166,9 @@ def talker_generate(
     for step in range(max_new_frames):
         code0 = sample(talker.codec_logits(hidden), batch)
         if int(code0) == eos:
-            return TalkerResult(_stack(frames, talker, device), first_logits, "stop")
+            return TalkerResult(
+                _stack(frames, talker.config.num_code_groups, device), first_logits, "stop"
+            )
         batch.record(code0)
         frame = talker.complete_frame(hidden, code0, greedy_sample, predictor_cache)
         frames.append(frame[0])
@@ -175,4 +177,12 @@ def talker_generate(
         feedback = talker.frame_embedding(frame) + prompt.text_row(step)
         cache.prepare(1)
         hidden = talker(feedback, prompt.positions.decode(length + step).to(device), cache)
-    return TalkerResult(_stack(frames, talker, device), first_logits, "length")
+    return TalkerResult(
+        _stack(frames, talker.config.num_code_groups, device), first_logits, "length"
+    )
+
+
+def _stack(frames: list[torch.Tensor], groups: int, device: torch.device) -> torch.Tensor:
+    return (
+        torch.stack(frames) if frames else torch.zeros(0, groups, dtype=torch.int64, device=device)
+    )

@@ -21,7 +21,6 @@ from omnistage.models.qwen3_omni.modeling.weights import (
     load_parts,
     random_source,
 )
-from omnistage.models.qwen3_tts.modeling.weights import default_dtype
 
 __all__ = ["LoadFormat", "LoadedOmni", "ModelPart", "load_model"]
 
@@ -60,7 +59,8 @@ def load_model(
             part or load format.
     """
     config = load_config(checkpoint_dir)
-    dtype = dtype or default_dtype(device)
+    # bf16 on CUDA (the shipped checkpoint's dtype), fp32 elsewhere
+    dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     if load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not 'safetensors' or 'dummy'")
     unknown = set(parts) - {"thinker", "talker"}

@@ -32,7 +32,7 @@ __all__ = ["MRotaryEmbedding", "MultimodalLayout", "PromptPositions", "prompt_po
 
 class MRotaryEmbedding(nn.Module):
     """cos / signed sin tables ``[N, D]`` for positions ``[3, N]`` (or ``[N]``: text only),
-    in the rotate-half layout of :func:`omnistage.models.qwen3_tts.modeling.talker._apply_rope`
+    in the rotate-half layout of :func:`omnistage.engine.layers.apply_rope`
     (``sin`` with its first half negated). ``axis`` (non-persistent ``[D/2] int64``) says which
     position row rotates each frequency."""
 

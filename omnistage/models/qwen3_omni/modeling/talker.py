@@ -9,8 +9,8 @@ code predictor.
   ``projection_size`` -> talker hidden (text rows take the thinker's token embeddings, multimodal
   rows its layer-``accept_hidden_layer`` hidden states; shared/reference/qwen3-omni.md §2).
 - ``codec_head [3072, H]``: code-0 logits (untied from ``codec_embedding``).
-- ``code_predictor``: the same 5-layer dense predictor as Qwen3-TTS (15 embeddings, 15 heads;
-  reused module, identical names and math).
+- ``code_predictor``: the shared dense predictor (:class:`~omnistage.engine.layers.CodePredictor`,
+  as in Qwen3-TTS: 15 embeddings, 15 heads, identical names and math).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
+from omnistage.engine.layers import CodePredictor
+from omnistage.engine.model_runner import SampleFn
 from omnistage.models.qwen3_omni.modeling.config import TalkerConfig
 from omnistage.models.qwen3_omni.modeling.decoder import MoEDecoder, shared_expert_moe
-from omnistage.models.qwen3_tts.modeling.talker import CodePredictor, SampleFn
 
 __all__ = ["ResizeMLP", "Talker", "TalkerModel"]
 

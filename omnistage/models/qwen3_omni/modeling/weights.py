@@ -20,6 +20,9 @@ Modules are built on the meta device and tensors assigned directly (one copy of 
 
 from __future__ import annotations
 
+import json
+import math
+import zlib
 from collections.abc import Callable
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
@@ -31,12 +34,6 @@ from safetensors import safe_open
 from torch import nn
 
 from omnistage.engine.moe import SparseMoE
-from omnistage.models.qwen3_tts.modeling.weights import (
-    CheckpointWeightsError,
-    _check_names,
-    weight_files,
-)
-from omnistage.models.qwen3_tts.random_checkpoint import _random_tensor
 
 __all__ = [
     "KNOWN_PREFIXES",
@@ -46,6 +43,8 @@ __all__ = [
     "fill_module",
     "load_parts",
     "random_source",
+    "random_tensor",
+    "weight_files",
     "SafetensorsSource",
     "Part",
 ]
@@ -58,6 +57,72 @@ KNOWN_PREFIXES = (
     "talker.",
     "code2wav.",
 )
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_LISTED = 20  # names shown per category in an error message
+
+
+class CheckpointWeightsError(ValueError):
+    """Weight files are missing or their tensor names/shapes do not match the model."""
+
+
+def weight_files(checkpoint_dir: Path) -> dict[str, Path]:
+    """Tensor name -> file holding it (``model.safetensors`` or the shards of
+    ``model.safetensors.index.json``).
+
+    Raises: CheckpointWeightsError when neither layout is present, the index is unreadable,
+    or a shard it names is missing."""
+    index_path = checkpoint_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise CheckpointWeightsError(f"{index_path} is not a safetensors index: {exc}") from exc
+        files = {name: checkpoint_dir / file for name, file in weight_map.items()}
+        missing = sorted({p.name for p in files.values() if not p.is_file()})
+        if missing:
+            raise CheckpointWeightsError(
+                f"{checkpoint_dir} lacks shards named in {INDEX_FILE}: {missing}"
+            )
+        return files
+    single = checkpoint_dir / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointWeightsError(f"{checkpoint_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _check_names(expected: set[str], found: set[str], where: str) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if not missing and not unexpected:
+        return
+    parts = []
+    for label, names in (("missing", missing), ("unexpected", unexpected)):
+        if names:
+            more = f" (+{len(names) - _LISTED} more)" if len(names) > _LISTED else ""
+            parts.append(f"{len(names)} {label}: {', '.join(names[:_LISTED])}{more}")
+    raise CheckpointWeightsError(f"weights in {where} do not match the model: " + "; ".join(parts))
+
+
+def random_tensor(
+    name: str, shape: torch.Size, seed: int, device: torch.device | str
+) -> torch.Tensor:
+    """One random fp32 tensor, drawn from a generator seeded by ``(seed, crc32(name))``: norm
+    weights around 1 (``1 + 0.1 N``), other vectors ``0.02 N``, embeddings ``N(0, 1)``,
+    matrices ``N(0, 1 / fan_in)``, so activations stay finite and differences show."""
+    generator = torch.Generator(device=device).manual_seed(
+        (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+    )
+    x = torch.randn(shape, generator=generator, device=device, dtype=torch.float32)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * x
+    if len(shape) == 1:
+        return 0.02 * x
+    if "embed" in name:
+        return x
+    return x / math.sqrt(math.prod(shape[1:]))
+
 
 TensorSource = Callable[[str, torch.Size], torch.Tensor]
 """``source(checkpoint_name, expected_shape) -> tensor`` (any float dtype, on the target device)."""
@@ -156,7 +221,7 @@ def random_source(seed: int, device: torch.device | str) -> TensorSource:
     model equals the checkpoint ``init-random`` writes with the same seed."""
 
     def source(name: str, shape: torch.Size) -> torch.Tensor:
-        return _random_tensor(name, shape, seed, torch.float32, str(device))
+        return random_tensor(name, shape, seed, device)
 
     return source
 

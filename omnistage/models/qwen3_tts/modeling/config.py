@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from omnistage.engine.layers import CodePredictorConfig, DecoderConfig
 from omnistage.engine.sampler import SamplingParams
 
 __all__ = [
@@ -74,59 +75,31 @@ def _require(section: Any, key: str, where: str, kind: Callable[[Any], Any] | No
         raise CheckpointConfigError(f"{field} = {section[key]!r} is not a {getattr(kind, '__name__', kind)}") from None
 
 
-@dataclass(frozen=True)
-class DecoderConfig:
-    """Geometry of one Qwen3 decoder stack (talker or code predictor).
+def _parse_decoder(section: dict[str, Any], where: str) -> DecoderConfig:
+    """Raises: CheckpointConfigError on a missing field, a non-SiLU activation, sliding
+    window attention, or heads that do not group (num_heads % num_kv_heads != 0)."""
+    def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
+        return _require(section, key, where, kind)
 
-    ``head_dim`` is explicit: the 0.6B talker has hidden 1024 and 16 heads but head_dim 128.
-    """
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    vocab_size: int
-    attention_bias: bool
-
-    @classmethod
-    def parse(cls, section: dict[str, Any], where: str) -> DecoderConfig:
-        """Raises: CheckpointConfigError on a missing field, a non-SiLU activation, sliding
-        window attention, or heads that do not group (num_heads % num_kv_heads != 0)."""
-        def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
-            return _require(section, key, where, kind)
-
-        if req("hidden_act") != "silu":
-            raise CheckpointConfigError(f"{where}.hidden_act is {section['hidden_act']!r}; only 'silu' is supported")
-        if section.get("use_sliding_window", False):
-            raise CheckpointConfigError(f"{where}.use_sliding_window is set; Qwen3-TTS uses full attention")
-        config = cls(
-            hidden_size=req("hidden_size", int),
-            intermediate_size=req("intermediate_size", int),
-            num_layers=req("num_hidden_layers", int),
-            num_heads=req("num_attention_heads", int),
-            num_kv_heads=req("num_key_value_heads", int),
-            head_dim=req("head_dim", int),
-            rms_norm_eps=req("rms_norm_eps", float),
-            rope_theta=req("rope_theta", float),
-            vocab_size=req("vocab_size", int),
-            attention_bias=bool(section.get("attention_bias", False)),
-        )
-        if config.num_heads % config.num_kv_heads:
-            raise CheckpointConfigError(f"{where}: {config.num_heads} heads do not group over {config.num_kv_heads} kv heads")
-        return config
-
-
-@dataclass(frozen=True)
-class CodePredictorConfig:
-    """The per-frame code predictor: a Qwen3 decoder plus ``num_code_groups - 1`` codec
-    embeddings and lm heads (groups 1..15)."""
-
-    decoder: DecoderConfig
-    num_code_groups: int
+    if req("hidden_act") != "silu":
+        raise CheckpointConfigError(f"{where}.hidden_act is {section['hidden_act']!r}; only 'silu' is supported")
+    if section.get("use_sliding_window", False):
+        raise CheckpointConfigError(f"{where}.use_sliding_window is set; Qwen3-TTS uses full attention")
+    config = DecoderConfig(
+        hidden_size=req("hidden_size", int),
+        intermediate_size=req("intermediate_size", int),
+        num_layers=req("num_hidden_layers", int),
+        num_heads=req("num_attention_heads", int),
+        num_kv_heads=req("num_key_value_heads", int),
+        head_dim=req("head_dim", int),
+        rms_norm_eps=req("rms_norm_eps", float),
+        rope_theta=req("rope_theta", float),
+        vocab_size=req("vocab_size", int),
+        attention_bias=bool(section.get("attention_bias", False)),
+    )
+    if config.num_heads % config.num_kv_heads:
+        raise CheckpointConfigError(f"{where}: {config.num_heads} heads do not group over {config.num_kv_heads} kv heads")
+    return config
 
 
 @dataclass(frozen=True)
@@ -236,7 +209,7 @@ class Qwen3TTSConfig:
             tts_eos_id=req("tts_eos_token_id", int),
             talker=talker,
             code_predictor=CodePredictorConfig(
-                decoder=DecoderConfig.parse(predictor_raw, where),
+                decoder=_parse_decoder(predictor_raw, where),
                 num_code_groups=_require(predictor_raw, "num_code_groups", where, int),
             ),
             speaker_encoder=speaker,
@@ -257,7 +230,7 @@ def _parse_talker(raw: dict[str, Any]) -> TalkerConfig:
     def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
         return _require(raw, key, where, kind)
 
-    decoder = DecoderConfig.parse(raw, where)
+    decoder = _parse_decoder(raw, where)
     rope = req("rope_scaling")
     section = tuple(int(x) for x in _require(rope, "mrope_section", "talker_config.rope_scaling"))
     if sum(section) != decoder.head_dim // 2:

@@ -1,15 +1,9 @@
-"""The Qwen3-TTS talker and its code predictor, as plain PyTorch modules.
-
-Both are Qwen3 decoder stacks: pre-RMSNorm layers, grouped-query attention with a per-head
-RMSNorm on q and k, rotary position embedding (RoPE), SwiGLU MLP, final RMSNorm. Layers
-never own a KV cache: each attention layer calls ``attn(layer_index, q, k, v)`` (see
-:mod:`omnistage.engine.attention`), and whoever drives a forward ``prepare()``s that backend
-first. Tokens are flattened over the batch: a forward takes ``[N, H]`` embeddings and ``[N]``
-positions.
+"""The Qwen3-TTS talker, as plain PyTorch modules over the shared Qwen3 layers
+(:mod:`omnistage.engine.layers`: decoder stack and code predictor).
 
 The talker's config declares a multimodal RoPE (``mrope_section``, interleaved) but TTS
-always feeds three equal position rows, which makes it the plain 1-D RoPE implemented here
-(checked against the reference in ``tests/models/qwen3_tts/test_talker_parity.py``).
+always feeds three equal position rows, which makes it the plain 1-D RoPE of the shared
+decoder (checked against the reference in ``tests/models/qwen3_tts/test_talker_parity.py``).
 
 Module and parameter names follow the checkpoint (``talker.model.layers.N.self_attn.q_proj``
 and so on; digest section 1) so weights load by name. Sources: Qwen3 (Qwen team, 2025) and
@@ -23,10 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
+from omnistage.engine.layers import (
+    CodePredictor,
+    Decoder,
+    RMSNorm,
+    RotaryEmbedding,
+    greedy_sample,
+)
 from omnistage.engine.model_runner import SampleFn
 from omnistage.models.qwen3_tts.modeling.config import (
     CodePredictorConfig,
-    DecoderConfig,
     TalkerConfig,
 )
 
@@ -34,209 +34,13 @@ __all__ = [
     "CodePredictor",
     "Decoder",
     "RMSNorm",
+    "RotaryEmbedding",
     "Talker",
     "greedy_sample",
 ]
 
 # the checkpoints' max_position_embeddings: the talker's RoPE table (32 MB in fp32)
 TALKER_MAX_POSITIONS = 32768
-
-def greedy_sample(group_index: int, logits: torch.Tensor) -> torch.Tensor:
-    """The greedy :data:`SampleFn`: argmax of ``logits [B, V]`` -> ``[B] int64``."""
-    return logits.argmax(dim=-1)
-
-
-class RMSNorm(nn.Module):
-    """RMS normalization over the last dim, computed in fp32; the weight multiplies after the
-    cast back to the input dtype (the reference's order, which matters in bf16)."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm without a weight computes in fp32 (opmath) and casts back: the same ops
-        # as the reference on the CPU (bit-identical), one fused kernel on CUDA instead of 7
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables of the rotate-half RoPE for positions ``0 .. max_positions - 1``, looked
-    up per forward (one gather instead of recomputing the angles). ``table`` is a
-    non-persistent fp32 buffer ``[max_positions, 2, head_dim]`` (not in checkpoints):
-    ``cos`` and, with the first half negated, ``sin`` (see :func:`_apply_rope`);
-    :meth:`reset_buffers` rebuilds it after a meta-device load."""
-
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
-        super().__init__()
-        self.head_dim, self.theta, self.max_positions = head_dim, theta, max_positions
-        self.register_buffer("table", self._table(None), persistent=False)
-
-    def _table(self, device: torch.device | str | None) -> torch.Tensor:
-        """The table on ``device`` (None: the default device, e.g. meta while building)."""
-        exponent = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device).float() / self.head_dim
-        inv_freq = 1.0 / (self.theta**exponent)
-        # the same fp32 products as computing angles from each forward's positions
-        freqs = torch.arange(self.max_positions, device=device).float()[:, None] * inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        return torch.stack((torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)), dim=1)
-
-    def reset_buffers(self, device: torch.device | str) -> None:
-        """Recompute ``table`` on ``device`` (fp32)."""
-        self.table = self._table(device)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``positions [N] int64`` (< ``max_positions``) -> ``cos, signed sin [N, head_dim]``
-        in ``dtype``."""
-        cos_sin = self.table.index_select(0, positions).to(dtype)
-        return cos_sin[:, 0], cos_sin[:, 1]
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x [N, heads, D]`` by ``cos, signed_sin [N, D]`` (rotate-half pairing).
-
-    rotate_half(x) * sin == roll(x, D/2) * [-sin, sin]: one roll instead of neg + cat, and
-    bit-identical (negating a factor negates the product exactly)."""
-    return x * cos[:, None] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[:, None]
-
-
-class Attention(nn.Module):
-    """GQA self-attention with per-head q/k RMSNorm and RoPE; the KV cache is the backend's.
-
-    As loaded, q/k/v are three projections. After :meth:`fuse` they are one matmul and the
-    q and k norms plus RoPE run once over all heads: ~30 kernels fewer per layer, same
-    values (per-row ops; the v rows are normalized and rotated too, and thrown away)."""
-
-    def __init__(self, config: DecoderConfig, layer_index: int) -> None:
-        super().__init__()
-        c = config
-        self.layer_index, self.num_heads, self.num_kv_heads, self.head_dim = layer_index, c.num_heads, c.num_kv_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        # set by fuse(): non-persistent, so state_dict keeps the checkpoint's names
-        self.register_buffer("qkv_weight", None, persistent=False)  # [(Hq + 2 Hkv) D, H]
-        self.register_buffer("qkv_bias", None, persistent=False)
-        self.register_buffer("qkv_norm_weight", None, persistent=False)  # [Hq + 2 Hkv, D]
-
-    def fuse(self) -> None:
-        """Make q/k/v one projection (``q_proj``/``k_proj``/``v_proj`` become views of it);
-        the per-head norm weights are copied into ``qkv_norm_weight`` (a snapshot: fuse
-        after loading and moving the model). Idempotent."""
-        if self.qkv_weight is not None:
-            return
-        self.qkv_weight, self.qkv_bias = _fuse_linears((self.q_proj, self.k_proj, self.v_proj))
-        heads = (self.num_heads, self.num_kv_heads, self.num_kv_heads)
-        weights = (self.q_norm.weight, self.k_norm.weight, torch.ones_like(self.k_norm.weight))
-        self.qkv_norm_weight = torch.cat([w.detach().expand(h, -1) for w, h in zip(weights, heads, strict=True)])
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        n, hq, hkv = x.shape[0], self.num_heads, self.num_kv_heads
-        if self.qkv_weight is None:
-            q = _apply_rope(self.q_norm(self.q_proj(x).view(n, hq, self.head_dim)), cos, sin)
-            k = _apply_rope(self.k_norm(self.k_proj(x).view(n, hkv, self.head_dim)), cos, sin)
-            v = self.v_proj(x).view(n, hkv, self.head_dim)
-        else:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, hq + 2 * hkv, self.head_dim)
-            normed = self.qkv_norm_weight * F.rms_norm(qkv, (self.head_dim,), eps=self.q_norm.eps)
-            qk = _apply_rope(normed, cos, sin)
-            q, k, v = qk[:, :hq], qk[:, hq : hq + hkv], qkv[:, hq + hkv :]
-        out = attn(self.layer_index, q, k, v)
-        return self.o_proj(out.reshape(n, hq * self.head_dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``; gate and up are one matmul after :meth:`fuse`."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.register_buffer("gate_up_weight", None, persistent=False)  # [2 I, H], set by fuse()
-
-    def fuse(self) -> None:
-        """Make gate/up one projection (the originals become views of it). Idempotent."""
-        if self.gate_up_weight is None:
-            self.gate_up_weight, _ = _fuse_linears((self.gate_proj, self.up_proj))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_weight is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
-def _fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Weight and bias (None without biases) of one Linear computing ``linears`` side by
-    side. The originals' parameters are re-pointed to views of them, so no weight is stored
-    twice and loading into the originals still reaches the fused weight."""
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    has_bias = linears[0].bias is not None
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
-    start = 0
-    for lin in linears:
-        rows = slice(start, start + lin.out_features)
-        lin.weight = nn.Parameter(weight[rows], requires_grad=False)
-        if bias is not None:
-            lin.bias = nn.Parameter(bias[rows], requires_grad=False)
-        start += lin.out_features
-    return weight, bias
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer_index: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class Decoder(nn.Module):
-    """A Qwen3 decoder stack: ``layers`` and the final ``norm``.
-
-    Args:
-        config: geometry (``head_dim`` explicit).
-        max_positions: positions the RoPE table covers (a forward's positions must be below).
-    """
-
-    def __init__(self, config: DecoderConfig, max_positions: int) -> None:
-        super().__init__()
-        self.config = config
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, max_positions)
-
-    def fuse_projections(self) -> None:
-        """Run q/k/v and gate/up as one matmul each (see :meth:`Attention.fuse`): same
-        values, ~30 kernels fewer per layer. Call after loading; idempotent."""
-        for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
-
-    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        """``input_embeds [N, H]`` (any float dtype), ``positions [N] int64`` (absolute, per
-        sequence) -> hidden ``[N, H]`` after the final norm. ``attn`` must be prepared for
-        this forward by the caller."""
-        cos, sin = self.rotary(positions, input_embeds.dtype)
-        x = input_embeds
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
-
-    def new_dense_cache(self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> DenseKVCache:
-        """A :class:`DenseKVCache` sized for this stack."""
-        c = self.config
-        return DenseKVCache(c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype=dtype, device=device)
 
 
 class TalkerModel(Decoder):
@@ -260,79 +64,6 @@ class TextProjection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.silu(self.linear_fc1(x)))
-
-
-class CodePredictorModel(Decoder):
-    """The predictor's decoder plus ``codec_embedding.{0..G-2}``: tables ``[2048, talker H]``
-    for code groups 1..G-1 (in talker width; projected on input when widths differ)."""
-
-    def __init__(self, config: CodePredictorConfig, talker_hidden_size: int) -> None:
-        # positions 0..G-1 per frame (talker hidden, code 0, codes 1..G-2)
-        super().__init__(config.decoder, config.num_code_groups)
-        self.codec_embedding = nn.ModuleList(
-            nn.Embedding(config.decoder.vocab_size, talker_hidden_size) for _ in range(config.num_code_groups - 1)
-        )
-
-
-class CodePredictor(nn.Module):
-    """Predicts code groups 1..G-1 of a frame from the talker's hidden state and code 0.
-
-    Checkpoint prefix ``talker.code_predictor``: ``model`` (decoder + codec embeddings),
-    ``lm_head.{0..G-2}`` and, when the predictor is narrower than the talker (1.7B),
-    ``small_to_mtp_projection`` (Linear with bias, talker H -> predictor H).
-    """
-
-    def __init__(self, config: CodePredictorConfig, talker_hidden_size: int) -> None:
-        super().__init__()
-        hidden = config.decoder.hidden_size
-        self.num_groups = config.num_code_groups
-        self.model = CodePredictorModel(config, talker_hidden_size)
-        self.lm_head = nn.ModuleList(
-            nn.Linear(hidden, config.decoder.vocab_size, bias=False) for _ in range(config.num_code_groups - 1)
-        )
-        self.small_to_mtp_projection = nn.Linear(talker_hidden_size, hidden, bias=True) if hidden != talker_hidden_size else None
-
-    def _project(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.small_to_mtp_projection is None else self.small_to_mtp_projection(x)
-
-    def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device | str) -> DenseKVCache:
-        """A per-frame :class:`DenseKVCache` for ``batch`` frames (``G + 1`` positions; only
-        ``G`` are used)."""
-        return self.model.new_dense_cache(batch, self.num_groups + 1, dtype, device)
-
-    def predict(
-        self, talker_hidden: torch.Tensor, code0_embedding: torch.Tensor, sample_fn: SampleFn, cache: DenseKVCache
-    ) -> torch.Tensor:
-        """Codes of groups 1..G-1.
-
-        Prefill ``[talker_hidden, code0_embedding]`` (positions 0, 1), ``lm_head[0]`` at
-        position 1 gives group 1; then each step feeds ``codec_embedding[j-1](c_j)`` at
-        position ``j + 1`` and ``lm_head[j]`` gives group ``j + 1`` (digest section 3).
-
-        Args:
-            talker_hidden: ``[B, H_talker]``, the talker's post-norm hidden state that
-                produced code 0.
-            code0_embedding: ``[B, H_talker]``, the talker's ``codec_embedding(code0)``.
-            sample_fn: picks each group from ``logits [B, vocab]``.
-            cache: a :class:`DenseKVCache` of this predictor for batch ``B``; it is reset.
-
-        Returns:
-            ``[B, G-1] int64`` on the inputs' device; no host sync.
-        """
-        b = talker_hidden.shape[0]
-        device = talker_hidden.device
-        cache.reset()
-        cache.prepare(2)
-        prefill = self._project(torch.stack((talker_hidden, code0_embedding), dim=1)).reshape(2 * b, -1)
-        positions = torch.arange(2, device=device).repeat(b)
-        hidden = self.model(prefill, positions, cache).view(b, 2, -1)[:, 1]
-        codes = [sample_fn(1, self.lm_head[0](hidden))]
-        for j in range(1, self.num_groups - 1):
-            cache.prepare(1)
-            x = self._project(self.model.codec_embedding[j - 1](codes[-1]))
-            hidden = self.model(x, torch.full((b,), j + 1, dtype=torch.int64, device=device), cache)
-            codes.append(sample_fn(j + 1, self.lm_head[j](hidden)))
-        return torch.stack(codes, dim=1)
 
 
 class Talker(nn.Module):
