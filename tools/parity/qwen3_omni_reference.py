@@ -10,9 +10,10 @@ prompt ids, transformers' MRoPE positions and delta, the encoder rows the thinke
 logits at a fixed set of vocabulary ids, the talker's prefill rows, first code-0 logits and
 greedy codes.
 
-The checkpoint holds the thinker's text model and the talker; transformers initializes the
-audio tower, vision tower and code2wav it lacks from ``torch.manual_seed(SEED)`` (their
-outputs are recorded, so the thinker side is compared on identical encoder rows).
+The checkpoint holds the thinker (text model, audio and vision encoders) and the talker;
+transformers initializes the code2wav it lacks from ``torch.manual_seed(SEED)`` (unused here).
+The encoders' raw inputs and their output rows are stored too, so the thinker is compared
+both on identical encoder rows and end to end from the raw inputs through our encoders.
 Placeholder counts follow transformers' own formulas (merged grid, audio feature lengths).
 For audio in video, video and audio placeholders are laid out by the same time merge as the
 positions.
@@ -219,6 +220,9 @@ def main() -> None:
         })  # fmt: skip
         for key, rows in captured["encoders"].items():
             tensors[f"{name}.{key}"] = rows.contiguous()
+        for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "input_features"):
+            if key in kwargs:  # every case draws the same inputs: stored once
+                tensors.setdefault(f"input.{key}", kwargs[key].contiguous())
         meta["cases"][name] = {"layout": case["layout"], "encoders": sorted(captured["encoders"])}
         print(
             f"{name}: prompt {ids.shape[1]}, tokens {tokens.tolist()}, codes {tuple(codes.shape)}, rows {sorted(captured['encoders'])}"

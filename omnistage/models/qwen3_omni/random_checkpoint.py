@@ -16,7 +16,9 @@ norm weights around 1, embeddings N(0, 1), matrices N(0, 1/fan_in), biases N(0, 
 from a generator seeded by ``(seed, crc32(name))``) and written shard by shard (2 GiB), so at
 most one shard is in host memory; the same seed gives the same bytes as a dummy load draws.
 
-Written parts: the thinker's text model and LM head, and the talker (with its code predictor).
+Written parts: the thinker's text model and LM head, the audio and vision encoders (drawn by
+:func:`~omnistage.models.qwen3_omni.modeling.random_init.random_state_dict`, as a dummy load
+does), and the talker with its code predictor. Not yet: code2wav.
 """
 
 from __future__ import annotations
@@ -31,8 +33,14 @@ import torch
 from safetensors.torch import save_file
 
 from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig
-from omnistage.models.qwen3_omni.modeling.talker import Talker
-from omnistage.models.qwen3_omni.modeling.thinker import Thinker
+from omnistage.models.qwen3_omni.modeling.model import (
+    ENCODER_PARTS,
+    PARTS,
+    build_parts,
+    encoder_seed,
+    part_prefixes,
+)
+from omnistage.models.qwen3_omni.modeling.random_init import random_state_dict
 from omnistage.models.qwen3_omni.modeling.weights import checkpoint_shapes, random_source
 
 __all__ = [
@@ -163,11 +171,22 @@ def checkpoint_tensor_shapes(raw: dict) -> dict[str, torch.Size]:
     """Name -> shape of every tensor a checkpoint of config ``raw`` holds in the written parts
     (built on the meta device, no memory). Raises: CheckpointConfigError on a bad config."""
     config = Qwen3OmniConfig.from_dict(raw)
-    with torch.device("meta"):
-        shapes = checkpoint_shapes(Thinker(config.thinker), "thinker.")
-        if config.talker is not None:
-            shapes.update(checkpoint_shapes(Talker(config.talker), "talker."))
+    shapes: dict[str, torch.Size] = {}
+    for name, module in build_parts(config, PARTS).items():
+        shapes.update(checkpoint_shapes(module, part_prefixes()[name]))
     return shapes
+
+
+def _encoder_tensors(raw: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The encoders' random tensors under their prefixes (drawn as a dummy load draws them)."""
+    config = Qwen3OmniConfig.from_dict(raw)
+    tensors = {}
+    for name, module in build_parts(config, ENCODER_PARTS).items():
+        prefix = part_prefixes()[name]
+        tensors.update(
+            {prefix + k: v for k, v in random_state_dict(module, encoder_seed(seed, name)).items()}
+        )
+    return tensors
 
 
 def _shards(shapes: dict[str, torch.Size], dtype: torch.dtype) -> list[list[str]]:
@@ -210,9 +229,15 @@ def write_random_checkpoint(
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]  # fmt: skip
     source = random_source(seed, device)
+    encoders = _encoder_tensors(raw, seed)
     weight_map = {}
     for file, names in zip(files, shards, strict=True):
-        tensors = {name: source(name, shapes[name]).to(dtype).cpu() for name in names}
+        tensors = {
+            name: (encoders[name] if name in encoders else source(name, shapes[name]))
+            .to(dtype)
+            .cpu()
+            for name in names
+        }
         save_file(tensors, str(out / file), metadata={"format": "pt"})
         del tensors
         weight_map.update(dict.fromkeys(names, file))

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import omnistage.models.qwen3_omni.random_checkpoint as omni_random
-from omnistage.models.qwen3_omni.modeling.model import load_model
+from omnistage.models.qwen3_omni.modeling.model import PARTS, load_model
 from omnistage.models.qwen3_omni.modeling.weights import CheckpointWeightsError
 from omnistage.models.qwen3_omni.random_checkpoint import (
     build_config_dict,
@@ -94,8 +94,8 @@ def test_sharded_checkpoint_loads_like_a_single_file(tiny_copy, tmp_path, monkey
 def test_dummy_load_equals_the_written_checkpoint(tiny_copy) -> None:
     """--load-format dummy draws the bytes init-random writes (same seed): no file read."""
     root, _ = tiny_copy
-    written, dummy = load_model(root), load_model(root, load_format="dummy", seed=3)
-    for x, y in ((written.thinker, dummy.thinker), (written.talker, dummy.talker)):
+    written, dummy = load_model(root, parts=PARTS), load_model(root, parts=PARTS, load_format="dummy", seed=3)
+    for x, y in ((getattr(written, p), getattr(dummy, p)) for p in PARTS):
         assert all(
             torch.equal(p, q)
             for p, q in zip(x.state_dict().values(), y.state_dict().values(), strict=True)
@@ -104,10 +104,13 @@ def test_dummy_load_equals_the_written_checkpoint(tiny_copy) -> None:
     assert not torch.equal(other.thinker.lm_head.weight, dummy.thinker.lm_head.weight)
 
 
-def test_real_dims_spec_counts_the_thinker_and_talker() -> None:
-    """30B-A3B without encoders and code2wav: 33.86 B parameters, one tensor per expert."""
+def test_real_dims_spec_counts_every_written_part() -> None:
+    """30B-A3B without code2wav: 35.04 B parameters (the checkpoint's 35.26 B less the
+    vocoder), one tensor per expert."""
     shapes = checkpoint_tensor_shapes(build_config_dict("30b-a3b"))
-    assert round(sum(math.prod(s) for s in shapes.values()) / 1e9, 2) == 33.86
+    assert round(sum(math.prod(s) for s in shapes.values()) / 1e9, 2) == 35.04
+    assert shapes["thinker.audio_tower.conv_out.weight"] == (1280, 7680)
+    assert shapes["thinker.visual.merger_list.2.mlp.2.weight"] == (2048, 4608)
     assert shapes["thinker.model.layers.47.mlp.experts.127.gate_proj.weight"] == (768, 2048)
     assert shapes["talker.model.layers.19.mlp.experts.127.down_proj.weight"] == (1024, 384)
     assert shapes["talker.hidden_projection.linear_fc1.weight"] == (2048, 2048)

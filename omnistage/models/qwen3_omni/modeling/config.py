@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.engine.layers import CodePredictorConfig, DecoderConfig
+from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoderConfig
+from omnistage.models.qwen3_omni.modeling.vision_encoder import VisionEncoderConfig
 
 __all__ = [
     "ARCHITECTURE",
@@ -256,13 +258,16 @@ class MoEDecoderConfig:
 
 @dataclass(frozen=True)
 class ThinkerConfig:
-    """``thinker_config``: the MoE text model and the ids the MRoPE positions depend on.
+    """``thinker_config``: the MoE text model, the two encoders and the ids the MRoPE
+    positions depend on.
 
     ``spatial_merge_size`` is read from ``vision_config`` (the merged grid is what positions
-    count). The audio and vision encoders' own configs belong to their modules.
+    count); ``audio`` and ``vision`` are parsed by the encoders' own ``from_hf``.
     """
 
     text: MoEDecoderConfig
+    audio: AudioEncoderConfig
+    vision: VisionEncoderConfig
     audio_token_id: int
     image_token_id: int
     video_token_id: int
@@ -292,8 +297,27 @@ class ThinkerConfig:
             raise CheckpointConfigError(
                 f"{where}: {len(deepstack)} deepstack levels for {text.num_layers} decoder layers"
             )
+        encoders = {}
+        for key, parse in (
+            ("audio_config", AudioEncoderConfig.from_hf),
+            ("vision_config", VisionEncoderConfig.from_hf),
+        ):
+            try:
+                encoders[key] = parse(_require(raw, key, where))
+            except CheckpointConfigError:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise CheckpointConfigError(f"{where}.{key}: {exc}") from None
+        for key, width in (("audio_config", encoders["audio_config"].output_dim),
+                           ("vision_config", encoders["vision_config"].out_hidden_size)):  # fmt: skip
+            if width != text.hidden_size:
+                raise CheckpointConfigError(
+                    f"{where}.{key}: output width {width} != the text model's hidden size {text.hidden_size}"
+                )
         config = cls(
             text=text,
+            audio=encoders["audio_config"],
+            vision=encoders["vision_config"],
             audio_token_id=req("audio_token_id"),
             image_token_id=req("image_token_id"),
             video_token_id=req("video_token_id"),

@@ -12,9 +12,12 @@ from typing import Literal
 
 import torch
 
+from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig, load_config
+from omnistage.models.qwen3_omni.modeling.random_init import random_state_dict
 from omnistage.models.qwen3_omni.modeling.talker import Talker
 from omnistage.models.qwen3_omni.modeling.thinker import Thinker
+from omnistage.models.qwen3_omni.modeling.vision_encoder import VisionEncoder
 from omnistage.models.qwen3_omni.modeling.weights import (
     Part,
     fill_module,
@@ -22,10 +25,11 @@ from omnistage.models.qwen3_omni.modeling.weights import (
     random_source,
 )
 
-__all__ = ["LoadFormat", "LoadedOmni", "ModelPart", "load_model"]
+__all__ = ["PARTS", "LoadFormat", "LoadedOmni", "ModelPart", "load_model", "part_prefixes"]
 
 LoadFormat = Literal["safetensors", "dummy"]
-ModelPart = Literal["thinker", "talker"]
+ModelPart = Literal["thinker", "talker", "audio_tower", "visual"]
+PARTS: tuple[str, ...] = ("thinker", "talker", "audio_tower", "visual")
 
 
 @dataclass
@@ -33,8 +37,10 @@ class LoadedOmni:
     """The loaded parts, eval mode, frozen; a part not asked for is None."""
 
     config: Qwen3OmniConfig
-    thinker: Thinker | None
-    talker: Talker | None
+    thinker: Thinker | None = None
+    talker: Talker | None = None
+    audio_tower: AudioEncoder | None = None
+    visual: VisionEncoder | None = None
 
 
 def load_model(
@@ -63,25 +69,59 @@ def load_model(
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     if load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not 'safetensors' or 'dummy'")
-    unknown = set(parts) - {"thinker", "talker"}
+    unknown = set(parts) - set(PARTS)
     if unknown:
-        raise ValueError(f"unknown parts {sorted(unknown)}; known: thinker, talker")
+        raise ValueError(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
     if "talker" in parts and config.talker is None:
         raise ValueError("the checkpoint has no talker (enable_audio_output is false)")
-    with torch.device("meta"):
-        thinker = Thinker(config.thinker) if "thinker" in parts else None
-        talker = Talker(config.talker) if "talker" in parts and config.talker is not None else None
-    built = [Part(m, p) for m, p in ((thinker, "thinker."), (talker, "talker.")) if m is not None]
+    modules = build_parts(config, parts)
+    built = [Part(m, part_prefixes()[name]) for name, m in modules.items()]
     if load_format == "dummy":
         source = random_source(seed, device)
-        for part in built:
-            fill_module(part.module, part.prefix, source, device, dtype)
+        for name, part in zip(modules, built, strict=True):
+            if name in ENCODER_PARTS:
+                state = random_state_dict(part.module, encoder_seed(seed, name))
+                part.module.load_state_dict(
+                    {k: v.to(device, dtype) for k, v in state.items()}, strict=True, assign=True
+                )
+            else:
+                fill_module(part.module, part.prefix, source, device, dtype)
     else:
         load_parts(checkpoint_dir, built, device, dtype)
     for part in built:
         part.module.eval().requires_grad_(False)
-    if thinker is not None:
-        thinker.model.reset_buffers(device)
-    if talker is not None:
-        talker.reset_buffers(device)
-    return LoadedOmni(config=config, thinker=thinker, talker=talker)
+        reset = getattr(part.module, "reset_buffers", None)
+        if reset is not None:  # computed RoPE tables (the encoders compute theirs per forward)
+            reset(device)
+    return LoadedOmni(config=config, **modules)
+
+
+ENCODER_PARTS = ("audio_tower", "visual")
+
+
+def part_prefixes() -> dict[str, str]:
+    """Part -> checkpoint prefix of its tensors."""
+    return {
+        "thinker": "thinker.",
+        "talker": "talker.",
+        "audio_tower": "thinker.audio_tower.",
+        "visual": "thinker.visual.",
+    }
+
+
+def encoder_seed(seed: int, part: str) -> int:
+    """The random-init seed of an encoder part (one stream per part)."""
+    return seed * 10 + ENCODER_PARTS.index(part) + 1
+
+
+def build_parts(config: Qwen3OmniConfig, parts: Sequence[str]) -> dict[str, torch.nn.Module]:
+    """The modules of ``parts`` on the meta device, in :data:`PARTS` order."""
+    makers = {
+        "thinker": lambda: Thinker(config.thinker),
+        "talker": lambda: Talker(config.talker) if config.talker is not None else None,
+        "audio_tower": lambda: AudioEncoder(config.thinker.audio),
+        "visual": lambda: VisionEncoder(config.thinker.vision),
+    }
+    with torch.device("meta"):
+        built = {name: makers[name]() for name in PARTS if name in parts}
+    return {name: m for name, m in built.items() if m is not None}

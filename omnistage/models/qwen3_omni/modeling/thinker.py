@@ -57,6 +57,10 @@ class Thinker(nn.Module):
         self.model = ThinkerTextModel(config)
         self.lm_head = nn.Linear(config.text.hidden_size, config.text.vocab_size, bias=False)
 
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """Rebuild the RoPE buffers on ``device`` (after a meta-device build)."""
+        self.model.reset_buffers(device)
+
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``[L] int64`` -> ``[L, H]``."""
         return self.model.embed_tokens(token_ids)
