@@ -124,7 +124,10 @@ class SparseMoE(nn.Module):
         tokens = order // self.top_k
         scale = weights.flatten()[order, None]
         if self._use_grouped(x):
-            offsets = torch.bincount(flat, minlength=self.num_experts).cumsum(0).to(torch.int32)
+            # counts by index_add, not bincount: bincount sizes its output from the data (a host
+            # sync), which would break CUDA-graph capture
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            offsets = counts.index_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
             gate, up = F.grouped_mm(x[tokens], self.expert_gate_up, offs=offsets).chunk(2, dim=-1)
             y = F.grouped_mm(F.silu(gate) * up, self.expert_down, offs=offsets)
         else:
