@@ -52,6 +52,17 @@ def test_real_geometry(tmp_path) -> None:
     assert config.thinker.deepstack_layers == 3 and talker.speaker_id["ethan"] == 2302
 
 
+def test_a_sliding_window_size_without_use_sliding_window_is_accepted() -> None:
+    raw = build_config_dict("tiny")
+    raw["thinker_config"]["text_config"].update(
+        {"sliding_window": 4096, "use_sliding_window": False}
+    )
+    assert Qwen3OmniConfig.from_dict(raw).thinker.text.num_layers == 4
+    raw["thinker_config"]["text_config"]["use_sliding_window"] = True
+    with pytest.raises(CheckpointConfigError, match="use_sliding_window is set"):
+        Qwen3OmniConfig.from_dict(raw)
+
+
 def test_talker_num_local_experts_spelling_is_accepted() -> None:
     raw = build_config_dict("tiny")
     raw["talker_config"]["text_config"]["num_local_experts"] = raw["talker_config"][

@@ -199,8 +199,11 @@ class MoEDecoderConfig:
             raise CheckpointConfigError(
                 f"{where}.hidden_act is {section['hidden_act']!r}; only 'silu' is supported"
             )
-        if section.get("use_sliding_window") or section.get("sliding_window"):
-            raise CheckpointConfigError(f"{where}: sliding-window attention is not supported")
+        # a sliding_window size may be present; the reference uses it only when switched on
+        if section.get("use_sliding_window"):
+            raise CheckpointConfigError(
+                f"{where}.use_sliding_window is set; sliding-window attention is not supported"
+            )
         head_dim = req("head_dim", int)
         # the talker's text config is written with num_local_experts by transformers 5
         experts_key = (
@@ -448,7 +451,7 @@ def _parse_code_predictor(raw: dict[str, Any], where: str) -> CodePredictorConfi
         raise CheckpointConfigError(
             f"{where}.hidden_act is {raw['hidden_act']!r}; only 'silu' is supported"
         )
-    if raw.get("use_sliding_window") or raw.get("sliding_window"):
+    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or ()):
         raise CheckpointConfigError(f"{where}: sliding-window attention is not supported")
     head_dim = req("head_dim", int)
     decoder = DecoderConfig(
