@@ -94,7 +94,10 @@ def test_sharded_checkpoint_loads_like_a_single_file(tiny_copy, tmp_path, monkey
 def test_dummy_load_equals_the_written_checkpoint(tiny_copy) -> None:
     """--load-format dummy draws the bytes init-random writes (same seed): no file read."""
     root, _ = tiny_copy
-    written, dummy = load_model(root, parts=PARTS), load_model(root, parts=PARTS, load_format="dummy", seed=3)
+    written, dummy = (
+        load_model(root, parts=PARTS),
+        load_model(root, parts=PARTS, load_format="dummy", seed=3),
+    )
     for x, y in ((getattr(written, p), getattr(dummy, p)) for p in PARTS):
         assert all(
             torch.equal(p, q)
