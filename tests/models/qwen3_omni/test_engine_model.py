@@ -85,7 +85,7 @@ def test_engine_thinker_then_talker_match_reference(
             prompt = build_talker_prompt(model.talker, model.thinker.model.embed_tokens, cfg, rows, ref.meta["speaker"],
                                          layouts[name])  # fmt: skip
         talker_requests[name] = GenerationInput(
-            prompt.prefill, talker_sampling(model.talker), ref.meta["talker_frames"], step_rows=prompt.trailing,
+            prompt.prefill, talker_sampling(model.talker), ref.meta["talker_frames"], step_rows=prompt.step_rows,
             pad_embed=prompt.tts_pad, positions=prompt.positions.positions.long(), rope_delta=int(prompt.positions.delta),
         )  # fmt: skip
     with torch.no_grad():

@@ -113,5 +113,5 @@ def test_talker_prompt_layout(loaded) -> None:
                                      rows_for(chat, [7, 8, 9, 10]), "Chelsie")  # fmt: skip
     user_rows = 7  # <|im_start|> user \n 5 6 <|im_end|> \n
     assert prompt.prefill.shape == (user_rows + 9, 32)
-    assert prompt.trailing.shape == (3, 32)  # tokens 8 and 9 (10 was never fed), then tts_eos
+    assert prompt.step_rows.shape == (3, 32)  # tokens 8 and 9 (10 was never fed), then tts_eos
     assert prompt.positions.positions.shape == (3, user_rows + 9) and prompt.positions.delta == 0

@@ -112,7 +112,7 @@ def test_talker_matches_reference(
     prompt = build_talker_prompt(model.talker, model.thinker.model.embed_tokens, model.config, rows, ref.meta["speaker"],
                                  layout_of(ref, name))  # fmt: skip
     assert rel_err(prompt.prefill, ref.case(name, "talker_prefill")) <= REL_TOL
-    assert rel_err(prompt.trailing, ref.case(name, "talker_trailing")) <= REL_TOL
+    assert rel_err(prompt.step_rows, ref.case(name, "talker_trailing")) <= REL_TOL
     talker = talker_generate(model.talker, prompt, ref.meta["talker_frames"])
     assert rel_err(talker.first_logits, ref.case(name, "talker_first_logits")) <= REL_TOL
     torch.testing.assert_close(talker.codes, ref.case(name, "codes"), rtol=0, atol=0)

@@ -11,7 +11,7 @@ hidden states:
 - **assistant tail** (9 rows) from the last ``<|im_start|>assistant`` of the prompt: text side
   ``T(im_start), T(assistant), T(newline), T(tts_pad) x4, T(tts_bos), T(first reply token)``
   plus codec side ``0, 0, 0, C(nothink), C(think_bos), C(think_eos), C(speaker), C(pad), C(bos)``;
-- **trailing text**: ``T`` of the reply tokens after the first, then ``T(tts_eos)``; the talker
+- **step rows** (the trailing text): ``T`` of the reply tokens after the first, then ``T(tts_eos)``; the talker
   adds row ``s`` to its input at decode step ``s``, then ``T(tts_pad)`` forever.
 
 Only reply tokens the thinker fed back appear (its last generated token, EOS or the one that
@@ -61,16 +61,16 @@ class ThinkerRows:
 @dataclass(frozen=True)
 class TalkerPrompt:
     """``prefill [P, H]``, ``positions`` of the prefill (``[3, P]`` + decode delta),
-    ``trailing [T, H]`` text rows for decode steps ``0..T-1``, then ``tts_pad [H]``."""
+    ``step_rows [T, H]``: the text rows added at decode steps ``0..T-1``, then ``tts_pad [H]``."""
 
     prefill: torch.Tensor
     positions: PromptPositions
-    trailing: torch.Tensor
+    step_rows: torch.Tensor
     tts_pad: torch.Tensor
 
     def text_row(self, step: int) -> torch.Tensor:
         """The text row added at decode step ``step`` ``[1, H]``."""
-        return (self.trailing[step] if step < self.trailing.shape[0] else self.tts_pad)[None]
+        return (self.step_rows[step] if step < self.step_rows.shape[0] else self.tts_pad)[None]
 
 
 def _user_mask(ids: torch.Tensor, config: Qwen3OmniConfig) -> torch.Tensor:
@@ -168,6 +168,6 @@ def build_talker_prompt(
     return TalkerPrompt(
         prefill=prefill,
         positions=prompt_positions(talker_ids.tolist(), th, layout),
-        trailing=torch.cat((assistant[4:], tts_eos[None])),
+        step_rows=torch.cat((assistant[4:], tts_eos[None])),
         tts_pad=tts_pad,
     )
