@@ -1,0 +1,76 @@
+"""The Qwen3-Omni pipeline config (seed 001, text prompts; stages and hooks: :mod:`.stages`).
+
+Not registered as a served model yet (no ``EntryClass``): the chat endpoint it needs is
+not part of the server. Build it with :meth:`Qwen3OmniPipelineConfig.for_model_path` and run
+it with :class:`~omnistage.pipeline.pipeline.Pipeline`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Self
+
+import torch
+
+from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
+from omnistage.models.qwen3_omni.modeling.config import load_config
+from omnistage.models.qwen3_omni.modeling.model import LoadFormat
+from omnistage.models.qwen3_omni.payload_types import OmniSampling, Qwen3OmniRequest
+from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart
+
+_STAGES = "omnistage.models.qwen3_omni.stages"
+
+
+class Qwen3OmniPipelineConfig(PipelineConfig):
+    @classmethod
+    def for_model_path(
+        cls, model_path: str, load_format: LoadFormat = "safetensors", talker_start_tokens: int = 2
+    ) -> Self:
+        """The pipeline for the checkpoint at ``model_path`` (CUDA when available, else CPU).
+
+        Args:
+            load_format: ``"dummy"``: random weights from the config alone (every stage).
+            talker_start_tokens: reply tokens before the talker starts (>= 2).
+
+        Raises:
+            CheckpointConfigError: config.json missing or invalid.
+            ValueError: the checkpoint has no talker (``enable_audio_output`` false).
+        """
+        if load_config(model_path).talker is None:
+            raise ValueError(f"{model_path}: the checkpoint has no talker; this pipeline speaks")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        fmt = {"load_format": load_format}
+
+        def stage(name: str, args: dict | None = None, **fields) -> StageConfig:
+            factory = FactoryConfig(path=f"{_STAGES}:create_{name}_stage", args=args or {})
+            return StageConfig(name=name, device=device, factory=factory, **fields)
+
+        return cls(
+            name=f"qwen3_omni:{Path(model_path).name}",
+            model_path=model_path,
+            entry_stage="preprocessing",
+            terminal_stages_fn=f"{_STAGES}:terminal_stages",
+            sample_requests_fn="omnistage.models.qwen3_omni.config:sample_requests",
+            stages=[
+                stage("code2wav", fmt, terminal=True, can_accept_stream_before_payload=True),
+                stage("preprocessing", next="thinker", stream_to=["talker", "code2wav"],
+                      stream_done_to_fn=f"{_STAGES}:preprocessing_streams"),
+                stage("thinker", fmt, next=["decode", "talker"], route_fn=f"{_STAGES}:thinker_routes",
+                      stream_to=["talker"], stream_done_to_fn=f"{_STAGES}:thinker_streams"),
+                stage("decode", terminal=True),
+                stage("talker", next="code2wav", stream_to=["code2wav"], can_accept_stream_before_payload=True,
+                      args={**fmt, "talker_start_tokens": talker_start_tokens}),
+            ],
+        )  # fmt: skip
+
+
+def sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:
+    """A text-only and a text+audio request (the consistency check's cases)."""
+    messages = (ChatMessage("user", (ChatPart("text", text="Hello."),)),)
+    text = Qwen3OmniRequest(
+        messages, False, "ethan", OmniSampling(), max_tokens=4, max_audio_frames=4
+    )
+    return [
+        ("text", text),
+        ("text+audio", Qwen3OmniRequest(messages, True, "ethan", OmniSampling(), 4, 4)),
+    ]

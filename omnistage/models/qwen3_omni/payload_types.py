@@ -1,0 +1,112 @@
+"""Typed pipeline state of the Qwen3-Omni pipeline: the request and the payload of each edge.
+
+Edges (seed 001, text prompts):
+
+- ``preprocessing -> thinker``: a :class:`~omnistage.engine.sequence.GenerationInput`
+  (prompt token ids, MRoPE positions, ``return_hidden`` when audio is requested);
+- ``preprocessing ~> talker, code2wav`` (stream, audio requests only): one
+  :class:`AudioSetup` (modality ``vocoder_setup``; a stage's chunk goes to all its stream
+  targets, so the one object is both the talker's setup and code2wav's
+  :class:`~omnistage.scheduling.vocoder.VocoderPayload`);
+- ``thinker ~> talker`` (stream): :class:`~omnistage.scheduling.ar.FrameWithHidden` chunks
+  (each reply token with the layer-0 and ``accept_hidden_layer`` rows of the tokens fed);
+- ``thinker -> decode`` and ``thinker -> talker``: the thinker's
+  :class:`~omnistage.engine.sequence.GenerationResult`;
+- ``talker ~> code2wav`` (stream): code frames ``[1, 16] int64``; ``talker -> code2wav``:
+  the talker's result;
+- ``decode`` (terminal): :class:`ChatText`; ``code2wav`` (terminal): an
+  :class:`~omnistage.core.payloads.AudioResult`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from omnistage.core.request import FinishReason
+from omnistage.models.qwen3_omni.processing import ChatMessage
+
+
+@dataclass(frozen=True)
+class OmniSampling:
+    """The client's sampling values (thinker and talker code 0 alike).
+
+    Attributes:
+        temperature: >= 0 (0 = greedy, the default).
+        top_p: in (0, 1] (default 1).
+        top_k: >= 0 (0 = off, the default).
+        seed: 0..2**31-1, the sampler's seed.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Qwen3OmniRequest:
+    """A validated chat request (built by :func:`.request_builders.build_chat_request`).
+
+    Attributes:
+        messages: the conversation (system / user / assistant turns of text).
+        audio_output: speech is requested (``modalities`` holds ``"audio"``): the one
+            predicate every routing hook of the pipeline decides from.
+        speaker: a ``talker_config.speaker_id`` name (lower case), used when ``audio_output``.
+        sampling: the client's sampling values.
+        max_tokens: reply tokens at most (the thinker's cap), >= 1.
+        max_audio_frames: talker frames at most (80 ms each), >= 1.
+        stream: the response is streamed.
+    """
+
+    messages: tuple[ChatMessage, ...]
+    audio_output: bool
+    speaker: str
+    sampling: OmniSampling
+    max_tokens: int
+    max_audio_frames: int
+    stream: bool = False
+
+
+@dataclass(frozen=True)
+class AudioSetup:
+    """What the talker and code2wav need from preprocessing, besides their streams.
+
+    Attributes:
+        prompt_ids: the thinker prompt ``[L] int64`` (user turns and the assistant opening
+            decide the talker prompt's layout).
+        speaker: the speaker name.
+        sampling: the client's sampling values.
+        max_frames: talker frames at most.
+        stream: code2wav streams chunks (False: one chunk at the end).
+        input_tokens: ``L``, reported in code2wav's AudioResult.
+        initial_codec_chunk_frames: 0 = the vocoder's chunk ramp.
+        left_context_codes: None (no reference codes precede a talker's frames).
+    """
+
+    prompt_ids: torch.Tensor
+    speaker: str
+    sampling: OmniSampling
+    max_frames: int
+    stream: bool
+    input_tokens: int
+    initial_codec_chunk_frames: int = 0
+    left_context_codes: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class ChatText:
+    """The ``decode`` stage's result.
+
+    Attributes:
+        text: the reply, detokenized (special tokens skipped).
+        token_ids: the reply tokens ``[G] int64`` (the stop token excluded).
+        prompt_tokens: ``L``.
+        finish_reason: ``"stop"`` (``<|im_end|>``) or ``"length"`` (``max_tokens``).
+    """
+
+    text: str
+    token_ids: torch.Tensor
+    prompt_tokens: int
+    finish_reason: FinishReason

@@ -1,0 +1,345 @@
+"""Stage factories and routing hooks of the Qwen3-Omni pipeline (seed 001, text prompts).
+
+preprocessing -> thinker -> decode (text, terminal); for a request with ``audio_output``
+the thinker also streams to the talker (token + hidden rows), which streams code frames to
+code2wav (audio, terminal). One predicate, :func:`wants_audio`, decides every hook:
+thinker routes, stream-done targets and the terminal set; a text-only request never
+reaches talker or code2wav.
+
+Partial start: the talker's request enters its engine once ``talker_start_tokens`` reply
+tokens exist (at least 2: the talker prompt ends with the first reply token, whose
+thinker rows come with the second); each later reply token's row is appended to the
+running request (``append_step_rows``) and ``tts_eos`` plus stream-done completes them. A
+request whose next row has not arrived takes no step (the engine's streamed-rows rule), so
+it never holds back the others of a batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from omnistage.core.errors import RequestValidationError
+from omnistage.core.messages import StagePayload, StreamChunk
+from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.sampler import SamplingParams
+from omnistage.engine.sequence import GenerationInput, GenerationResult
+from omnistage.engine.vocoder_arena import StreamingDecoderArena
+from omnistage.models.qwen3_omni.engine_model import TalkerEngineModel, ThinkerEngineModel
+from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav, Code2WavConfig
+from omnistage.models.qwen3_omni.modeling.config import load_config, read_config_json
+from omnistage.models.qwen3_omni.modeling.generate import talker_sampling
+from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, LoadFormat, load_model
+from omnistage.models.qwen3_omni.modeling.mrope import prompt_positions
+from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
+from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS, random_state_dict
+from omnistage.models.qwen3_omni.modeling.weights import Part, load_parts
+from omnistage.models.qwen3_omni.payload_types import (
+    AudioSetup,
+    ChatText,
+    OmniSampling,
+    Qwen3OmniRequest,
+)
+from omnistage.models.qwen3_omni.processing import Qwen3OmniProcessor
+from omnistage.pipeline.stage import StageBuildContext
+from omnistage.scheduling import SimpleScheduler, ThreadedScheduler
+from omnistage.scheduling.ar import ARScheduler, FrameWithHidden, RowFeed, StreamInput
+from omnistage.scheduling.vocoder import SETUP_MODALITY, ChunkPlan, VocoderScheduler
+
+SAMPLE_RATE = 24000
+TEXT_STAGES = ("preprocessing", "thinker", "decode")
+AUDIO_STAGES = ("talker", "code2wav")
+
+
+# --------------------------------------------------------------------------- routing hooks
+
+
+def wants_audio(request: Qwen3OmniRequest) -> bool:
+    """The pipeline's one per-request predicate."""
+    return request.audio_output
+
+
+def preprocessing_streams(payload: StagePayload) -> list[str]:
+    return ["talker", "code2wav"] if wants_audio(payload.request) else []
+
+
+def thinker_routes(payload: StagePayload) -> list[str]:
+    return ["decode", "talker"] if wants_audio(payload.request) else ["decode"]
+
+
+def thinker_streams(payload: StagePayload) -> list[str]:
+    return ["talker"] if wants_audio(payload.request) else []
+
+
+def terminal_stages(request: Qwen3OmniRequest) -> list[str]:
+    return ["code2wav", "decode"] if wants_audio(request) else ["decode"]
+
+
+# --------------------------------------------------------------------------- shared loading
+
+
+def _model_path(ctx: StageBuildContext) -> str:
+    assert ctx.pipeline.model_path is not None, "the Qwen3-Omni pipeline needs model_path"
+    return ctx.pipeline.model_path
+
+
+@lru_cache(maxsize=2)
+def loaded_model(model_path: str, device: torch.device, load_format: LoadFormat) -> LoadedOmni:
+    """Thinker and talker, loaded once per process, device and format (the stages share them)."""
+    parts = ("thinker", "talker") if load_config(model_path).talker is not None else ("thinker",)
+    return load_model(model_path, device, parts=parts, load_format=load_format)
+
+
+def thinker_sampling(sampling: OmniSampling, stop_id: int) -> SamplingParams:
+    """The thinker's token sampling: the client's values, ``<|im_end|>`` stops."""
+    return SamplingParams(
+        temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+        stop_token_ids=(stop_id,), seed=sampling.seed,
+    )  # fmt: skip
+
+
+# --------------------------------------------------------------------------- preprocessing
+
+
+def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> ThreadedScheduler:
+    """Request -> the thinker's :class:`GenerationInput` (prompt ids, MRoPE positions); for
+    an audio request it also streams the talker and code2wav their :class:`AudioSetup` at
+    once. Content other than text is refused (``RequestValidationError`` naming
+    ``messages.<i>.content.<j>``): the encoder stages are not in this pipeline yet."""
+    model_path = _model_path(ctx)
+    processor = Qwen3OmniProcessor.from_checkpoint(model_path)
+    config = load_config(model_path)
+
+    def compute(payload: StagePayload) -> GenerationInput:
+        request: Qwen3OmniRequest = payload.request
+        for m, message in enumerate(request.messages):
+            for p, part in enumerate(message.parts):
+                if part.kind != "text":  # the encoder stages are not in this pipeline yet
+                    name = f"messages.{m}.content.{p}"
+                    raise RequestValidationError(
+                        f"{name}: only text content is served, got {part.kind}", param=name
+                    )
+        ids = processor(list(request.messages)).input_ids
+        positions = prompt_positions(ids.tolist(), config.thinker)
+        if request.audio_output:
+            setup = AudioSetup(
+                ids,
+                request.speaker,
+                request.sampling,
+                request.max_audio_frames,
+                request.stream,
+                int(ids.shape[0]),
+            )
+            scheduler.outbox.stream(payload.request_id, setup, SETUP_MODALITY)
+        return GenerationInput(
+            ids, thinker_sampling(request.sampling, config.im_end_id), request.max_tokens,
+            positions=positions.positions.long(), rope_delta=int(positions.delta),
+            return_hidden=request.audio_output,
+        )  # fmt: skip
+
+    scheduler = ThreadedScheduler(compute, num_workers)
+    return scheduler
+
+
+# --------------------------------------------------------------------------- thinker, decode
+
+
+def _engine_config(max_num_seqs: int, kv_cache_bytes: int, max_model_len: int) -> EngineConfig:
+    return EngineConfig(
+        kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        prefill_hold_ms=0.0, cuda_graph_batch_sizes=(),
+    )  # fmt: skip
+
+
+def create_thinker_stage(
+    ctx: StageBuildContext,
+    max_num_seqs: int = 16,
+    kv_cache_bytes: int = 256 << 20,
+    max_model_len: int = 8192,
+    load_format: LoadFormat = "safetensors",
+) -> ARScheduler:
+    """The thinker on the AR engine; with a talker it returns the hidden states of layers
+    0 and ``accept_hidden_layer`` for audio requests (``return_hidden``)."""
+    model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format)
+    assert model.thinker is not None
+    layers = (0, model.config.talker.accept_hidden_layer) if model.config.talker is not None else ()
+    engine = AREngine(
+        ThinkerEngineModel(model.thinker, layers),
+        _engine_config(max_num_seqs, kv_cache_bytes, max_model_len),
+    )
+    return ARScheduler(engine, modality="text_tokens")
+
+
+def create_decode_stage(ctx: StageBuildContext) -> SimpleScheduler:
+    """The thinker's result -> :class:`ChatText` (terminal)."""
+    tokenizer = Qwen3OmniProcessor.from_checkpoint(_model_path(ctx)).tokenizer
+
+    def compute(batch: list[StagePayload]) -> list[ChatText]:
+        out = []
+        for payload in batch:
+            result: GenerationResult = payload.data
+            tokens = result.codes[:, 0]
+            text = tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+            out.append(ChatText(text, tokens, result.num_prompt_tokens, result.finish_reason))
+        return out
+
+    return SimpleScheduler(compute, max_batch_size=16)
+
+
+# --------------------------------------------------------------------------- talker
+
+
+class TalkerFeed(StreamInput):
+    """One request's talker hand-off: :class:`AudioSetup` from preprocessing, then the
+    thinker's :class:`FrameWithHidden` chunks (module docstring). The thinker's result
+    (the payload) adds nothing.
+
+    Args:
+        model: the loaded thinker and talker.
+        start_tokens: reply tokens before the talker starts (>= 2).
+    """
+
+    def __init__(self, model: LoadedOmni, start_tokens: int) -> None:
+        self.model, self.start_tokens = model, start_tokens
+        self.setup: AudioSetup | None = None
+        self.tokens: list[int] = []
+        self.embeds: list[torch.Tensor] = []  # layer-0 rows [n, Ht] per chunk
+        self.hidden: list[torch.Tensor] = []  # accept_hidden_layer rows [n, Ht] per chunk
+        self.stopped = False
+        self.started = False
+        self.appended = 0  # fed rows already in the talker request (prompt + reply rows)
+
+    def on_payload(self, payload: StagePayload) -> RowFeed:
+        return RowFeed()
+
+    def on_chunk(self, chunk: StreamChunk) -> RowFeed:
+        data = chunk.data
+        if isinstance(data, AudioSetup):
+            self.setup = data
+        elif isinstance(data, FrameWithHidden):
+            self.embeds.append(data.hidden[:, 0])
+            self.hidden.append(data.hidden[:, 1])
+            if data.frame is None:
+                self.stopped = True
+            else:
+                self.tokens.append(int(data.frame[0, 0]))
+        else:
+            raise TypeError(
+                f"the talker takes AudioSetup and FrameWithHidden chunks, got {type(data).__name__}"
+            )
+        return self._advance(done=False)
+
+    def on_done(self) -> RowFeed:
+        return self._advance(done=True)
+
+    def _advance(self, done: bool) -> RowFeed:
+        if self.setup is None:
+            if done:
+                raise ValueError("the talker's setup never arrived")
+            return RowFeed()
+        fed = sum(e.shape[0] for e in self.embeds)
+        length = int(self.setup.prompt_ids.shape[0])
+        start = None
+        if not self.started and (len(self.tokens) >= self.start_tokens or (done and fed > length)):
+            start = self._start(length)
+        rows = None
+        if self.started and fed > self.appended:
+            new = torch.cat(self.embeds)[self.appended :]
+            rows = self.model.talker.text_projection(new)
+            self.appended = fed
+        if done:
+            if not self.started:
+                raise ValueError("the thinker's reply is empty: the talker has no text to speak")
+            eos = self._tts_eos()
+            rows = eos if rows is None else torch.cat((rows, eos))
+        return RowFeed(start, rows, done)
+
+    @torch.inference_mode()
+    def _start(self, length: int) -> GenerationInput:
+        setup, model = self.setup, self.model
+        assert setup is not None and model.talker is not None and model.thinker is not None
+        embeds, hidden = torch.cat(self.embeds), torch.cat(self.hidden)
+        reply = self.tokens[:2] if len(self.tokens) >= 2 else self.tokens + [model.config.im_end_id]
+        rows = ThinkerRows(
+            setup.prompt_ids, torch.tensor(reply), embeds[: length + 1], hidden[: length + 1]
+        )
+        prompt = build_talker_prompt(
+            model.talker, model.thinker.model.embed_tokens, model.config, rows, setup.speaker
+        )
+        self.started, self.appended = True, length + 1
+        sampling = replace(
+            talker_sampling(model.talker), temperature=setup.sampling.temperature, top_p=setup.sampling.top_p,
+            top_k=setup.sampling.top_k, seed=setup.sampling.seed,
+        )  # fmt: skip
+        return GenerationInput(
+            prompt.prefill, sampling, setup.max_frames, step_embeds=prompt.trailing[:-1], pad_embed=prompt.tts_pad,
+            more_rows=True, positions=prompt.positions.positions.long(), rope_delta=int(prompt.positions.delta),
+            predictor_sampling=SamplingParams(temperature=0.0),
+        )  # fmt: skip
+
+    @torch.inference_mode()
+    def _tts_eos(self) -> torch.Tensor:
+        model = self.model
+        ids = torch.tensor([model.config.tts_eos_id], device=model.talker.codec_head.weight.device)
+        return model.talker.text_projection(model.thinker.model.embed_tokens(ids))
+
+
+def create_talker_stage(
+    ctx: StageBuildContext,
+    max_num_seqs: int = 16,
+    kv_cache_bytes: int = 256 << 20,
+    max_model_len: int = 8192,
+    talker_start_tokens: int = 2,
+    load_format: LoadFormat = "safetensors",
+) -> ARScheduler:
+    """The talker + code predictor on the AR engine, fed by the thinker's stream.
+
+    Raises: ValueError: ``talker_start_tokens < 2``."""
+    if talker_start_tokens < 2:
+        raise ValueError(
+            "talker_start_tokens must be >= 2 (the prompt ends with the first reply token)"
+        )
+    model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format)
+    assert model.talker is not None
+    engine = AREngine(
+        TalkerEngineModel(model.talker), _engine_config(max_num_seqs, kv_cache_bytes, max_model_len)
+    )
+    return ARScheduler(
+        engine, stream_input=lambda request_id: TalkerFeed(model, talker_start_tokens)
+    )
+
+
+# --------------------------------------------------------------------------- code2wav
+
+
+def load_code2wav(
+    model_path: str, device: torch.device, load_format: LoadFormat, seed: int = 0
+) -> Code2Wav:
+    """code2wav from the checkpoint's ``code2wav.`` tensors, or random weights
+    (``"dummy"``: :func:`random_state_dict` with :data:`CODE2WAV_GAINS`, seeded by ``seed``).
+
+    Raises: CheckpointWeightsError: tensors missing or of the wrong shape."""
+    raw = read_config_json(model_path)["code2wav_config"]
+    # built on the device, not on meta: its buffers (the dropped-sample masks) are computed
+    module = Code2Wav(Code2WavConfig.from_hf(raw)).to(device)
+    if load_format == "dummy":
+        module.load_state_dict(random_state_dict(module, seed, CODE2WAV_GAINS), strict=True)
+    else:
+        load_parts(Path(model_path), [Part(module, "code2wav.")], device, torch.float32)
+    return module.eval().requires_grad_(False)
+
+
+def create_code2wav_stage(
+    ctx: StageBuildContext,
+    num_slots: int = 16,
+    ramp: tuple[int, ...] = (1, 2, 4),
+    steady: int = 8,
+    load_format: LoadFormat = "safetensors",
+) -> VocoderScheduler:
+    """code2wav through the shared streaming vocoder (exact streaming, chunk ramp)."""
+    code2wav = load_code2wav(_model_path(ctx), torch.device(ctx.stage.device), load_format)
+    arena = StreamingDecoderArena(code2wav, num_slots)
+    return VocoderScheduler(arena, SAMPLE_RATE, ChunkPlan(tuple(ramp), steady))

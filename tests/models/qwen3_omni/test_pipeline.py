@@ -1,0 +1,158 @@
+"""The Qwen3-Omni pipeline (seed 001, text prompts) on the tiny seed-0 checkpoint, CPU, one
+process: routing by the one predicate (a text-only request never reaches talker or
+code2wav), greedy served output equal to the package's unbatched reference generation
+(thinker tokens, talker codes, code2wav audio), the talker's partial start, and aborts
+while the thinker streams to the talker leave no state."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.core.errors import RequestAbortedError, RequestValidationError
+from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
+from omnistage.models.qwen3_omni.modeling.generate import talker_generate, thinker_generate
+from omnistage.models.qwen3_omni.modeling.model import load_model
+from omnistage.models.qwen3_omni.modeling.mrope import prompt_positions
+from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
+from omnistage.models.qwen3_omni.payload_types import ChatText, OmniSampling, Qwen3OmniRequest
+from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
+from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
+from omnistage.models.qwen3_omni.stages import load_code2wav
+from omnistage.pipeline.pipeline import Pipeline
+from omnistage.testing.leaks import assert_no_request_state
+from omnistage.testing.qwen3_omni_tokenizer import write_text_tokenizer
+
+TOKENS, FRAMES, SPEAKER = 6, 5, "ethan"
+ROLE_IDS = {"user": 872, "assistant": 77091}
+MESSAGES = (
+    ChatMessage("system", (ChatPart("text", text="You are brief."),)),
+    ChatMessage("user", (ChatPart("text", text="Say something nice."),)),
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # the pipeline draws the same weights from the config ("dummy", seed 0) as this writes
+    directory = write_random_checkpoint(tmp_path_factory.mktemp("omni_pipeline"), "tiny", seed=0)
+    write_text_tokenizer(directory)
+    _add_role_tokens(directory)
+    return directory
+
+
+def _add_role_tokens(directory: Path) -> None:
+    """Give the role words ``user`` and ``assistant`` (single BPE tokens of the test
+    tokenizer) their real ids, swapping ids with the unused tokens there: the talker prompt
+    finds the user turns and the assistant opening by these ids (merges name strings, so
+    they are unchanged)."""
+    path = directory / "vocab.json"
+    vocab = json.loads(path.read_text())
+    for word, token_id in ROLE_IDS.items():
+        unused = f"<|unused_{token_id}|>"
+        vocab[word], vocab[unused] = token_id, vocab[word]
+    path.write_text(json.dumps(vocab))
+
+
+def request(audio: bool, max_tokens: int = TOKENS) -> Qwen3OmniRequest:
+    return Qwen3OmniRequest(
+        MESSAGES, audio, SPEAKER, OmniSampling(), max_tokens, FRAMES, stream=True
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> dict:
+    """Greedy thinker tokens, talker codes and the code2wav waveform of ``MESSAGES``, from
+    the unbatched loops of modeling/generate.py on the checkpoint's safetensors."""
+    model = load_model(checkpoint)
+    cfg = model.config
+    ids = Qwen3OmniProcessor.from_checkpoint(checkpoint)(list(MESSAGES)).input_ids
+    positions = prompt_positions(ids.tolist(), cfg.thinker)
+    thinker = thinker_generate(model.thinker, ids, positions, TOKENS, cfg.im_end_id,
+                               capture_layer=cfg.talker.accept_hidden_layer)  # fmt: skip
+    rows = ThinkerRows(ids, thinker.tokens, thinker.embeds, thinker.captured)
+    with torch.no_grad():
+        prompt = build_talker_prompt(
+            model.talker, model.thinker.model.embed_tokens, cfg, rows, SPEAKER
+        )
+        codes = talker_generate(model.talker, prompt, FRAMES).codes
+        audio = load_code2wav(str(checkpoint), torch.device("cpu"), "dummy")(codes[None])[0]
+    tokens = thinker.tokens[:-1] if thinker.finish_reason == "stop" else thinker.tokens
+    return {"tokens": tokens, "codes": codes, "audio": audio.numpy(), "prompt_tokens": ids.shape[0]}
+
+
+@pytest.fixture(scope="module")
+def pipeline(checkpoint: Path):
+    config = Qwen3OmniPipelineConfig.for_model_path(str(checkpoint), load_format="dummy")
+    loop = asyncio.new_event_loop()
+    running = Pipeline(config)
+    loop.run_until_complete(running.start())
+    yield loop, running
+    loop.run_until_complete(running.stop())
+    loop.close()
+
+
+async def _run(pipeline: Pipeline, req: Qwen3OmniRequest):
+    handle = pipeline.submit(req)
+    chunks = [chunk async for chunk in handle.stream()]
+    result = await handle.result()
+    return handle, chunks, result
+
+
+def _stages_that_prefilled(handle) -> set[str]:
+    return {name.split(".")[0] for name, _ in handle.timeline.marks if name.endswith(".prefill")}
+
+
+def test_text_only_request_never_reaches_talker_or_code2wav(pipeline, reference) -> None:
+    loop, running = pipeline
+    handle, chunks, result = loop.run_until_complete(_run(running, request(audio=False)))
+    assert set(result.outputs) == {"decode"}
+    assert _stages_that_prefilled(handle) == {"thinker"}
+    assert not [c for c in chunks if c.modality == "audio"]
+    text: ChatText = result.outputs["decode"]
+    torch.testing.assert_close(text.token_ids, reference["tokens"], rtol=0, atol=0)
+    assert text.prompt_tokens == reference["prompt_tokens"]
+    loop.run_until_complete(assert_no_request_state(running))
+
+
+def test_text_and_audio_equal_the_reference_generation(pipeline, reference) -> None:
+    loop, running = pipeline
+    handle, chunks, result = loop.run_until_complete(_run(running, request(audio=True)))
+    assert set(result.outputs) == {"decode", "code2wav"}
+    assert _stages_that_prefilled(handle) == {"thinker", "talker"}
+    text: ChatText = result.outputs["decode"]
+    torch.testing.assert_close(text.token_ids, reference["tokens"], rtol=0, atol=0)
+    audio = np.concatenate([np.asarray(c.data) for c in chunks if c.modality == "audio"])
+    assert len([c for c in chunks if c.modality == "audio"]) >= 2  # streamed in ramp chunks
+    # the stream drops code2wav's first 555 samples (no audio), as offline decoding does
+    np.testing.assert_allclose(audio, reference["audio"], rtol=0, atol=1e-5)
+    assert result.outputs["code2wav"].num_frames == reference["codes"].shape[0]
+    loop.run_until_complete(assert_no_request_state(running))
+
+
+def test_non_text_content_is_refused_naming_the_field(pipeline) -> None:
+    loop, running = pipeline
+    audio_part = ChatPart("audio", audio=np.zeros(16000, dtype=np.float32))
+    bad = Qwen3OmniRequest((ChatMessage("user", (ChatPart("text", text="Hi"), audio_part)),), True, SPEAKER,
+                           OmniSampling(), TOKENS, FRAMES)  # fmt: skip
+    with pytest.raises(RequestValidationError, match=r"messages\.0\.content\.1"):
+        loop.run_until_complete(_run(running, bad))
+    loop.run_until_complete(assert_no_request_state(running))
+
+
+def test_abort_while_the_thinker_streams_to_the_talker_leaves_no_state(pipeline) -> None:
+    loop, running = pipeline
+
+    async def scenario() -> None:
+        handle = running.submit(request(audio=True, max_tokens=64))
+        with pytest.raises(RequestAbortedError):
+            async for chunk in handle.stream():
+                if chunk.modality == "audio":  # the talker runs while the thinker still streams
+                    running.abort(handle.request_id)
+        await assert_no_request_state(running)
+
+    loop.run_until_complete(scenario())
