@@ -8,13 +8,14 @@ Edges (seed 001, text prompts):
   :class:`AudioSetup` (modality ``vocoder_setup``; a stage's chunk goes to all its stream
   targets, so the one object is both the talker's setup and code2wav's
   :class:`~omnistage.scheduling.vocoder.VocoderPayload`);
-- ``thinker ~> talker`` (stream): :class:`~omnistage.scheduling.ar.FrameWithHidden` chunks
-  (each reply token with the layer-0 and ``accept_hidden_layer`` rows of the tokens fed);
+- ``thinker ~> decode, talker`` (stream): each reply token; for an audio request as
+  :class:`~omnistage.scheduling.ar.FrameWithHidden` chunks (with the layer-0 and
+  ``accept_hidden_layer`` rows of the tokens fed), else ``[1, 1] int64`` frames;
 - ``thinker -> decode`` and ``thinker -> talker``: the thinker's
   :class:`~omnistage.engine.sequence.GenerationResult`;
 - ``talker ~> code2wav`` (stream): code frames ``[1, 16] int64``; ``talker -> code2wav``:
   the talker's result;
-- ``decode`` (terminal): :class:`ChatText`; ``code2wav`` (terminal): an
+- ``decode`` (terminal): ``"text"`` chunks (``str`` deltas), then :class:`ChatText`; ``code2wav`` (terminal): an
   :class:`~omnistage.core.payloads.AudioResult`.
 """
 

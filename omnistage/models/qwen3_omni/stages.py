@@ -1,6 +1,7 @@
 """Stage factories and routing hooks of the Qwen3-Omni pipeline (seed 001, text prompts).
 
-preprocessing -> thinker -> decode (text, terminal); for a request with ``audio_output``
+preprocessing -> thinker -> decode (text, terminal; the thinker streams its tokens to it,
+which streams text deltas); for a request with ``audio_output``
 the thinker also streams to the talker (token + hidden rows), which streams code frames to
 code2wav (audio, terminal). One predicate, :func:`wants_audio`, decides every hook:
 thinker routes, stream-done targets and the terminal set; a text-only request never
@@ -21,6 +22,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.core.messages import StagePayload, StreamChunk
@@ -45,7 +47,7 @@ from omnistage.models.qwen3_omni.payload_types import (
 )
 from omnistage.models.qwen3_omni.processing import Qwen3OmniProcessor
 from omnistage.pipeline.stage import StageBuildContext
-from omnistage.scheduling import SimpleScheduler, ThreadedScheduler
+from omnistage.scheduling import StreamingScheduler, StreamState, ThreadedScheduler
 from omnistage.scheduling.ar import ARScheduler, FrameWithHidden, RowFeed, StreamInput
 from omnistage.scheduling.vocoder import SETUP_MODALITY, ChunkPlan, VocoderScheduler
 
@@ -71,7 +73,7 @@ def thinker_routes(payload: StagePayload) -> list[str]:
 
 
 def thinker_streams(payload: StagePayload) -> list[str]:
-    return ["talker"] if wants_audio(payload.request) else []
+    return ["decode", "talker"] if wants_audio(payload.request) else ["decode"]
 
 
 def terminal_stages(request: Qwen3OmniRequest) -> list[str]:
@@ -173,20 +175,55 @@ def create_thinker_stage(
     return ARScheduler(engine, modality="text_tokens")
 
 
-def create_decode_stage(ctx: StageBuildContext) -> SimpleScheduler:
-    """The thinker's result -> :class:`ChatText` (terminal)."""
-    tokenizer = Qwen3OmniProcessor.from_checkpoint(_model_path(ctx)).tokenizer
+class TextDecodeScheduler(StreamingScheduler):
+    """The thinker's tokens -> reply text, streamed: each new token's text is emitted as a
+    ``"text"`` chunk (a ``str`` delta) as soon as it decodes to whole characters (a byte
+    token that ends mid-character waits for the next), then a :class:`ChatText` result.
 
-    def compute(batch: list[StagePayload]) -> list[ChatText]:
-        out = []
-        for payload in batch:
-            result: GenerationResult = payload.data
-            tokens = result.codes[:, 0]
-            text = tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
-            out.append(ChatText(text, tokens, result.num_prompt_tokens, result.finish_reason))
-        return out
+    Chunks: ``[1, 1] int64`` frames (a text-only request) or :class:`FrameWithHidden`
+    (an audio request; its frame None on the stop step).
 
-    return SimpleScheduler(compute, max_batch_size=16)
+    Args:
+        tokenizer: the checkpoint's text tokenizer (special tokens are skipped).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def step(self, states: list[StreamState]) -> None:
+        for state in states:
+            tokens, sent = state.model_state or ([], "")
+            for chunk in state.chunks:
+                frame = chunk.data.frame if isinstance(chunk.data, FrameWithHidden) else chunk.data
+                if frame is not None:
+                    tokens.append(int(frame[0, 0]))
+            state.chunks.clear()
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            finishing = self.ready_to_finish(state)
+            if (
+                text.startswith(sent)
+                and len(text) > len(sent)
+                and (finishing or not text.endswith("\ufffd"))
+            ):
+                self.emit(state, text[len(sent) :], "text")
+                sent = text
+            state.model_state = (tokens, sent)
+            if finishing:
+                assert state.payload is not None
+                result: GenerationResult = state.payload.data
+                ids = result.codes[:, 0]
+                final = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+                self.complete(
+                    state,
+                    ChatText(final, ids, result.num_prompt_tokens, result.finish_reason),
+                    result.finish_reason,
+                )
+
+
+def create_decode_stage(ctx: StageBuildContext) -> TextDecodeScheduler:
+    """The thinker's stream and result -> text deltas and :class:`ChatText` (terminal)."""
+    return TextDecodeScheduler(Qwen3OmniProcessor.from_checkpoint(_model_path(ctx)).tokenizer)
 
 
 # --------------------------------------------------------------------------- talker

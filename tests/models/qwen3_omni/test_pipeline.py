@@ -114,6 +114,7 @@ def test_text_only_request_never_reaches_talker_or_code2wav(pipeline, reference)
     assert _stages_that_prefilled(handle) == {"thinker"}
     assert not [c for c in chunks if c.modality == "audio"]
     text: ChatText = result.outputs["decode"]
+    assert text.text and "".join(c.data for c in chunks if c.modality == "text") == text.text
     torch.testing.assert_close(text.token_ids, reference["tokens"], rtol=0, atol=0)
     assert text.prompt_tokens == reference["prompt_tokens"]
     loop.run_until_complete(assert_no_request_state(running))
@@ -125,6 +126,7 @@ def test_text_and_audio_equal_the_reference_generation(pipeline, reference) -> N
     assert set(result.outputs) == {"decode", "code2wav"}
     assert _stages_that_prefilled(handle) == {"thinker", "talker"}
     text: ChatText = result.outputs["decode"]
+    assert "".join(c.data for c in chunks if c.modality == "text") == text.text
     torch.testing.assert_close(text.token_ids, reference["tokens"], rtol=0, atol=0)
     audio = np.concatenate([np.asarray(c.data) for c in chunks if c.modality == "audio"])
     assert len([c for c in chunks if c.modality == "audio"]) >= 2  # streamed in ramp chunks
