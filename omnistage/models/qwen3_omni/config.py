@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Self
 
+import numpy as np
 import torch
 
 from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
@@ -53,9 +54,11 @@ class Qwen3OmniPipelineConfig(PipelineConfig):
             sample_requests_fn="omnistage.models.qwen3_omni.config:sample_requests",
             stages=[
                 stage("code2wav", fmt, terminal=True, can_accept_stream_before_payload=True),
-                stage("preprocessing", next="thinker", stream_to=["talker", "code2wav"],
+                stage("preprocessing", next=["audio_encoder", "thinker"], route_fn=f"{_STAGES}:preprocessing_routes", stream_to=["talker", "code2wav"],
                       stream_done_to_fn=f"{_STAGES}:preprocessing_streams"),
-                stage("thinker", fmt, next=["decode", "talker"], route_fn=f"{_STAGES}:thinker_routes",
+                stage("audio_encoder", fmt, next="thinker"),
+                stage("thinker", fmt, wait_for=["preprocessing", "audio_encoder"], wait_for_fn=f"{_STAGES}:thinker_waits_for",
+                      merge_fn=f"{_STAGES}:thinker_merge", next=["decode", "talker"], route_fn=f"{_STAGES}:thinker_routes",
                       stream_to=["decode", "talker"], stream_done_to_fn=f"{_STAGES}:thinker_streams"),
                 stage("decode", terminal=True, can_accept_stream_before_payload=True),
                 stage("talker", next="code2wav", stream_to=["code2wav"], can_accept_stream_before_payload=True,
@@ -65,12 +68,16 @@ class Qwen3OmniPipelineConfig(PipelineConfig):
 
 
 def sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:
-    """A text-only and a text+audio request (the consistency check's cases)."""
+    """Text in, text out; text in, text + audio out; audio in, text + audio out (the
+    consistency check's cases)."""
     messages = (ChatMessage("user", (ChatPart("text", text="Hello."),)),)
+    clip = ChatPart("audio", audio=np.zeros(16000, dtype=np.float32))
+    heard = (ChatMessage("user", (clip, ChatPart("text", text="What is this?"))),)
     text = Qwen3OmniRequest(
         messages, False, "ethan", OmniSampling(), max_tokens=4, max_audio_frames=4
     )
     return [
         ("text", text),
         ("text+audio", Qwen3OmniRequest(messages, True, "ethan", OmniSampling(), 4, 4)),
+        ("audio in", Qwen3OmniRequest(heard, True, "ethan", OmniSampling(), 4, 4)),
     ]

@@ -2,8 +2,9 @@
 
 Edges (seed 001, text prompts):
 
-- ``preprocessing -> thinker``: a :class:`~omnistage.engine.sequence.GenerationInput`
-  (prompt token ids, MRoPE positions, ``return_hidden`` when audio is requested);
+- ``preprocessing -> audio_encoder`` (prompts with audio) or ``preprocessing -> thinker``
+  (the others): a :class:`ThinkerPrompt`; ``audio_encoder -> thinker``: the same with its
+  ``audio_rows``;
 - ``preprocessing ~> talker, code2wav`` (stream, audio requests only): one
   :class:`AudioSetup` (modality ``vocoder_setup``; a stage's chunk goes to all its stream
   targets, so the one object is both the talker's setup and code2wav's
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.core.request import FinishReason
+from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
 from omnistage.models.qwen3_omni.processing import ChatMessage
 
 
@@ -51,7 +53,7 @@ class Qwen3OmniRequest:
     """A validated chat request (built by :func:`.request_builders.build_chat_request`).
 
     Attributes:
-        messages: the conversation (system / user / assistant turns of text).
+        messages: the conversation (system / user / assistant turns of text and audio).
         audio_output: speech is requested (``modalities`` holds ``"audio"``): the one
             predicate every routing hook of the pipeline decides from.
         speaker: a ``talker_config.speaker_id`` name (lower case), used when ``audio_output``.
@@ -71,12 +73,35 @@ class Qwen3OmniRequest:
 
 
 @dataclass(frozen=True)
+class ThinkerPrompt:
+    """The thinker's prompt before the engine.
+
+    Attributes:
+        input_ids: ``[L] int64``, audio placeholders expanded.
+        positions: ``[3, L] int64`` MRoPE positions; ``rope_delta``: their decode offset.
+        layout: the prompt's multimodal layout (the talker's positions need it too).
+        audio_features: ``[128, sum(frames)]`` float32 log-mel frames of the prompt's audios,
+            or None; ``audio_frames``: ``[A] int64`` frames per audio.
+        audio_rows: the audio encoder's ``[Na, H]`` rows (set by ``audio_encoder``), or None.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    rope_delta: int
+    layout: MultimodalLayout
+    audio_features: torch.Tensor | None = None
+    audio_frames: torch.Tensor | None = None
+    audio_rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class AudioSetup:
     """What the talker and code2wav need from preprocessing, besides their streams.
 
     Attributes:
         prompt_ids: the thinker prompt ``[L] int64`` (user turns and the assistant opening
             decide the talker prompt's layout).
+        layout: the thinker prompt's multimodal layout (the talker's positions).
         speaker: the speaker name.
         sampling: the client's sampling values.
         max_frames: talker frames at most.
@@ -87,6 +112,7 @@ class AudioSetup:
     """
 
     prompt_ids: torch.Tensor
+    layout: MultimodalLayout
     speaker: str
     sampling: OmniSampling
     max_frames: int

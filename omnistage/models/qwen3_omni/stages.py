@@ -31,23 +31,26 @@ from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput, GenerationResult
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
 from omnistage.models.qwen3_omni.engine_model import TalkerEngineModel, ThinkerEngineModel
+from omnistage.models.qwen3_omni.modeling.audio_encoder import output_lengths
 from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.modeling.config import load_config, read_config_json
 from omnistage.models.qwen3_omni.modeling.generate import talker_sampling
 from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, LoadFormat, load_model
-from omnistage.models.qwen3_omni.modeling.mrope import prompt_positions
+from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout, prompt_positions
 from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
 from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS, random_state_dict
+from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
 from omnistage.models.qwen3_omni.modeling.weights import Part, load_parts
 from omnistage.models.qwen3_omni.payload_types import (
     AudioSetup,
     ChatText,
     OmniSampling,
     Qwen3OmniRequest,
+    ThinkerPrompt,
 )
 from omnistage.models.qwen3_omni.processing import Qwen3OmniProcessor
 from omnistage.pipeline.stage import StageBuildContext
-from omnistage.scheduling import StreamingScheduler, StreamState, ThreadedScheduler
+from omnistage.scheduling import SimpleScheduler, StreamingScheduler, StreamState, ThreadedScheduler
 from omnistage.scheduling.ar import ARScheduler, FrameWithHidden, RowFeed, StreamInput
 from omnistage.scheduling.vocoder import SETUP_MODALITY, ChunkPlan, VocoderScheduler
 
@@ -62,6 +65,25 @@ AUDIO_STAGES = ("talker", "code2wav")
 def wants_audio(request: Qwen3OmniRequest) -> bool:
     """The pipeline's one per-request predicate."""
     return request.audio_output
+
+
+def has_audio_input(request: Qwen3OmniRequest) -> bool:
+    """The prompt holds audio: preprocessing routes it through ``audio_encoder``."""
+    return any(part.kind == "audio" for message in request.messages for part in message.parts)
+
+
+def preprocessing_routes(payload: StagePayload) -> list[str]:
+    return ["audio_encoder"] if has_audio_input(payload.request) else ["thinker"]
+
+
+def thinker_waits_for(payload: StagePayload) -> list[str]:
+    return ["audio_encoder"] if has_audio_input(payload.request) else ["preprocessing"]
+
+
+def thinker_merge(payloads: dict[str, StagePayload]) -> ThinkerPrompt:
+    """The one source this request waits for (:func:`thinker_waits_for`)."""
+    (payload,) = payloads.values()
+    return payload.data
 
 
 def preprocessing_streams(payload: StagePayload) -> list[str]:
@@ -107,43 +129,74 @@ def thinker_sampling(sampling: OmniSampling, stop_id: int) -> SamplingParams:
 
 
 def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> ThreadedScheduler:
-    """Request -> the thinker's :class:`GenerationInput` (prompt ids, MRoPE positions); for
+    """Request -> :class:`ThinkerPrompt` (prompt ids with audio placeholders expanded,
+    Whisper features, MRoPE positions); for
     an audio request it also streams the talker and code2wav their :class:`AudioSetup` at
-    once. Content other than text is refused (``RequestValidationError`` naming
-    ``messages.<i>.content.<j>``): the encoder stages are not in this pipeline yet."""
+    once. Image and video content are refused (``RequestValidationError`` naming
+    ``messages.<i>.content.<j>``): the vision stage is not in this pipeline yet."""
     model_path = _model_path(ctx)
-    processor = Qwen3OmniProcessor.from_checkpoint(model_path)
     config = load_config(model_path)
+    audio_config = config.thinker.audio
+    processor = Qwen3OmniProcessor.from_checkpoint(model_path, audio_config)
 
-    def compute(payload: StagePayload) -> GenerationInput:
+    def compute(payload: StagePayload) -> ThinkerPrompt:
         request: Qwen3OmniRequest = payload.request
         for m, message in enumerate(request.messages):
             for p, part in enumerate(message.parts):
-                if part.kind != "text":  # the encoder stages are not in this pipeline yet
+                if part.kind not in ("text", "audio"):  # no vision stage in this pipeline yet
                     name = f"messages.{m}.content.{p}"
                     raise RequestValidationError(
-                        f"{name}: only text content is served, got {part.kind}", param=name
+                        f"{name}: only text and audio content are served, got {part.kind}",
+                        param=name,
                     )
-        ids = processor(list(request.messages)).input_ids
-        positions = prompt_positions(ids.tolist(), config.thinker)
+        inputs = processor(list(request.messages))
+        ids = inputs.input_ids
+        audio_lengths = output_lengths(inputs.audio_frames, audio_config).tolist()
+        layout = MultimodalLayout(audio_lengths=audio_lengths)
+        positions = prompt_positions(ids.tolist(), config.thinker, layout)
         if request.audio_output:
             setup = AudioSetup(
-                ids,
-                request.speaker,
-                request.sampling,
-                request.max_audio_frames,
-                request.stream,
-                int(ids.shape[0]),
-            )
+                ids, layout, request.speaker, request.sampling, request.max_audio_frames,
+                request.stream, int(ids.shape[0]),
+            )  # fmt: skip
             scheduler.outbox.stream(payload.request_id, setup, SETUP_MODALITY)
-        return GenerationInput(
-            ids, thinker_sampling(request.sampling, config.im_end_id), request.max_tokens,
-            positions=positions.positions.long(), rope_delta=int(positions.delta),
-            return_hidden=request.audio_output,
+        return ThinkerPrompt(
+            ids, positions.positions.long(), int(positions.delta), layout,
+            inputs.audio_features, inputs.audio_frames if inputs.audio_features is not None else None,
         )  # fmt: skip
 
     scheduler = ThreadedScheduler(compute, num_workers)
     return scheduler
+
+
+# --------------------------------------------------------------------------- audio_encoder
+
+
+def create_audio_encoder_stage(
+    ctx: StageBuildContext, load_format: LoadFormat = "safetensors"
+) -> SimpleScheduler:
+    """The audio tower: a prompt's Whisper features -> its ``[Na, H]`` audio rows."""
+    model = load_model(
+        _model_path(ctx),
+        torch.device(ctx.stage.device),
+        parts=("audio_tower",),
+        load_format=load_format,
+    )
+    tower = model.audio_tower
+    assert tower is not None
+    device = next(tower.parameters()).device
+
+    @torch.inference_mode()
+    def compute(batch: list[StagePayload]) -> list[ThinkerPrompt]:
+        out = []
+        for payload in batch:
+            prompt: ThinkerPrompt = payload.data
+            assert prompt.audio_features is not None and prompt.audio_frames is not None
+            rows = tower(prompt.audio_features.to(device), prompt.audio_frames).embeddings
+            out.append(replace(prompt, audio_features=None, audio_rows=rows))
+        return out
+
+    return SimpleScheduler(compute)
 
 
 # --------------------------------------------------------------------------- thinker, decode
@@ -172,7 +225,24 @@ def create_thinker_stage(
         ThinkerEngineModel(model.thinker, layers),
         _engine_config(max_num_seqs, kv_cache_bytes, max_model_len),
     )
-    return ARScheduler(engine, modality="text_tokens")
+    thinker = model.thinker
+    stop = model.config.im_end_id
+
+    @torch.inference_mode()
+    def build_input(payload: StagePayload) -> GenerationInput:
+        request: Qwen3OmniRequest = payload.request
+        prompt: ThinkerPrompt = payload.data
+        ids = prompt.input_ids
+        if prompt.audio_rows is not None:  # token ids with the audio rows at their placeholders
+            ids, _ = thinker.merge(
+                ids.to(thinker.lm_head.weight.device), EncoderRows(audio=prompt.audio_rows)
+            )
+        return GenerationInput(
+            ids, thinker_sampling(request.sampling, stop), request.max_tokens,
+            positions=prompt.positions, rope_delta=prompt.rope_delta, return_hidden=request.audio_output,
+        )  # fmt: skip
+
+    return ARScheduler(engine, build_input, modality="text_tokens")
 
 
 class TextDecodeScheduler(StreamingScheduler):
@@ -304,7 +374,12 @@ class TalkerFeed(StreamInput):
             setup.prompt_ids, torch.tensor(reply), embeds[: length + 1], hidden[: length + 1]
         )
         prompt = build_talker_prompt(
-            model.talker, model.thinker.model.embed_tokens, model.config, rows, setup.speaker
+            model.talker,
+            model.thinker.model.embed_tokens,
+            model.config,
+            rows,
+            setup.speaker,
+            setup.layout,
         )
         self.started, self.appended = True, length + 1
         sampling = replace(

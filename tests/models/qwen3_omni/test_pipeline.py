@@ -13,13 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from omnistage.core.errors import RequestAbortedError, RequestValidationError
 from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
+from omnistage.models.qwen3_omni.modeling.audio_encoder import output_lengths
 from omnistage.models.qwen3_omni.modeling.generate import talker_generate, thinker_generate
 from omnistage.models.qwen3_omni.modeling.model import load_model
-from omnistage.models.qwen3_omni.modeling.mrope import prompt_positions
+from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout, prompt_positions
 from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
+from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
 from omnistage.models.qwen3_omni.payload_types import ChatText, OmniSampling, Qwen3OmniRequest
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
@@ -58,31 +61,56 @@ def _add_role_tokens(directory: Path) -> None:
     path.write_text(json.dumps(vocab))
 
 
-def request(audio: bool, max_tokens: int = TOKENS) -> Qwen3OmniRequest:
+def request(audio: bool, max_tokens: int = TOKENS, messages=MESSAGES) -> Qwen3OmniRequest:
     return Qwen3OmniRequest(
-        MESSAGES, audio, SPEAKER, OmniSampling(), max_tokens, FRAMES, stream=True
+        messages, audio, SPEAKER, OmniSampling(), max_tokens, FRAMES, stream=True
     )
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path) -> dict:
-    """Greedy thinker tokens, talker codes and the code2wav waveform of ``MESSAGES``, from
+def _clip() -> np.ndarray:
+    """1 s of a 220 Hz tone with a little noise at 16 kHz (the audio encoder's rate)."""
+    t = np.arange(16000) / 16000
+    noise = np.random.default_rng(0).normal(0, 0.01, t.shape)
+    return (0.3 * np.sin(2 * np.pi * 220 * t) + noise).astype(np.float32)
+
+
+HEARD = (
+    ChatMessage("user", (ChatPart("audio", audio=_clip()), ChatPart("text", text="What is it?"))),
+)
+
+
+def _reference(checkpoint: Path, messages: tuple[ChatMessage, ...]) -> dict:
+    """Greedy thinker tokens, talker codes and the code2wav waveform of ``messages``, from
     the unbatched loops of modeling/generate.py on the checkpoint's safetensors."""
-    model = load_model(checkpoint)
+    model = load_model(checkpoint, parts=("thinker", "talker", "audio_tower"))
     cfg = model.config
-    ids = Qwen3OmniProcessor.from_checkpoint(checkpoint)(list(MESSAGES)).input_ids
-    positions = prompt_positions(ids.tolist(), cfg.thinker)
-    thinker = thinker_generate(model.thinker, ids, positions, TOKENS, cfg.im_end_id,
+    inputs = Qwen3OmniProcessor.from_checkpoint(checkpoint, cfg.thinker.audio)(list(messages))
+    ids = inputs.input_ids
+    layout = MultimodalLayout(
+        audio_lengths=output_lengths(inputs.audio_frames, cfg.thinker.audio).tolist()
+    )
+    positions = prompt_positions(ids.tolist(), cfg.thinker, layout)
+    with torch.no_grad():
+        audio_rows = None
+        if inputs.audio_features is not None:
+            audio_rows = model.audio_tower(inputs.audio_features, inputs.audio_frames).embeddings
+        embeds, _ = model.thinker.merge(ids, EncoderRows(audio=audio_rows))
+    thinker = thinker_generate(model.thinker, ids, positions, TOKENS, cfg.im_end_id, input_embeds=embeds,
                                capture_layer=cfg.talker.accept_hidden_layer)  # fmt: skip
     rows = ThinkerRows(ids, thinker.tokens, thinker.embeds, thinker.captured)
     with torch.no_grad():
         prompt = build_talker_prompt(
-            model.talker, model.thinker.model.embed_tokens, cfg, rows, SPEAKER
+            model.talker, model.thinker.model.embed_tokens, cfg, rows, SPEAKER, layout
         )
         codes = talker_generate(model.talker, prompt, FRAMES).codes
         audio = load_code2wav(str(checkpoint), torch.device("cpu"), "dummy")(codes[None])[0]
     tokens = thinker.tokens[:-1] if thinker.finish_reason == "stop" else thinker.tokens
     return {"tokens": tokens, "codes": codes, "audio": audio.numpy(), "prompt_tokens": ids.shape[0]}
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> dict:
+    return _reference(checkpoint, MESSAGES)
 
 
 @pytest.fixture(scope="module")
@@ -120,14 +148,14 @@ def test_text_only_request_never_reaches_talker_or_code2wav(pipeline, reference)
     loop.run_until_complete(assert_no_request_state(running))
 
 
-def test_text_and_audio_equal_the_reference_generation(pipeline, reference) -> None:
-    loop, running = pipeline
-    handle, chunks, result = loop.run_until_complete(_run(running, request(audio=True)))
+def _check_audio_request(running, loop, req: Qwen3OmniRequest, reference: dict) -> None:
+    handle, chunks, result = loop.run_until_complete(_run(running, req))
     assert set(result.outputs) == {"decode", "code2wav"}
     assert _stages_that_prefilled(handle) == {"thinker", "talker"}
     text: ChatText = result.outputs["decode"]
     assert "".join(c.data for c in chunks if c.modality == "text") == text.text
     torch.testing.assert_close(text.token_ids, reference["tokens"], rtol=0, atol=0)
+    assert text.prompt_tokens == reference["prompt_tokens"]
     audio = np.concatenate([np.asarray(c.data) for c in chunks if c.modality == "audio"])
     assert len([c for c in chunks if c.modality == "audio"]) >= 2  # streamed in ramp chunks
     # the stream drops code2wav's first 555 samples (no audio), as offline decoding does
@@ -136,10 +164,24 @@ def test_text_and_audio_equal_the_reference_generation(pipeline, reference) -> N
     loop.run_until_complete(assert_no_request_state(running))
 
 
+def test_text_and_audio_equal_the_reference_generation(pipeline, reference) -> None:
+    loop, running = pipeline
+    _check_audio_request(running, loop, request(audio=True), reference)
+
+
+def test_audio_prompt_goes_through_the_audio_encoder_and_equals_the_reference(
+    pipeline, checkpoint
+) -> None:
+    loop, running = pipeline
+    _check_audio_request(
+        running, loop, request(audio=True, messages=HEARD), _reference(checkpoint, HEARD)
+    )
+
+
 def test_non_text_content_is_refused_naming_the_field(pipeline) -> None:
     loop, running = pipeline
-    audio_part = ChatPart("audio", audio=np.zeros(16000, dtype=np.float32))
-    bad = Qwen3OmniRequest((ChatMessage("user", (ChatPart("text", text="Hi"), audio_part)),), True, SPEAKER,
+    image_part = ChatPart("image", image=Image.new("RGB", (32, 32)))
+    bad = Qwen3OmniRequest((ChatMessage("user", (ChatPart("text", text="Hi"), image_part)),), True, SPEAKER,
                            OmniSampling(), TOKENS, FRAMES)  # fmt: skip
     with pytest.raises(RequestValidationError, match=r"messages\.0\.content\.1"):
         loop.run_until_complete(_run(running, bad))
