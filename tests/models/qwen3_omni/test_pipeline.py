@@ -61,9 +61,11 @@ def _add_role_tokens(directory: Path) -> None:
     path.write_text(json.dumps(vocab))
 
 
-def request(audio: bool, max_tokens: int = TOKENS, messages=MESSAGES) -> Qwen3OmniRequest:
+def request(
+    audio: bool, max_tokens: int = TOKENS, messages=MESSAGES, frames: int = FRAMES
+) -> Qwen3OmniRequest:
     return Qwen3OmniRequest(
-        messages, audio, SPEAKER, OmniSampling(), max_tokens, FRAMES, stream=True
+        messages, audio, SPEAKER, OmniSampling(), max_tokens, frames, stream=True
     )
 
 
@@ -178,6 +180,26 @@ def test_audio_prompt_goes_through_the_audio_encoder_and_equals_the_reference(
     )
 
 
+def test_text_and_audio_requests_batched_together_equal_the_reference(pipeline, reference) -> None:
+    loop, running = pipeline
+
+    async def both():
+        return await asyncio.gather(
+            *(_run(running, request(audio=a)) for a in (False, True, True, False))
+        )
+
+    for (_, _, result), audio in zip(
+        loop.run_until_complete(both()), (False, True, True, False), strict=True
+    ):
+        assert set(result.outputs) == ({"decode", "code2wav"} if audio else {"decode"})
+        torch.testing.assert_close(
+            result.outputs["decode"].token_ids, reference["tokens"], rtol=0, atol=0
+        )
+        if audio:
+            assert result.outputs["code2wav"].num_frames == reference["codes"].shape[0]
+    loop.run_until_complete(assert_no_request_state(running))
+
+
 def test_non_text_content_is_refused_naming_the_field(pipeline) -> None:
     loop, running = pipeline
     image_part = ChatPart("image", image=Image.new("RGB", (32, 32)))
@@ -192,7 +214,8 @@ def test_abort_while_the_thinker_streams_to_the_talker_leaves_no_state(pipeline)
     loop, running = pipeline
 
     async def scenario() -> None:
-        handle = running.submit(request(audio=True, max_tokens=64))
+        # long enough (64 tokens, up to 400 frames) to be running when its first audio arrives
+        handle = running.submit(request(audio=True, max_tokens=64, frames=400))
         with pytest.raises(RequestAbortedError):
             async for chunk in handle.stream():
                 if chunk.modality == "audio":  # the talker runs while the thinker still streams
