@@ -313,11 +313,11 @@ class TalkerFeed(StreamInput):
         self.model, self.start_tokens = model, start_tokens
         self.setup: AudioSetup | None = None
         self.tokens: list[int] = []
-        self.embeds: list[torch.Tensor] = []  # layer-0 rows [n, Ht] per chunk
-        self.hidden: list[torch.Tensor] = []  # accept_hidden_layer rows [n, Ht] per chunk
-        self.stopped = False
+        # layer-0 and accept_hidden_layer rows [n, Ht] per chunk: until the start all of
+        # them (the prompt reads both), after it the layer-0 rows not yet appended
+        self.embeds: list[torch.Tensor] = []
+        self.hidden: list[torch.Tensor] = []
         self.started = False
-        self.appended = 0  # fed rows already in the talker request (prompt + reply rows)
 
     def on_payload(self, payload: StagePayload) -> RowFeed:
         return RowFeed()
@@ -328,10 +328,9 @@ class TalkerFeed(StreamInput):
             self.setup = data
         elif isinstance(data, FrameWithHidden):
             self.embeds.append(data.hidden[:, 0])
-            self.hidden.append(data.hidden[:, 1])
-            if data.frame is None:
-                self.stopped = True
-            else:
+            if not self.started:
+                self.hidden.append(data.hidden[:, 1])
+            if data.frame is not None:
                 self.tokens.append(int(data.frame[0, 0]))
         else:
             raise TypeError(
@@ -342,57 +341,56 @@ class TalkerFeed(StreamInput):
     def on_done(self) -> RowFeed:
         return self._advance(done=True)
 
+    @torch.inference_mode()
     def _advance(self, done: bool) -> RowFeed:
         if self.setup is None:
             if done:
                 raise ValueError("the talker's setup never arrived")
             return RowFeed()
-        fed = sum(e.shape[0] for e in self.embeds)
-        length = int(self.setup.prompt_ids.shape[0])
-        start = None
-        if not self.started and (len(self.tokens) >= self.start_tokens or (done and fed > length)):
-            start = self._start(length)
-        rows = None
-        if self.started and fed > self.appended:
-            new = torch.cat(self.embeds)[self.appended :]
-            rows = self.model.talker.text_projection(new)
-            self.appended = fed
+        start, rows = None, None
+        if not self.started and (len(self.tokens) >= self.start_tokens or done):
+            start = self._start(int(self.setup.prompt_ids.shape[0]))
+        if self.started and self.embeds:
+            rows = self.model.talker.text_projection(torch.cat(self.embeds))
+            self.embeds = []
         if done:
-            if not self.started:
-                raise ValueError("the thinker's reply is empty: the talker has no text to speak")
             eos = self._tts_eos()
             rows = eos if rows is None else torch.cat((rows, eos))
         return RowFeed(start, rows, done)
 
-    @torch.inference_mode()
     def _start(self, length: int) -> GenerationInput:
+        """The talker's request from the prompt and the first reply token's rows; the
+        later fed rows stay in ``self.embeds`` to be appended.
+
+        Raises: ValueError: the thinker never fed back a reply token (its reply is empty,
+        or ``max_tokens`` 1 cut it)."""
         setup, model = self.setup, self.model
         assert setup is not None and model.talker is not None and model.thinker is not None
         embeds, hidden = torch.cat(self.embeds), torch.cat(self.hidden)
+        if embeds.shape[0] < length + 1:
+            raise ValueError(
+                "the talker needs a reply token fed back by the thinker (max_tokens >= 2, a non-empty reply)"
+            )
+        # the prompt reads the reply ids' count only: the first reply token and the next one
         reply = self.tokens[:2] if len(self.tokens) >= 2 else self.tokens + [model.config.im_end_id]
         rows = ThinkerRows(
             setup.prompt_ids, torch.tensor(reply), embeds[: length + 1], hidden[: length + 1]
         )
         prompt = build_talker_prompt(
-            model.talker,
-            model.thinker.model.embed_tokens,
-            model.config,
-            rows,
-            setup.speaker,
-            setup.layout,
-        )
-        self.started, self.appended = True, length + 1
+            model.talker, model.thinker.model.embed_tokens, model.config, rows, setup.speaker, setup.layout
+        )  # fmt: skip
+        self.started, self.embeds, self.hidden = True, [embeds[length + 1 :]], []
         sampling = replace(
             talker_sampling(model.talker), temperature=setup.sampling.temperature, top_p=setup.sampling.top_p,
             top_k=setup.sampling.top_k, seed=setup.sampling.seed,
         )  # fmt: skip
         return GenerationInput(
+            # trailing[:-1] is empty here (one reply token fed); the later rows are appended
             prompt.prefill, sampling, setup.max_frames, step_embeds=prompt.trailing[:-1], pad_embed=prompt.tts_pad,
             more_rows=True, positions=prompt.positions.positions.long(), rope_delta=int(prompt.positions.delta),
             predictor_sampling=SamplingParams(temperature=0.0),
         )  # fmt: skip
 
-    @torch.inference_mode()
     def _tts_eos(self) -> torch.Tensor:
         model = self.model
         ids = torch.tensor([model.config.tts_eos_id], device=model.talker.codec_head.weight.device)
@@ -408,6 +406,10 @@ def create_talker_stage(
     load_format: LoadFormat = "safetensors",
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine, fed by the thinker's stream.
+
+    Sampling: code 0 takes the client's temperature, top_p, top_k and seed over the
+    reference's settings (:func:`talker_sampling`: repetition penalty 1.05, control ids
+    suppressed, EOS stops); the code predictor is greedy.
 
     Raises: ValueError: ``talker_start_tokens < 2``."""
     if talker_start_tokens < 2:
