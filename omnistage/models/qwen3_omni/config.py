@@ -20,6 +20,18 @@ from omnistage.models.qwen3_omni.payload_types import OmniSampling, Qwen3OmniReq
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart
 
 _STAGES = "omnistage.models.qwen3_omni.stages"
+_TYPES = "omnistage.models.qwen3_omni.payload_types"
+# what the edges carry (omnistage.pipeline.edges)
+THINKER_PROMPT = f"{_TYPES}:ThinkerPrompt"
+AUDIO_SETUP = f"{_TYPES}:AudioSetup"
+TEXT_DELTA = f"{_TYPES}:TextDelta"
+CHAT_TEXT = f"{_TYPES}:ChatText"
+GENERATION_SUMMARY = "omnistage.scheduling.ar:GenerationSummary"
+CODE_FRAMES = "omnistage.scheduling.ar:CodeFrames"
+FRAME_WITH_HIDDEN = "omnistage.scheduling.ar:FrameWithHidden"
+VOCODER_SETUP = "omnistage.scheduling.vocoder:VocoderSetup"
+AUDIO_CHUNK = "omnistage.core.payloads:AudioChunk"
+AUDIO_RESULT = "omnistage.core.payloads:AudioResult"
 
 
 class Qwen3OmniPipelineConfig(PipelineConfig):
@@ -53,16 +65,25 @@ class Qwen3OmniPipelineConfig(PipelineConfig):
             terminal_stages_fn=f"{_STAGES}:terminal_stages",
             sample_requests_fn="omnistage.models.qwen3_omni.config:sample_requests",
             stages=[
-                stage("code2wav", fmt, terminal=True, can_accept_stream_before_payload=True),
-                stage("preprocessing", next=["audio_encoder", "thinker"], route_fn=f"{_STAGES}:preprocessing_routes", stream_to=["talker", "code2wav"],
-                      stream_done_to_fn=f"{_STAGES}:preprocessing_streams"),
-                stage("audio_encoder", fmt, next="thinker"),
+                stage("code2wav", fmt, terminal=True, can_accept_stream_before_payload=True,
+                      payload_type=GENERATION_SUMMARY, accepts_stream_types=[VOCODER_SETUP, CODE_FRAMES],
+                      result_type=AUDIO_RESULT, stream_types=[AUDIO_CHUNK]),
+                stage("preprocessing", next=["audio_encoder", "thinker"], route_fn=f"{_STAGES}:preprocessing_routes",
+                      stream_to=["talker", "code2wav"], stream_done_to_fn=f"{_STAGES}:preprocessing_streams",
+                      result_type=THINKER_PROMPT, stream_types=[AUDIO_SETUP]),
+                stage("audio_encoder", fmt, next="thinker", payload_type=THINKER_PROMPT, result_type=THINKER_PROMPT),
                 stage("thinker", fmt, wait_for=["preprocessing", "audio_encoder"], wait_for_fn=f"{_STAGES}:thinker_waits_for",
                       merge_fn=f"{_STAGES}:thinker_merge", next=["decode", "talker"], route_fn=f"{_STAGES}:thinker_routes",
-                      stream_to=["decode", "talker"], stream_done_to_fn=f"{_STAGES}:thinker_streams"),
-                stage("decode", terminal=True, can_accept_stream_before_payload=True),
-                stage("talker", next="code2wav", stream_to=["code2wav"], can_accept_stream_before_payload=True,
-                      args={**fmt, "talker_start_tokens": talker_start_tokens}),
+                      stream_to=["decode", "talker"], stream_done_to_fn=f"{_STAGES}:thinker_streams",
+                      payload_type=THINKER_PROMPT, result_type=GENERATION_SUMMARY, stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN]),
+                stage("decode", terminal=True, can_accept_stream_before_payload=True, payload_type=GENERATION_SUMMARY,
+                      accepts_stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN], result_type=CHAT_TEXT, stream_types=[TEXT_DELTA]),
+                # CodeFrames: declared because the thinker streams them to text-only requests'
+                # targets; an audio request's thinker sends FrameWithHidden
+                stage("talker", {**fmt, "talker_start_tokens": talker_start_tokens}, next="code2wav", stream_to=["code2wav"],
+                      can_accept_stream_before_payload=True, payload_type=GENERATION_SUMMARY,
+                      accepts_stream_types=[AUDIO_SETUP, CODE_FRAMES, FRAME_WITH_HIDDEN], result_type=GENERATION_SUMMARY,
+                      stream_types=[CODE_FRAMES]),
             ],
         )  # fmt: skip
 

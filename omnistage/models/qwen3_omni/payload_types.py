@@ -6,17 +6,18 @@ Edges (seed 001, text prompts):
   (the others): a :class:`ThinkerPrompt`; ``audio_encoder -> thinker``: the same with its
   ``audio_rows``;
 - ``preprocessing ~> talker, code2wav`` (stream, audio requests only): one
-  :class:`AudioSetup` (modality ``vocoder_setup``; a stage's chunk goes to all its stream
-  targets, so the one object is both the talker's setup and code2wav's
-  :class:`~omnistage.scheduling.vocoder.VocoderPayload`);
+  :class:`AudioSetup` (a stage's item goes to all its stream targets, so the one object
+  is both the talker's setup and code2wav's
+  :class:`~omnistage.scheduling.vocoder.VocoderSetup`);
 - ``thinker ~> decode, talker`` (stream): each reply token; for an audio request as
-  :class:`~omnistage.scheduling.ar.FrameWithHidden` chunks (with the layer-0 and
-  ``accept_hidden_layer`` rows of the tokens fed), else ``[1, 1] int64`` frames;
-- ``thinker -> decode`` and ``thinker -> talker``: the thinker's
-  :class:`~omnistage.engine.sequence.GenerationResult`;
-- ``talker ~> code2wav`` (stream): code frames ``[1, 16] int64``; ``talker -> code2wav``:
-  the talker's result;
-- ``decode`` (terminal): ``"text"`` chunks (``str`` deltas), then :class:`ChatText`; ``code2wav`` (terminal): an
+  :class:`~omnistage.scheduling.ar.FrameWithHidden` items (with the layer-0 and
+  ``accept_hidden_layer`` rows of the tokens fed), else as
+  :class:`~omnistage.scheduling.ar.CodeFrames`;
+- ``thinker -> decode``, ``thinker -> talker`` and ``talker -> code2wav``: a
+  :class:`~omnistage.scheduling.ar.GenerationSummary` (the frames were streamed);
+- ``talker ~> code2wav`` (stream): :class:`~omnistage.scheduling.ar.CodeFrames`;
+- ``decode`` (terminal): :class:`TextDelta` items, then :class:`ChatText`; ``code2wav``
+  (terminal): :class:`~omnistage.core.payloads.AudioChunk` items, then an
   :class:`~omnistage.core.payloads.AudioResult`.
 """
 
@@ -26,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from omnistage.core.request import FinishReason
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
 from omnistage.models.qwen3_omni.processing import ChatMessage
+from omnistage.scheduling.vocoder import VocoderSetup
 
 
 @dataclass(frozen=True)
@@ -94,9 +95,10 @@ class ThinkerPrompt:
     audio_rows: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class AudioSetup:
-    """What the talker and code2wav need from preprocessing, besides their streams.
+@dataclass(frozen=True, kw_only=True)
+class AudioSetup(VocoderSetup):
+    """What the talker and code2wav need from preprocessing, besides their streams (a
+    :class:`VocoderSetup` for code2wav: the chunk ramp, no left context).
 
     Attributes:
         prompt_ids: the thinker prompt ``[L] int64`` (user turns and the assistant opening
@@ -105,10 +107,6 @@ class AudioSetup:
         speaker: the speaker name.
         sampling: the client's sampling values.
         max_frames: talker frames at most.
-        stream: code2wav streams chunks (False: one chunk at the end).
-        input_tokens: ``L``, reported in code2wav's AudioResult.
-        initial_codec_chunk_frames: 0 = the vocoder's chunk ramp.
-        left_context_codes: None (no reference codes precede a talker's frames).
     """
 
     prompt_ids: torch.Tensor
@@ -116,24 +114,26 @@ class AudioSetup:
     speaker: str
     sampling: OmniSampling
     max_frames: int
-    stream: bool
-    input_tokens: int
-    initial_codec_chunk_frames: int = 0
-    left_context_codes: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Reply text streamed by ``decode``: ``text`` follows the text streamed before it."""
+
+    text: str
 
 
 @dataclass(frozen=True)
 class ChatText:
-    """The ``decode`` stage's result.
+    """The ``decode`` stage's result (its finish_reason, the thinker's, travels in the
+    framework's result: ``"stop"`` at ``<|im_end|>``, ``"length"`` at ``max_tokens``).
 
     Attributes:
         text: the reply, detokenized (special tokens skipped).
         token_ids: the reply tokens ``[G] int64`` (the stop token excluded).
         prompt_tokens: ``L``.
-        finish_reason: ``"stop"`` (``<|im_end|>``) or ``"length"`` (``max_tokens``).
     """
 
     text: str
     token_ids: torch.Tensor
     prompt_tokens: int
-    finish_reason: FinishReason

@@ -28,7 +28,7 @@ from omnistage.core.errors import RequestValidationError
 from omnistage.core.messages import StagePayload, StreamChunk
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.sampler import SamplingParams
-from omnistage.engine.sequence import GenerationInput, GenerationResult
+from omnistage.engine.sequence import GenerationInput
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
 from omnistage.models.qwen3_omni.engine_model import TalkerEngineModel, ThinkerEngineModel
 from omnistage.models.qwen3_omni.modeling.audio_encoder import output_lengths
@@ -46,13 +46,21 @@ from omnistage.models.qwen3_omni.payload_types import (
     ChatText,
     OmniSampling,
     Qwen3OmniRequest,
+    TextDelta,
     ThinkerPrompt,
 )
 from omnistage.models.qwen3_omni.processing import Qwen3OmniProcessor
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import SimpleScheduler, StreamingScheduler, StreamState, ThreadedScheduler
-from omnistage.scheduling.ar import ARScheduler, FrameWithHidden, RowFeed, StreamInput
-from omnistage.scheduling.vocoder import SETUP_MODALITY, ChunkPlan, VocoderScheduler
+from omnistage.scheduling.ar import (
+    ARScheduler,
+    CodeFrames,
+    FrameWithHidden,
+    GenerationSummary,
+    RowFeed,
+    StreamInput,
+)
+from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler
 
 SAMPLE_RATE = 24000
 TEXT_STAGES = ("preprocessing", "thinker", "decode")
@@ -156,10 +164,10 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> 
         positions = prompt_positions(ids.tolist(), config.thinker, layout)
         if request.audio_output:
             setup = AudioSetup(
-                ids, layout, request.speaker, request.sampling, request.max_audio_frames,
-                request.stream, int(ids.shape[0]),
+                prompt_ids=ids, layout=layout, speaker=request.speaker, sampling=request.sampling,
+                max_frames=request.max_audio_frames, stream=request.stream, input_tokens=int(ids.shape[0]),
             )  # fmt: skip
-            scheduler.outbox.stream(payload.request_id, setup, SETUP_MODALITY)
+            scheduler.outbox.stream(payload.request_id, setup)
         return ThinkerPrompt(
             ids, positions.positions.long(), int(positions.delta), layout,
             inputs.audio_features, inputs.audio_frames if inputs.audio_features is not None else None,
@@ -242,16 +250,17 @@ def create_thinker_stage(
             positions=prompt.positions, rope_delta=prompt.rope_delta, return_hidden=request.audio_output,
         )  # fmt: skip
 
-    return ARScheduler(engine, build_input, modality="text_tokens")
+    return ARScheduler(engine, build_input)
 
 
 class TextDecodeScheduler(StreamingScheduler):
     """The thinker's tokens -> reply text, streamed: each new token's text is emitted as a
-    ``"text"`` chunk (a ``str`` delta) as soon as it decodes to whole characters (a byte
-    token that ends mid-character waits for the next), then a :class:`ChatText` result.
+    :class:`TextDelta` as soon as it decodes to whole characters (a byte token that ends
+    mid-character waits for the next), then a :class:`ChatText` result.
 
-    Chunks: ``[1, 1] int64`` frames (a text-only request) or :class:`FrameWithHidden`
-    (an audio request; its frame None on the stop step).
+    Stream items: :class:`CodeFrames` (a text-only request) or :class:`FrameWithHidden`
+    (an audio request; its frame None on the stop step). Payload: the thinker's
+    :class:`GenerationSummary`.
 
     Args:
         tokenizer: the checkpoint's text tokenizer (special tokens are skipped).
@@ -265,9 +274,11 @@ class TextDecodeScheduler(StreamingScheduler):
         for state in states:
             tokens, sent = state.model_state or ([], "")
             for chunk in state.chunks:
-                frame = chunk.data.frame if isinstance(chunk.data, FrameWithHidden) else chunk.data
-                if frame is not None:
-                    tokens.append(int(frame[0, 0]))
+                data = chunk.data
+                if isinstance(data, CodeFrames):
+                    tokens.extend(data.codes[:, 0].tolist())
+                elif isinstance(data, FrameWithHidden) and data.frame is not None:
+                    tokens.append(int(data.frame[0, 0]))
             state.chunks.clear()
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             finishing = self.ready_to_finish(state)
@@ -276,18 +287,17 @@ class TextDecodeScheduler(StreamingScheduler):
                 and len(text) > len(sent)
                 and (finishing or not text.endswith("\ufffd"))
             ):
-                self.emit(state, text[len(sent) :], "text")
+                self.emit(state, TextDelta(text[len(sent) :]))
                 sent = text
             state.model_state = (tokens, sent)
             if finishing:
                 assert state.payload is not None
-                result: GenerationResult = state.payload.data
-                ids = result.codes[:, 0]
-                final = self.tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+                summary: GenerationSummary = state.payload.data
                 self.complete(
                     state,
-                    ChatText(final, ids, result.num_prompt_tokens, result.finish_reason),
-                    result.finish_reason,
+                    ChatText(
+                        text, torch.tensor(tokens, dtype=torch.int64), summary.num_prompt_tokens
+                    ),
                 )
 
 
@@ -301,8 +311,8 @@ def create_decode_stage(ctx: StageBuildContext) -> TextDecodeScheduler:
 
 class TalkerFeed(StreamInput):
     """One request's talker hand-off: :class:`AudioSetup` from preprocessing, then the
-    thinker's :class:`FrameWithHidden` chunks (module docstring). The thinker's result
-    (the payload) adds nothing.
+    thinker's :class:`FrameWithHidden` items (module docstring). The thinker's
+    :class:`GenerationSummary` (the payload) adds nothing.
 
     Args:
         model: the loaded thinker and talker.
@@ -333,8 +343,9 @@ class TalkerFeed(StreamInput):
             if data.frame is not None:
                 self.tokens.append(int(data.frame[0, 0]))
         else:
+            # CodeFrames: the thinker ran without return_hidden, so the talker has no prompt
             raise TypeError(
-                f"the talker takes AudioSetup and FrameWithHidden chunks, got {type(data).__name__}"
+                f"the talker takes AudioSetup and FrameWithHidden items, got {type(data).__name__}"
             )
         return self._advance(done=False)
 
@@ -386,7 +397,7 @@ class TalkerFeed(StreamInput):
         )  # fmt: skip
         return GenerationInput(
             # trailing[:-1] is empty here (one reply token fed); the later rows are appended
-            prompt.prefill, sampling, setup.max_frames, step_embeds=prompt.trailing[:-1], pad_embed=prompt.tts_pad,
+            prompt.prefill, sampling, setup.max_frames, step_rows=prompt.trailing[:-1], pad_embed=prompt.tts_pad,
             more_rows=True, positions=prompt.positions.positions.long(), rope_delta=int(prompt.positions.delta),
             predictor_sampling=SamplingParams(temperature=0.0),
         )  # fmt: skip

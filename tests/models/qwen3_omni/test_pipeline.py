@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from omnistage.core.errors import RequestAbortedError, RequestValidationError
+from omnistage.core.payloads import AudioChunk
 from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
 from omnistage.models.qwen3_omni.modeling.audio_encoder import output_lengths
 from omnistage.models.qwen3_omni.modeling.generate import talker_generate, thinker_generate
@@ -23,7 +24,12 @@ from omnistage.models.qwen3_omni.modeling.model import load_model
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout, prompt_positions
 from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
 from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
-from omnistage.models.qwen3_omni.payload_types import ChatText, OmniSampling, Qwen3OmniRequest
+from omnistage.models.qwen3_omni.payload_types import (
+    ChatText,
+    OmniSampling,
+    Qwen3OmniRequest,
+    TextDelta,
+)
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
 from omnistage.models.qwen3_omni.stages import load_code2wav
@@ -142,9 +148,12 @@ def test_text_only_request_never_reaches_talker_or_code2wav(pipeline, reference)
     handle, chunks, result = loop.run_until_complete(_run(running, request(audio=False)))
     assert set(result.outputs) == {"decode"}
     assert _stages_that_prefilled(handle) == {"thinker"}
-    assert not [c for c in chunks if c.modality == "audio"]
+    assert not [c for c in chunks if isinstance(c.data, AudioChunk)]
     text: ChatText = result.outputs["decode"]
-    assert text.text and "".join(c.data for c in chunks if c.modality == "text") == text.text
+    assert (
+        text.text
+        and "".join(c.data.text for c in chunks if isinstance(c.data, TextDelta)) == text.text
+    )
     torch.testing.assert_close(text.token_ids, reference["tokens"], rtol=0, atol=0)
     assert text.prompt_tokens == reference["prompt_tokens"]
     loop.run_until_complete(assert_no_request_state(running))
@@ -155,11 +164,13 @@ def _check_audio_request(running, loop, req: Qwen3OmniRequest, reference: dict) 
     assert set(result.outputs) == {"decode", "code2wav"}
     assert _stages_that_prefilled(handle) == {"thinker", "talker"}
     text: ChatText = result.outputs["decode"]
-    assert "".join(c.data for c in chunks if c.modality == "text") == text.text
+    assert "".join(c.data.text for c in chunks if isinstance(c.data, TextDelta)) == text.text
     torch.testing.assert_close(text.token_ids, reference["tokens"], rtol=0, atol=0)
     assert text.prompt_tokens == reference["prompt_tokens"]
-    audio = np.concatenate([np.asarray(c.data) for c in chunks if c.modality == "audio"])
-    assert len([c for c in chunks if c.modality == "audio"]) >= 2  # streamed in ramp chunks
+    audio = np.concatenate([c.data.samples for c in chunks if isinstance(c.data, AudioChunk)])
+    assert (
+        len([c for c in chunks if isinstance(c.data, AudioChunk)]) >= 2
+    )  # streamed in ramp chunks
     # the stream drops code2wav's first 555 samples (no audio), as offline decoding does
     np.testing.assert_allclose(audio, reference["audio"], rtol=0, atol=1e-5)
     assert result.outputs["code2wav"].num_frames == reference["codes"].shape[0]
@@ -218,7 +229,9 @@ def test_abort_while_the_thinker_streams_to_the_talker_leaves_no_state(pipeline)
         handle = running.submit(request(audio=True, max_tokens=64, frames=400))
         with pytest.raises(RequestAbortedError):
             async for chunk in handle.stream():
-                if chunk.modality == "audio":  # the talker runs while the thinker still streams
+                if isinstance(
+                    chunk.data, AudioChunk
+                ):  # the talker runs while the thinker still streams
                     running.abort(handle.request_id)
         await assert_no_request_state(running)
 
