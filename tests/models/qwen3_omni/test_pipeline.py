@@ -25,15 +25,18 @@ from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout, prompt_
 from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
 from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
 from omnistage.models.qwen3_omni.payload_types import (
+    AudioSetup,
     ChatText,
     OmniSampling,
     Qwen3OmniRequest,
     TextDelta,
+    ThinkerPrompt,
 )
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
 from omnistage.models.qwen3_omni.stages import load_code2wav
-from omnistage.pipeline.pipeline import Pipeline
+from omnistage.pipeline.pipeline import Pipeline, build_topology
+from omnistage.scheduling.ar import CodeFrames, FrameWithHidden, GenerationSummary
 from omnistage.testing.leaks import assert_no_request_state
 from omnistage.testing.qwen3_omni_tokenizer import write_text_tokenizer
 
@@ -141,6 +144,29 @@ async def _run(pipeline: Pipeline, req: Qwen3OmniRequest):
 
 def _stages_that_prefilled(handle) -> set[str]:
     return {name.split(".")[0] for name, _ in handle.timeline.marks if name.endswith(".prefill")}
+
+
+def test_every_edge_is_typed(checkpoint: Path) -> None:
+    config = Qwen3OmniPipelineConfig.for_model_path(str(checkpoint), load_format="dummy")
+    topology = build_topology(config)
+    edges = {(e.source, e.target, e.kind): e.carries for e in topology.edges}
+    assert edges == {
+        ("preprocessing", "audio_encoder", "next"): (ThinkerPrompt,),
+        # the thinker's fan-in: its payload is merge_fn's, checked by its annotation
+        ("preprocessing", "thinker", "next"): (),
+        ("audio_encoder", "thinker", "next"): (),
+        ("preprocessing", "talker", "stream"): (AudioSetup,),
+        ("preprocessing", "code2wav", "stream"): (AudioSetup,),
+        ("thinker", "decode", "next"): (GenerationSummary,),
+        ("thinker", "talker", "next"): (GenerationSummary,),
+        ("thinker", "decode", "stream"): (CodeFrames, FrameWithHidden),
+        ("thinker", "talker", "stream"): (CodeFrames, FrameWithHidden),
+        ("talker", "code2wav", "next"): (GenerationSummary,),
+        ("talker", "code2wav", "stream"): (CodeFrames,),
+    }
+    assert topology.types["thinker"].payload is ThinkerPrompt
+    assert topology.types["decode"].streams == (TextDelta,)
+    assert topology.types["code2wav"].streams == (AudioChunk,)
 
 
 def test_text_only_request_never_reaches_talker_or_code2wav(pipeline, reference) -> None:
