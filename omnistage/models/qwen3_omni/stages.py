@@ -396,8 +396,8 @@ class TalkerFeed(StreamInput):
             top_k=setup.sampling.top_k, seed=setup.sampling.seed,
         )  # fmt: skip
         return GenerationInput(
-            # trailing[:-1] is empty here (one reply token fed); the later rows are appended
-            prompt.prefill, sampling, setup.max_frames, step_rows=prompt.trailing[:-1], pad_embed=prompt.tts_pad,
+            # step_rows[:-1] is empty here (one reply token fed); the later rows are appended
+            prompt.prefill, sampling, setup.max_frames, step_rows=prompt.step_rows[:-1], pad_embed=prompt.tts_pad,
             more_rows=True, positions=prompt.positions.positions.long(), rope_delta=int(prompt.positions.delta),
             predictor_sampling=SamplingParams(temperature=0.0),
         )  # fmt: skip
