@@ -174,7 +174,8 @@ def test_played_audio_is_exactly_what_the_server_sends(page, piper_server, tmp_p
     """The page receives, schedules and plays every sample (as many as a direct non-streamed
     request returns), reports TTFA, duration and RTF, and its WAV download holds the same
     bytes."""
-    expected = server_pcm(piper_server, SHORT_TEXT, **DETERMINISTIC)
+    # the page asks for pcm at the voice's own rate (its AudioContext runs at it)
+    expected = server_pcm(piper_server, SHORT_TEXT, sample_rate=22050, **DETERMINISTIC)
     open_playground(page, piper_server)
     set_deterministic(page)
     clicked = time.monotonic()
@@ -296,6 +297,7 @@ def test_form_follows_the_model_and_sends_reference_audio_as_a_data_uri(page, pi
             "ref_audio": "data:audio/wav;base64," + base64.b64encode(clip).decode(),
             "ref_text": "what I said",
             "response_format": "pcm",
+            "sample_rate": 16000,
             "stream": False,
         }
     ]
