@@ -1,6 +1,108 @@
+"""Suite-wide fixtures, and the suite's peak memory, printed at the end of every run.
+
+Peak RSS: a sampler thread sums the resident memory (``VmRSS``) of the test process and
+every live descendant (stage processes, CLI subprocesses, browsers) every 50 ms; the
+report prints that sampled peak next to the exact high-water marks the kernel keeps (the
+test process's ``VmHWM``, the largest waited-for child's ``ru_maxrss``). A run whose
+peak exceeds :data:`PEAK_RSS_LIMIT_BYTES` fails (issue 13: a suite at 10-12 GB got a run
+OOM-killed on a 24 GB machine shared by several engineers).
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import threading
+from pathlib import Path
+
 import pytest
+
+PEAK_RSS_LIMIT_BYTES = 4 * 1024**3
+SAMPLE_PERIOD_S = 0.05
 
 
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
+
+
+def _status_kib(pid: int, key: str) -> int:
+    """``key`` (``VmRSS``, ``VmHWM``) of ``/proc/<pid>/status`` in KiB; 0 once it is gone."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            kids += [int(k) for k in (task / "children").read_text().split()]
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return kids
+
+
+def tree_rss_bytes(root: int) -> int:
+    """Resident bytes of ``root`` and all its live descendants now."""
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += _status_kib(pid, "VmRSS") * 1024
+        todo += _children(pid)
+    return total
+
+
+class PeakRSS:
+    """Samples :func:`tree_rss_bytes` of this process until :meth:`stop`."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while True:
+            self.peak = max(self.peak, tree_rss_bytes(pid))
+            if self._stop.wait(SAMPLE_PERIOD_S):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_peak: PeakRSS | None = None
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    global _peak
+    _peak = PeakRSS()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _peak is None:
+        return
+    _peak.stop()
+    if _peak.peak > PEAK_RSS_LIMIT_BYTES and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _peak is None:
+        return
+    mib = 1024**2
+    own = _status_kib(os.getpid(), "VmHWM") * 1024
+    child = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    verdict = "over" if _peak.peak > PEAK_RSS_LIMIT_BYTES else "within"
+    terminalreporter.write_line(
+        f"peak RSS: {_peak.peak / mib:.0f} MiB (test process + descendants, sampled every "
+        f"{SAMPLE_PERIOD_S * 1000:.0f} ms; {verdict} the {PEAK_RSS_LIMIT_BYTES / mib:.0f} MiB limit); "
+        f"test process high-water mark {own / mib:.0f} MiB; largest child {child / mib:.0f} MiB"
+    )

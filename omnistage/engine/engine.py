@@ -41,7 +41,7 @@ from omnistage.core.request import FinishReason
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.cuda_graph import CUDAGraphRunner, default_batch_sizes
 from omnistage.engine.kv_cache import PagedKVCache, kv_budget_bytes
-from omnistage.engine.model_runner import ARModel, ModelRunner, StepSampling
+from omnistage.engine.model_runner import ARModel, ARModelSpec, ModelRunner, StepSampling
 from omnistage.engine.paged_attention import decode_attention_for
 from omnistage.engine.scheduler import BatchScheduler, ScheduledBatch
 from omnistage.engine.sequence import GenerationInput, GenerationResult, Sequence, SequenceStatus
@@ -52,9 +52,11 @@ class EngineConfig:
     """Engine knobs.
 
     Attributes:
-        kv_cache_bytes / mem_fraction_static: the KV pool's budget, exactly one of them
+        kv_cache_bytes / mem_fraction_static: the KV pool's budget, at most one of them
             (the fraction is of the device memory free when the engine is built, i.e.
-            after the weights; CUDA only).
+            after the weights; CUDA only). Neither: the pool holds ``max_num_seqs``
+            requests of ``max_model_len`` tokens each, what this model can ever use at
+            once (the CPU default: host memory is not the pool's to take).
         block_size: tokens per KV block.
         max_num_seqs: running requests at most.
         max_waiting: queued requests at most (more -> QueueFullError).
@@ -133,10 +135,7 @@ class AREngine:
     def __init__(self, model: ARModel, config: EngineConfig) -> None:
         spec = model.spec
         self.config, self.device = config, spec.device
-        budget = kv_budget_bytes(spec.device, config.kv_cache_bytes, config.mem_fraction_static)
-        self.cache = PagedKVCache.for_budget(
-            budget, spec.num_layers, spec.num_kv_heads, spec.head_dim, config.block_size, spec.dtype, spec.device
-        )
+        self.cache = self._kv_pool(spec, config)
         self.kv_blocks = BlockManager(self.cache.num_usable_blocks, config.block_size)
         self.row_blocks = BlockManager(math.ceil(config.num_step_rows / config.block_size), config.block_size)
         self.scheduler = BatchScheduler(
@@ -154,6 +153,16 @@ class AREngine:
         with torch.no_grad():
             self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling) if is_cuda and sizes else None
         self._in_flight: _InFlight | None = None
+
+    @staticmethod
+    def _kv_pool(spec: ARModelSpec, config: EngineConfig) -> PagedKVCache:
+        geometry = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
+        if config.kv_cache_bytes is None and config.mem_fraction_static is None:
+            # every slot at max_model_len, plus the scratch block
+            blocks = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size) + 1
+            return PagedKVCache(*geometry, blocks, config.block_size, spec.dtype, spec.device)
+        budget = kv_budget_bytes(spec.device, config.kv_cache_bytes, config.mem_fraction_static)
+        return PagedKVCache.for_budget(budget, *geometry, config.block_size, spec.dtype, spec.device)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, inputs: GenerationInput, now: float | None = None) -> None:

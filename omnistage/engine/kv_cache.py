@@ -4,10 +4,17 @@ Token ``t`` of a request lives at slot ``table[t // block_size] * block_size + t
 block_size`` (see :mod:`omnistage.engine.block_manager`). The pool's last block is a
 scratch block no request ever owns: the padding rows of a captured decode step (a batch
 padded up to its CUDA-graph bucket) read and write there, never in a live request's blocks.
+
+On CPU the buffers come from ``calloc`` (through :func:`numpy.zeros`): the kernel maps
+zero pages and commits each on its first write, so a pool sized for the worst case costs
+resident memory only for the tokens actually stored.
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from omnistage.engine.block_manager import num_blocks_for_budget
@@ -20,7 +27,8 @@ def kv_budget_bytes(device: torch.device, kv_cache_bytes: int | None, mem_fracti
 
     Raises:
         ValueError: neither or both are given, the fraction is outside (0, 1], or a
-            fraction is asked for on a device whose free memory is unknown (CPU).
+            fraction is asked for on a device whose free memory is not the pool's to
+            take (CPU: host memory is shared with everything else on the machine).
     """
     if (kv_cache_bytes is None) == (mem_fraction_static is None):
         raise ValueError("give exactly one of kv_cache_bytes and mem_fraction_static")
@@ -62,8 +70,8 @@ class PagedKVCache:
         if num_blocks < 2:
             raise ValueError(f"the KV pool needs >= 2 blocks (one is scratch), got {num_blocks}")
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = _zeros(shape, dtype, device)
+        self.v = _zeros(shape, dtype, device)
         self.block_size = block_size
         self.num_usable_blocks = num_blocks - 1
         self.scratch_block = num_blocks - 1
@@ -87,3 +95,12 @@ class PagedKVCache:
         dtype_bytes = torch.empty((), dtype=dtype).element_size()
         blocks = num_blocks_for_budget(budget_bytes, num_layers, num_kv_heads, head_dim, dtype_bytes, block_size)
         return cls(num_layers, num_kv_heads, head_dim, blocks, block_size, dtype, device)
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros of ``shape``; on CPU backed by ``calloc``, committed page by page on first
+    write (``torch.zeros`` writes every byte, making the whole pool resident at once)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)

@@ -98,7 +98,7 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                     device=device,
                     factory=FactoryConfig(
                         path=f"{_STAGES}:create_tts_engine_stage",
-                        args={"max_num_seqs": 64, "mem_fraction_static": 0.5},
+                        args={"mem_fraction_static": 0.5},
                     ),
                     next="vocoder",
                     stream_to=["vocoder"],

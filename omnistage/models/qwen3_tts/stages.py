@@ -20,7 +20,6 @@ device memory (``mem_fraction_static``).
 from __future__ import annotations
 
 import hashlib
-import os
 from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
@@ -62,8 +61,6 @@ from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import SimpleScheduler, ThreadedScheduler
 from omnistage.scheduling.ar import ARScheduler
 from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler, VocoderSetup
-
-CPU_KV_CACHE_MAX_BYTES = 4 * 1024**3
 
 
 def resolve_device(ctx: StageBuildContext) -> torch.device:
@@ -226,7 +223,7 @@ def _prompt(builder: PromptBuilder, reference: EncodedReference | None, request:
 
 def create_tts_engine_stage(
     ctx: StageBuildContext,
-    max_num_seqs: int = 64,
+    max_num_seqs: int | None = None,
     mem_fraction_static: float = 0.5,
     kv_cache_bytes: int | None = None,
     block_size: int = 16,
@@ -236,22 +233,26 @@ def create_tts_engine_stage(
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine.
 
-    KV pool: ``kv_cache_bytes`` when given, else ``mem_fraction_static`` of the device
-    memory free once every stage before this one (the vocoder) is built; on CPU
-    (no free-memory figure) :func:`cpu_kv_cache_bytes` unless ``kv_cache_bytes`` is set.
+    ``max_num_seqs``: running requests at most; None is 64 on CUDA and 4 on CPU (a CPU
+    runs few streams at once, and 4 keeps the real 0.6B's fp32 CPU pool at 15 GB of
+    address space).
+    KV pool: ``kv_cache_bytes`` when given; else on CUDA ``mem_fraction_static`` of the
+    device memory free once every stage before this one (the vocoder) is built; else (CPU)
+    ``max_num_seqs`` requests of ``max_model_len`` tokens, committed as tokens are written
+    (a tiny checkpoint: 256 bytes per token; the real 0.6B in fp32: 229 KB).
     ``max_model_len``: prompt + frames per request at most: 8192 frames plus the longest
     prompt (2,000 CJK characters are about 6,000 tokens; a 30 s ICL reference adds 375
-    frames). Only a request's own prompt + ``max_new_tokens`` is reserved, so a large
-    value costs nothing but block-table width.
+    frames).
     """
     where = resolve_device(ctx)
     model_path = _model_path(ctx)
     checkpoint = loaded_checkpoint(model_path, where)
-    if kv_cache_bytes is None and where.type == "cpu":
-        kv_cache_bytes = cpu_kv_cache_bytes()
+    if max_num_seqs is None:
+        max_num_seqs = 64 if where.type == "cuda" else 4
+    fraction = mem_fraction_static if kv_cache_bytes is None and where.type == "cuda" else None
     config = EngineConfig(
         kv_cache_bytes=kv_cache_bytes,
-        mem_fraction_static=None if kv_cache_bytes is not None else mem_fraction_static,
+        mem_fraction_static=fraction,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
@@ -260,14 +261,6 @@ def create_tts_engine_stage(
         graph_sampling=_default_step_sampling(checkpoint),
     )
     return ARScheduler(AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config))
-
-
-def cpu_kv_cache_bytes() -> int:
-    """The CPU KV pool: an eighth of physical memory, at most 4 GiB (a real 0.6B talker in
-    fp32 keeps 229 KB per token, so 4 GiB holds about 18,000 tokens: a few long requests,
-    which is what a CPU serves at once anyway)."""
-    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return min(CPU_KV_CACHE_MAX_BYTES, physical // 8)
 
 
 def _default_step_sampling(checkpoint: LoadedCheckpoint) -> tuple[StepSampling, ...]:
