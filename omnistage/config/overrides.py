@@ -6,9 +6,11 @@ Every settable value has a dotted *path*:
 - ``<stage>.<field>[.<field>...]`` for a stage field, addressing the stage by its name and
   walking typed sub-models (``tts.device``, ``tts.engine.max_running_requests`` for a
   :class:`StageConfig` subclass with an ``engine`` sub-model);
-- ``<stage>.factory.args.<key>`` for a scheduler knob. A ``dict`` field is a set of
-  declared knobs: only keys present in the model defaults are settable; a key whose default
-  is a non-empty dict is itself a group of knobs (``args.sampling.top_k``).
+- ``<stage>.factory.args.<name>`` for a scheduler knob: the keyword parameters of the
+  stage's factory are its knob schema (the annotation types the value; the model's
+  ``args``, else the parameter's default, is the default), so resolving imports each
+  factory's module. A knob whose default is a non-empty dict is a group of knobs typed by
+  their defaults (``args.sampling.top_k``). The resolved config holds every knob.
 
 Topology (stage ``name``, ``factory.path``, ``next``, ``terminal``, the hooks, the stream
 edges, and the top-level ``stages``, ``entry_stage``, ``terminal_stages_fn``,
@@ -33,18 +35,23 @@ the path and where the value came from (``cli`` or ``yaml:<file>``).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import types
+import typing
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, Strict, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Strict, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
+from omnistage.config.hooks import factory_parameters
 from omnistage.config.pipeline import PipelineConfig
+from omnistage.core.errors import PipelineConfigError
 
 __all__ = [
     "ConfigOverrideError",
@@ -95,16 +102,22 @@ class ConfigOverrideError(ValueError):
 class _Leaf:
     """A settable value: ``owner`` is the stage name (None: pipeline level); ``segs`` the
     field/key path below it; ``field`` the pydantic field, or None for a dict knob whose
-    type is taken from ``default``."""
+    type is taken from ``annotation`` (a factory parameter's), else from ``default``."""
 
     path: str
     owner: str | None
     segs: tuple[str, ...]
     field: FieldInfo | None
     default: Any
+    annotation: Any = None
 
     def validate(self, value: Any) -> Any:
         """The value validated (and coerced) for this leaf; raises ValidationError."""
+        if self.annotation is not None:
+            # scalars keep their declared type (no 1 -> True); containers convert (a YAML
+            # list -> tuple[int, ...])
+            config = ConfigDict(strict=_is_scalar(self.annotation))
+            return TypeAdapter(self.annotation, config=config).validate_python(value)
         return TypeAdapter(self._annotation()).validate_python(value)
 
     def _annotation(self) -> Any:
@@ -120,6 +133,15 @@ class _Leaf:
         return Any
 
 
+_SCALARS = (bool, int, float, str, type(None))
+
+
+def _is_scalar(annotation: Any) -> bool:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return all(arg in _SCALARS for arg in typing.get_args(annotation))
+    return annotation in _SCALARS
+
+
 @dataclass(frozen=True)
 class _Override:
     path: str
@@ -130,14 +152,46 @@ class _Override:
 # ----------------------------------------------------------------------------- leaf table
 
 
-def _leaf_table(defaults: PipelineConfig) -> dict[str, _Leaf]:
-    """Every settable leaf of ``defaults``, keyed by dotted path, in declaration order."""
+def _with_every_knob(defaults: PipelineConfig) -> tuple[PipelineConfig, dict[str, dict[str, Any]]]:
+    """A copy of ``defaults`` whose stages' ``factory.args`` hold every factory parameter
+    (the model's value, else the parameter's default), and each stage's knob annotations.
+
+    Raises:
+        ConfigOverrideError: a parameter without a default is missing from the args.
+    """
+    stages, annotations = [], {}
+    for stage in defaults.stages:
+        try:
+            params = factory_parameters(stage)
+        except PipelineConfigError as exc:
+            raise ConfigOverrideError(str(exc), path=f"{stage.name}.factory") from None
+        missing = [n for n, p in params.items() if n not in stage.factory.args and p.default is p.empty]
+        if missing:
+            raise ConfigOverrideError(
+                f"stage {stage.name!r}: factory {stage.factory.path} needs {missing}, which the "
+                "model's args do not give",
+                path=f"{stage.name}.factory.args",
+            )
+        args = {n: stage.factory.args.get(n, p.default) for n, p in params.items()}
+        args |= {n: v for n, v in stage.factory.args.items() if n not in args}
+        factory = stage.factory.model_copy(update={"args": args})
+        stages.append(stage.model_copy(update={"factory": factory}))
+        annotations[stage.name] = {n: p.annotation for n, p in params.items() if p.annotation is not p.empty}
+    return defaults.model_copy(update={"stages": stages}), annotations
+
+
+def _leaf_table(defaults: PipelineConfig, annotations: dict[str, dict[str, Any]]) -> dict[str, _Leaf]:
+    """Every settable leaf of ``defaults``, keyed by dotted path, in declaration order;
+    ``annotations``: stage -> factory parameter -> its type."""
     leaves: list[_Leaf] = []
     _walk_model(defaults, None, (), PIPELINE_TOPOLOGY, leaves)
     for stage in defaults.stages:
         _walk_model(stage, stage.name, (), STAGE_TOPOLOGY, leaves)
     table: dict[str, _Leaf] = {}
     for leaf in leaves:
+        if leaf.owner is not None and len(leaf.segs) == 3 and leaf.segs[:2] == ("factory", "args"):
+            annotation = annotations[leaf.owner].get(leaf.segs[2])
+            leaf = dataclasses.replace(leaf, annotation=annotation)
         if leaf.path in table:
             raise ConfigOverrideError(
                 f"config path {leaf.path!r} is ambiguous in the model defaults (a stage "
@@ -207,12 +261,22 @@ def _lookup(path: str, source: str, table: dict[str, _Leaf], defaults: PipelineC
             path=path,
             source=source,
         )
-    close = difflib.get_close_matches(path, list(table), n=3, cutoff=0.6)
-    hint = (
-        "did you mean " + " or ".join(repr(c) for c in close) + "?"
-        if close
-        else "stages are " + ", ".join(repr(s.name) for s in defaults.stages)
-    )
+    head, _, rest = path.partition(".")
+    stages = [s.name for s in defaults.stages]
+    # a path under a stage is matched against that stage's paths only: a knob of another
+    # stage is named as such, never offered as the fix
+    candidates = [p for p in table if p.startswith(head + ".")] if head in stages else list(table)
+    parent, _, last = path.rpartition(".")
+    siblings = {p.rpartition(".")[2] for p in candidates if p.rpartition(".")[0] == parent} if parent else set()
+    if siblings:  # the group exists: match the last name among its members
+        close = [f"{parent}.{c}" for c in difflib.get_close_matches(last, sorted(siblings), n=3, cutoff=0.6)]
+    else:
+        close = difflib.get_close_matches(path, candidates, n=3, cutoff=0.6)
+    elsewhere = [s for s in stages if s != head and f"{s}.{rest}" in table] if head in stages else []
+    hints = ["did you mean " + " or ".join(repr(c) for c in close) + "?"] if close else []
+    if elsewhere:
+        hints.append(f"{rest!r} is set on stage " + " or ".join(repr(s) for s in elsewhere))
+    hint = "; ".join(hints) or "stages are " + ", ".join(repr(s) for s in stages)
     raise ConfigOverrideError(f"unknown config path {where}; {hint}", path=path, source=source)
 
 
@@ -449,7 +513,8 @@ class ResolvedConfig:
     Attributes:
         config: a new validated instance of the defaults' class.
         provenance: every settable leaf path -> ``"default"``, ``"yaml:<file>"`` or ``"cli"``.
-        defaults: the model defaults it was resolved from (not modified).
+        defaults: the model defaults it was resolved from, every factory knob filled in
+            (the caller's object is not modified).
     """
 
     config: PipelineConfig
@@ -527,7 +592,8 @@ def resolve_config(
         ConfigOverrideError: unknown or topology path, invalid value, conflicting values at
             one precedence level, unreadable or malformed override file.
     """
-    table = _leaf_table(defaults)
+    defaults, annotations = _with_every_knob(defaults)
+    table = _leaf_table(defaults, annotations)
     merged: dict[str, _Override] = {}
     if yaml_path is not None:
         source = f"yaml:{yaml_path}"

@@ -55,8 +55,6 @@ class StageConfig(_Strict):
         description="process group; None runs the stage in the coordinator's process",
     )
     device: str = Field(default="cpu", description='torch device, e.g. "cpu" or "cuda:0"')
-    gpu_memory_fraction: float | None = Field(default=None, gt=0.0, le=1.0)
-    gpu_memory_bytes: int | None = Field(default=None, gt=0)
 
     next: list[str] = Field(default_factory=list)
     terminal: bool = False
@@ -97,14 +95,6 @@ class StageConfig(_Strict):
         if isinstance(data, dict) and isinstance(data.get("next"), str):
             data = {**data, "next": [data["next"]]}
         return data
-
-    @model_validator(mode="after")
-    def _memory_budget_exclusive(self) -> StageConfig:
-        if self.gpu_memory_fraction is not None and self.gpu_memory_bytes is not None:
-            raise ValueError(
-                f"stage {self.name!r}: set gpu_memory_fraction or gpu_memory_bytes, not both"
-            )
-        return self
 
 
 class PipelineConfig(_Strict):

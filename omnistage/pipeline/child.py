@@ -8,9 +8,9 @@ import threading
 import traceback
 from typing import Any
 
+from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig
 from omnistage.core.messages import CoordinatorEvent, StageFailed, StreamChunk
-from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.host import StageHost
 from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.stage import StageRuntime, build_scheduler

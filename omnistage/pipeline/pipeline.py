@@ -26,13 +26,13 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig
 from omnistage.core.errors import PipelineConfigError, PipelineUnhealthyError
 from omnistage.core.messages import StagePayload
 from omnistage.pipeline import relay
 from omnistage.pipeline.child import run_child
 from omnistage.pipeline.coordinator import Coordinator, RequestHandle
-from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.host import StageHost
 from omnistage.pipeline.stage import StageRuntime, build_scheduler
 from omnistage.pipeline.topology import Topology

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from omnistage.config.hooks import factory_args, import_callable
 from omnistage.config.pipeline import PipelineConfig, StageConfig
 from omnistage.core.errors import OmnistageError, StageFailureError
 from omnistage.core.messages import (
@@ -37,7 +38,6 @@ from omnistage.core.messages import (
 from omnistage.core.request import FinishReason, most_severe
 from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.edges import check_message
-from omnistage.pipeline.hooks import import_callable
 from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.timeline import FIRST_OUTPUT, RESULT
 from omnistage.pipeline.topology import Topology
@@ -64,11 +64,12 @@ def build_scheduler(pipeline: PipelineConfig, stage: StageConfig) -> Scheduler:
     """Call the stage's factory.
 
     Raises:
-        PipelineConfigError: the factory path does not resolve.
+        PipelineConfigError: the factory path does not resolve, or its args do not fit
+            its signature (:func:`~omnistage.config.hooks.factory_args`).
         TypeError: the factory did not return a :class:`Scheduler`.
     """
     factory = import_callable(stage.factory.path, stage=stage.name, what="factory")
-    scheduler = factory(StageBuildContext(pipeline, stage), **stage.factory.args)
+    scheduler = factory(StageBuildContext(pipeline, stage), **factory_args(stage))
     if not isinstance(scheduler, Scheduler):
         raise TypeError(f"stage {stage.name!r}: factory returned {type(scheduler).__name__}, not a Scheduler")
     return scheduler

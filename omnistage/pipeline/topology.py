@@ -27,11 +27,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig, StageConfig
 from omnistage.core.errors import PipelineConfigError, StageFailureError
 from omnistage.core.messages import StagePayload
 from omnistage.pipeline.edges import StageTypes, check_edges
-from omnistage.pipeline.hooks import import_callable
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omnistage.config.overrides import (
     ConfigOverrideError,
@@ -27,6 +27,32 @@ class EngineArgs(BaseModel):
 class EngineStage(StageConfig):
     engine: EngineArgs = Field(default_factory=EngineArgs)
 
+    @model_validator(mode="after")
+    def _fp8_caps_requests(self) -> EngineStage:
+        if self.engine.kv_cache_dtype == "fp8" and self.engine.max_running_requests > 64:
+            raise ValueError("an fp8 KV cache runs at most 64 requests")
+        return self
+
+
+def make_talker(ctx, max_batch_size: int = 1, prefill_hold_ms: float = 5.0):
+    """The talker's factory: its parameters are the stage's knobs (never built here)."""
+    raise AssertionError("resolving a config never builds a stage")
+
+
+def make_vocoder(
+    ctx,
+    chunk_ms: float = 20.0,
+    warmup: bool = False,
+    sampling: dict | None = None,
+    ramp: tuple[int, ...] = (1, 2, 4),
+    kv_cache_bytes: int | None = None,
+):
+    raise AssertionError("resolving a config never builds a stage")
+
+
+TALKER = f"{__name__}:make_talker"
+VOCODER = f"{__name__}:make_vocoder"
+
 
 class TtsPipeline(PipelineConfig):
     voice_dir: str | None = None
@@ -38,14 +64,14 @@ def make_defaults() -> TtsPipeline:
         stages=[
             EngineStage(
                 name="talker",
-                factory=FactoryConfig(path="pkg.talker:make", args={"max_batch_size": 8}),
+                factory=FactoryConfig(path=TALKER, args={"max_batch_size": 8}),
                 next=["vocoder"],
                 engine=EngineArgs(max_running_requests=32),
             ),
             StageConfig(
                 name="vocoder",
                 factory=FactoryConfig(
-                    path="pkg.vocoder:make",
+                    path=VOCODER,
                     args={"chunk_ms": 80.0, "warmup": True, "sampling": {"top_k": 50}},
                 ),
                 terminal=True,
@@ -85,14 +111,16 @@ def test_dotted_overrides_set_nested_values():
     talker, vocoder = config.stages
     assert type(talker) is EngineStage
     assert talker.engine == EngineArgs(max_running_requests=4)
-    assert talker.factory.args == {"max_batch_size": 2}
-    assert vocoder.factory.args == {"chunk_ms": 80.0, "warmup": True, "sampling": {"top_k": 5}}
+    assert talker.factory.args == {"max_batch_size": 2, "prefill_hold_ms": 5.0}
+    assert vocoder.factory.args == {
+        "chunk_ms": 80.0, "warmup": True, "sampling": {"top_k": 5}, "ramp": (1, 2, 4), "kv_cache_bytes": None,
+    }  # fmt: skip
     assert vocoder.device == "cuda:1"
     assert config.max_concurrent_requests == 8
     assert config.voice_dir == "/voices"
     # untouched values and topology survive
     assert talker.next == ["vocoder"] and vocoder.terminal
-    assert talker.factory.path == "pkg.talker:make"
+    assert talker.factory.path == TALKER
 
 
 @pytest.mark.parametrize(
@@ -102,10 +130,12 @@ def test_dotted_overrides_set_nested_values():
         ("vocoder.factory.args.chunk_ms", "40", 40.0),  # int text widened to the float knob
         ("vocoder.factory.args.chunk_ms", "0.5", 0.5),
         ("request_timeout_s", "null", None),
-        ("talker.gpu_memory_fraction", "0.25", 0.25),
+        ("talker.factory.args.prefill_hold_ms", "0", 0.0),  # a knob the model leaves at its default
+        ("vocoder.factory.args.ramp", "[2, 4]", (2, 4)),  # typed by the factory's annotation
+        ("vocoder.factory.args.kv_cache_bytes", "1024", 1024),
         ("vocoder.device", "16", "16"),  # a str field keeps the raw text
         ("vocoder.device", "true", "true"),
-        ("talker.gpu_memory_bytes", "null", None),
+        ("vocoder.factory.args.kv_cache_bytes", "null", None),
     ],
 )
 def test_cli_values_are_parsed_as_yaml_then_validated(path, text, expected):
@@ -214,6 +244,27 @@ def test_unknown_path_suggests_the_right_one(tmp_path):
     assert err.value.source == f"yaml:{override}"
 
 
+def test_a_knob_of_another_stage_is_named_with_its_stage_not_suggested():
+    with pytest.raises(ConfigOverrideError) as err:
+        resolve_config(make_defaults(), None, cli("--vocoder.factory.args.max_batch_size", "2"))
+    message = str(err.value)
+    assert "'factory.args.max_batch_size' is set on stage 'talker'" in message
+    assert "did you mean 'talker" not in message
+    with pytest.raises(ConfigOverrideError) as err:
+        resolve_config(make_defaults(), None, cli("--vocoder.factory.args.chunk_m", "2"))
+    assert "did you mean 'vocoder.factory.args.chunk_ms'?" in str(err.value)
+
+
+def test_model_args_the_factory_does_not_take_are_refused():
+    defaults = make_defaults()
+    defaults.stages[0].factory.args["max_batch"] = 2
+    with pytest.raises(ConfigOverrideError, match=r"\['max_batch'\] are not parameters.*max_batch_size"):
+        resolve_config(defaults, None, [])
+    defaults.stages[0].factory.path = "no_such_module:make"
+    with pytest.raises(ConfigOverrideError, match="cannot import 'no_such_module'"):
+        resolve_config(defaults, None, [])
+
+
 def test_undeclared_dict_knob_is_unknown():
     with pytest.raises(ConfigOverrideError, match="unknown config path"):
         resolve_config(make_defaults(), None, cli("--talker.factory.args.new_knob", "1"))
@@ -259,7 +310,8 @@ def test_topology_is_refused_from_yaml(tmp_path):
     [
         (["--max_concurrent_requests", "0"], "max_concurrent_requests"),
         (["--talker.engine.max_running_requests", "5000"], "talker.engine.max_running_requests"),
-        (["--talker.gpu_memory_fraction", "1.5"], "talker.gpu_memory_fraction"),
+        (["--vocoder.factory.args.kv_cache_bytes", "1.5"], "vocoder.factory.args.kv_cache_bytes"),
+        (["--vocoder.factory.args.ramp", "[a]"], "vocoder.factory.args.ramp"),
         (["--request_timeout_s", "fast"], "request_timeout_s"),
     ],
 )
@@ -271,13 +323,13 @@ def test_constraint_violation_names_the_path(tokens, path):
 
 
 def test_cross_field_validation_of_the_resolved_model_names_the_overrides():
-    tokens = ("--talker.gpu_memory_fraction", "0.5", "--talker.gpu_memory_bytes", "1000")
+    tokens = ("--talker.engine.kv_cache_dtype", "fp8", "--talker.engine.max_running_requests", "100")
     with pytest.raises(ConfigOverrideError) as err:
         resolve_config(make_defaults(), None, cli(*tokens))
     message = str(err.value)
-    assert "not both" in message
-    assert "talker.gpu_memory_fraction (from cli)" in message
-    assert "talker.gpu_memory_bytes (from cli)" in message
+    assert "at most 64 requests" in message
+    assert "talker.engine.kv_cache_dtype (from cli)" in message
+    assert "talker.engine.max_running_requests (from cli)" in message
 
 
 def test_malformed_yaml_files_are_refused(tmp_path):
@@ -331,7 +383,7 @@ def test_text_renderings(tmp_path):
     dumped = yaml.safe_load(resolved.to_yaml())
     assert [s["name"] for s in dumped["stages"]] == ["talker", "vocoder"]
     assert dumped["stages"][0]["engine"] == {"max_running_requests": 4, "kv_cache_dtype": "auto"}
-    assert dumped["stages"][1]["factory"] == resolved.config.stages[1].factory.model_dump()
+    assert dumped["stages"][1]["factory"] == resolved.config.stages[1].factory.model_dump(mode="json")
     assert dumped["max_concurrent_requests"] == 64
 
     diff = resolved.diff_yaml()
@@ -348,14 +400,17 @@ def test_text_renderings(tmp_path):
     assert f"vocoder.factory.args.chunk_ms = 40.0  # {src}" in lines
     assert "max_concurrent_requests = 64  # cli" in lines
     assert "vocoder.factory.args.sampling.top_k = 50  # default" in lines
-    assert "vocoder.gpu_memory_bytes = null  # default" in lines
+    assert "vocoder.factory.args.kv_cache_bytes = null  # default" in lines
+    assert "talker.factory.args.prefill_hold_ms = 5.0  # default" in lines
     assert len(lines) == len(resolved.provenance)
 
 
-def test_no_overrides_reproduces_defaults():
+def test_no_overrides_reproduces_defaults_with_every_factory_knob():
     defaults = make_defaults()
     resolved = resolve_config(defaults, None, [])
-    assert resolved.config == defaults and resolved.config is not defaults
+    assert resolved.config == resolved.defaults and resolved.config is not defaults
+    assert resolved.config.stages[0].factory.args == {"max_batch_size": 8, "prefill_hold_ms": 5.0}
+    assert defaults.stages[0].factory.args == {"max_batch_size": 8}  # the caller's copy
     assert set(resolved.provenance.values()) == {"default"}
     assert resolved.diff_yaml().startswith("{}")
 

@@ -1,0 +1,56 @@
+"""Every Qwen3-TTS knob docs/qwen3_tts.md lists is settable from the command line and
+listed by ``config resolve`` (the factories' signatures are the knob schema)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from omnistage.config.overrides import resolve_config
+from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
+
+DOC = Path(__file__).parents[3] / "docs" / "qwen3_tts.md"
+
+
+def documented_knobs() -> list[str]:
+    """``<stage>.factory.args.<name>`` for each name in the doc's "Knobs" list."""
+    text = DOC.read_text(encoding="utf-8")
+    section = text[text.index("Knobs (`--<stage>.factory.args.<name> VALUE`") :]
+    section = section[: section.index("- every stage:")]
+    knobs = []
+    for stage, names in re.findall(r"^- `(\w+)`: (.+?)(?=^- |\Z)", section, flags=re.M | re.S):
+        knobs += [f"{stage}.factory.args.{name}" for name in re.findall(r"`(\w+)`", names)]
+    return knobs
+
+
+def test_the_doc_lists_the_knobs():
+    assert len(documented_knobs()) == 14
+
+
+def changed(value):
+    """A value of the same kind as the default ``value`` but different (None: an int)."""
+    if isinstance(value, bool):
+        return not value
+    if isinstance(value, int | float):
+        return value * 2 if value else 1
+    if isinstance(value, list):
+        return value[:-1]
+    assert value is None
+    return 1 << 20
+
+
+@pytest.mark.parametrize("path", documented_knobs())
+def test_a_documented_knob_is_listed_and_settable(tiny_checkpoints, path):
+    defaults = Qwen3TTSPipelineConfig.for_model_path(str(tiny_checkpoints["custom_voice"]))
+    listed = resolve_config(defaults, None, [])
+    assert listed.provenance[path] == "default"
+    current = dict(line.split(" = ", 1) for line in listed.provenance_text().splitlines())[path]
+    new = changed(yaml.safe_load(current.split("  # ")[0]))
+    resolved = resolve_config(defaults, None, [(path, yaml.safe_dump(new, default_flow_style=True).strip())])
+    assert resolved.provenance[path] == "cli"
+    stage, _, _, name = path.split(".")
+    got = resolved.config.stage(stage).factory.args[name]
+    assert (list(got) if isinstance(got, tuple) else got) == new
