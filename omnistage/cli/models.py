@@ -1,14 +1,9 @@
-"""Model selection shared by ``serve`` and ``config resolve``, and the ``models`` listing.
-
-Extra model packages: ``OMNISTAGE_EXTRA_MODELS`` holds comma-separated dotted paths of
-:class:`~omnistage.serve.model.SpeechModelConfig` subclasses (``package.module:Class`` or
-``package.module.Class``), registered after the discovered ones.
-"""
+"""Model selection shared by ``serve`` and ``config resolve``, and the ``models`` listing
+(models outside ``omnistage.models`` come from ``OMNISTAGE_EXTRA_MODELS``, see
+:mod:`omnistage.serve.registry`)."""
 
 from __future__ import annotations
 
-import importlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
@@ -25,29 +20,15 @@ from omnistage.config.overrides import (
     resolve_config,
 )
 from omnistage.serve.model import SpeechModelConfig
-from omnistage.serve.registry import ModelRegistry, RegistryError, UnknownVariantError
+from omnistage.serve.registry import (
+    EXTRA_MODELS_ENV,
+    ModelRegistry,
+    RegistryError,
+    UnknownVariantError,
+)
 
 __all__ = ["EXTRA_MODELS_ENV", "ModelArgs", "list_models", "load_registry", "resolve_model"]
 
-EXTRA_MODELS_ENV = "OMNISTAGE_EXTRA_MODELS"
-
-
-def _import_model_class(dotted: str) -> type[SpeechModelConfig]:
-    module_name, sep, attr = dotted.partition(":")
-    if not sep:
-        module_name, _, attr = dotted.rpartition(".")
-    where = f"{EXTRA_MODELS_ENV} entry {dotted!r}"
-    if not module_name or not attr:
-        raise RegistryError(f"{where} is not a dotted path like 'package.module:Class'")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except ImportError as exc:
-        raise RegistryError(f"{where}: cannot import {module_name!r}: {exc}") from None
-    except AttributeError:
-        raise RegistryError(f"{where}: module {module_name!r} has no {attr!r}") from None
-    if not (isinstance(cls, type) and issubclass(cls, SpeechModelConfig)):
-        raise RegistryError(f"{where} is not a SpeechModelConfig subclass")
-    return cls
 
 
 def load_registry() -> ModelRegistry:
@@ -56,11 +37,7 @@ def load_registry() -> ModelRegistry:
     Raises:
         RegistryError: an extra model cannot be imported or clashes with a registered one.
     """
-    registry = ModelRegistry.discover()
-    for dotted in os.environ.get(EXTRA_MODELS_ENV, "").split(","):
-        if dotted.strip():
-            registry.register(_import_model_class(dotted.strip()))
-    return registry
+    return ModelRegistry.discover()
 
 
 @dataclass(frozen=True)
@@ -124,7 +101,7 @@ def resolve_model(args: ModelArgs, extra_args: list[str]) -> ResolvedConfig:
 def _models_table(registry: ModelRegistry) -> Table:
     default = next((e for e in registry.entries.values() if e.entry.is_default), None)
     table = Table(title="registered models")
-    for name in ("architecture", "aliases", "embedded models", "variants", "default"):
+    for name in ("architecture", "aliases", "embedded models", "variants", "init-random", "default"):
         table.add_column(name, overflow="fold")
     for architecture in sorted(registry.entries):
         entry = registry.entries[architecture]
@@ -134,9 +111,17 @@ def _models_table(registry: ModelRegistry) -> Table:
             ", ".join(cls.aliases) or "-",
             ", ".join(cls.embedded_models) or "-",
             ", ".join(sorted(entry.variants)) or "-",
+            _random_offer(cls),
             "yes" if entry is default else "",
         )
     return table
+
+
+def _random_offer(cls: type[SpeechModelConfig]) -> str:
+    offer = cls.random_checkpoint
+    if offer is None:
+        return "-"
+    return " x ".join(", ".join(values) for values in (offer.sizes, offer.types) if values)
 
 
 def list_models() -> None:

@@ -37,8 +37,9 @@ SERVE_EPILOG = (
     "--<path>=VALUE), e.g. --max_concurrent_requests 8, --<stage>.device cuda:0, "
     "--<stage>.factory.args.<knob> 4; values are parsed as YAML scalars. List them all with "
     "'omnistage config resolve --show provenance'.\n\n"
-    f"Extra model packages: {EXTRA_MODELS_ENV}=package.module:Class[,...] registers more "
-    "SpeechModelConfig classes after the discovered ones, e.g. "
+    f"Extra model packages: {EXTRA_MODELS_ENV}=ENTRY[,...] registers more models after the "
+    "discovered ones; an ENTRY is a package of model packages (like omnistage.models) or one "
+    "SpeechModelConfig class package.module:Class, e.g. "
     f"{EXTRA_MODELS_ENV}=omnistage.testing.tone:ToneConfig with --model-path tone-test."
 )
 

@@ -77,6 +77,7 @@ from omnistage.serve.protocol import (
     SpeechRequest,
     SpeechUsage,
     body_too_large,
+    check_capabilities,
     error_envelope,
     model_card,
     model_list,
@@ -139,6 +140,8 @@ class SpeechServer:
     ) -> None:
         self.model, self.settings = model, settings
         self.capabilities = model.capabilities()
+        self.request_type = model.speech_request
+        check_capabilities(self.capabilities, self.request_type)
         if settings.served_model_names:
             names = tuple(dict.fromkeys(settings.served_model_names))
             self.capabilities = self.capabilities.model_copy(update={"model_names": names})
@@ -160,7 +163,7 @@ class SpeechServer:
         Raises:
             OmnistageError: 4xx naming the field, before any model work.
         """
-        speech_request = parse_speech_request(body, self.capabilities)
+        speech_request = parse_speech_request(body, self.request_type)
         speech_request = self.with_saved_voice(speech_request, owner)
         speech_request = validate_speech_request(speech_request, self.capabilities)
         return speech_request, self.model.build_request(speech_request, self.settings.media_policy)
@@ -181,7 +184,7 @@ class SpeechServer:
         for name, stage in self.pipeline.host.stages.items():
             stage.scheduler.batch_observer = functools.partial(self.metrics.observe_batch, name)
         if self.settings.warmup:
-            warmup = self.model.warmup_request()
+            warmup = self.model.sample_requests()[0]
             warmup = validate_speech_request(warmup, self.capabilities)
             handle = self.pipeline.submit(self.model.build_request(warmup, self.settings.media_policy))
             await handle.result()

@@ -1,9 +1,13 @@
 """The contract between the framework and a model package.
 
-A model package ``omnistage/models/<name>/config.py`` exposes ``EntryClass`` (a
-:class:`SpeechModelConfig` subclass: the pipeline's defaults plus what the server needs)
-and optionally ``Variants`` (``{name: SpeechModelConfig subclass}``). The framework never
-imports a model by name: :mod:`omnistage.serve.registry` discovers them.
+A model package ``omnistage/models/<name>/config.py`` (or one named in
+``OMNISTAGE_EXTRA_MODELS``) exposes ``EntryClass`` (a :class:`SpeechModelConfig`
+subclass) and optionally ``Variants`` (``{name: SpeechModelConfig subclass}``). The
+framework never imports a model by name: :mod:`omnistage.serve.registry` discovers them,
+and the server, the CLI and the docs derive what they show from what ``EntryClass``
+declares: its request schema per endpoint (``speech_request`` for ``/v1/audio/speech``),
+its voices and capabilities, its pipeline (``for_model_path``), its sample requests, and
+its random-checkpoint writer (``random_checkpoint``).
 
 Output convention for speech: audio terminal stages stream
 :class:`omnistage.core.payloads.AudioChunk` items (mono float32 PCM at
@@ -13,12 +17,32 @@ Output convention for speech: audio terminal stages stream
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from omnistage.config.pipeline import PipelineConfig
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
+
+
+@dataclass(frozen=True)
+class RandomCheckpoint:
+    """A model's random-weight checkpoint writer (``omnistage init-random``).
+
+    Attributes:
+        writer: dotted path ``"package.module:function"`` of ``function(out_dir: Path,
+            size: str, model_type: str, seed: int, device: str) -> Path`` writing a
+            checkpoint in the model's real layout and returning its directory; imported
+            only when chosen.
+        sizes: the ``--size`` values it offers (the first is the default).
+        types: the ``--type`` values it offers (the first is the default; empty: the
+            model has one type and ``--type`` is refused).
+    """
+
+    writer: str
+    sizes: tuple[str, ...]
+    types: tuple[str, ...] = ()
 
 
 class SpeechModelConfig(PipelineConfig):
@@ -30,12 +54,18 @@ class SpeechModelConfig(PipelineConfig):
         embedded_models: names served without a checkpoint path (e.g. a bundled voice);
             the first one of the registry's default model is what ``omnistage serve``
             without ``--model-path`` serves.
+        speech_request: the model's ``/v1/audio/speech`` schema: :class:`SpeechRequest`
+            or a subclass adding the model's own fields (pydantic types and ranges them;
+            an unknown field is a 400 listing them; ``/v1/audio/voices`` shows them).
+        random_checkpoint: its random-checkpoint writer, or None.
     """
 
     architecture: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
     embedded_models: ClassVar[tuple[str, ...]] = ()
     is_default: ClassVar[bool] = False
+    speech_request: ClassVar[type[SpeechRequest]] = SpeechRequest
+    random_checkpoint: ClassVar[RandomCheckpoint | None] = None
 
     @classmethod
     def claims(cls, path: Path) -> bool:
@@ -53,13 +83,14 @@ class SpeechModelConfig(PipelineConfig):
         raise NotImplementedError
 
     def capabilities(self) -> SpeechCapabilities:
-        """What this model accepts (fields, voices, languages, limits)."""
+        """What this checkpoint accepts (which optional fields of ``speech_request``,
+        voices, languages, limits)."""
         raise NotImplementedError
 
     def build_request(self, request: SpeechRequest, media: MediaPolicy) -> Any:
-        """Turn a validated speech request into the pipeline's typed request; any
-        remaining bad input raises :class:`~omnistage.core.errors.RequestValidationError`
-        here, before model work."""
+        """Turn a validated speech request (an instance of ``speech_request``) into the
+        pipeline's typed request; any remaining bad input raises
+        :class:`~omnistage.core.errors.RequestValidationError` here, before model work."""
         raise NotImplementedError
 
     def with_saved_voice(self, request: SpeechRequest, audio: str, ref_text: str | None) -> SpeechRequest:
@@ -73,6 +104,7 @@ class SpeechModelConfig(PipelineConfig):
         """
         raise NotImplementedError
 
-    def warmup_request(self) -> SpeechRequest:
-        """A small request the server runs once before reporting ready."""
-        return SpeechRequest(input="Hello.")
+    def sample_requests(self) -> list[SpeechRequest]:
+        """Small valid requests for this checkpoint (at least one): the server runs the
+        first once before reporting ready."""
+        return [self.speech_request(input="Hello.")]

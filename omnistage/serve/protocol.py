@@ -2,32 +2,28 @@
 
 Request flow for ``POST /v1/audio/speech``::
 
-    req = parse_speech_request(raw_body, caps)   # shape: JSON, types, ranges, unknown fields
+    req = parse_speech_request(raw_body, model.speech_request)  # JSON, types, ranges, unknown fields
     req = validate_speech_request(req, caps)     # semantics: what the served model accepts
 
 Both raise only :class:`~omnistage.core.errors.RequestValidationError` (HTTP 400) whose ``param``
 names the offending field; :func:`error_envelope` turns any omnistage error into the OpenAI
 error body ``{"error": {"message", "type", "param", "code"}}``.
 
-Model-specific generation parameters
-------------------------------------
-A model declares extra numeric generation knobs in
-``SpeechCapabilities.extra_generation_params`` as ``name -> (min, max)`` (inclusive, finite
-or infinite bounds), e.g. Piper's ``{"noise_scale": (0.0, inf), "noise_w": (0.0, inf)}``.
-Clients send them as ordinary top-level JSON fields (``{"input": "hi", "noise_scale": 0.4}``).
-:func:`parse_speech_request` moves exactly the declared names into the typed
-``SpeechRequest.extra_params: dict[str, float]`` (finite floats, strict types); any other
-field that is not a :class:`SpeechRequest` field is rejected as unknown. A raw
-``extra_params`` key on the wire is itself an unknown field: there is one spelling per knob.
-:func:`validate_speech_request` then checks each extra value against its declared range (and
-rejects names the model does not declare, for requests built in Python).
+A model's own fields
+--------------------
+:class:`SpeechRequest` holds OpenAI's speech fields plus the generation fields the
+framework offers every model (``language``, sampling). A model adds its own by subclassing
+it (its ``EntryClass.speech_request``, e.g. Piper's ``noise_scale``): pydantic types and
+ranges them, :func:`parse_speech_request` parses a body with that class, so a field no
+class declares is a 400 listing the model's own fields, and ``/v1/audio/voices`` lists
+each accepted field's JSON schema. Which optional fields a checkpoint accepts is
+``SpeechCapabilities.supported_fields``.
 """
 
 from __future__ import annotations
 
 import base64
 import json
-import math
 import re
 import unicodedata
 from collections.abc import Mapping
@@ -63,10 +59,6 @@ OPENAI_OPTIONAL_FIELDS: frozenset[str] = frozenset({"voice", "instructions", "sp
 OPENAI_PCM_SAMPLE_RATE = 24_000
 #: Formats whose output rate a request may choose (``sample_rate``).
 RESAMPLABLE_FORMATS: frozenset[str] = frozenset({"pcm", "wav"})
-#: Sampling fields whose unset value means "use the model's default".
-GENERATION_FIELDS: frozenset[str] = frozenset(
-    {"max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed"}
-)
 #: Wire aliases: alias -> canonical field name.
 FIELD_ALIASES: Mapping[str, str] = {"text": "input", "speaker": "voice"}
 
@@ -77,40 +69,15 @@ _INT63_MAX = 2**63 - 1
 # --------------------------------------------------------------------------- request
 
 
-class SpeechReference(BaseModel):
-    """One reference clip for voice cloning: ``audio`` (base64, data URI, URL or path, kept
-    as the raw string; resolved by the media layer; alias ``audio_path``, SGLang-Omni's
-    spelling) and its optional transcript ``text``."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    audio: str = Field(min_length=1)
-    text: str | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _audio_path_alias(cls, data: Any) -> Any:
-        if not isinstance(data, Mapping) or "audio_path" not in data:
-            return data
-        data = dict(data)
-        path = data.pop("audio_path")
-        if "audio" in data and data["audio"] != path:
-            raise RequestValidationError(
-                "'audio' and its alias 'audio_path' are both set with different values; set only one",
-                param="references",
-            )
-        data["audio"] = path
-        return data
-
-
 class SpeechRequest(BaseModel):
-    """Body of ``POST /v1/audio/speech``. Unknown fields are rejected.
+    """Body of ``POST /v1/audio/speech``: OpenAI's fields and the framework's generation
+    fields; a model's subclass adds its own (module docstring). Unknown fields are rejected.
 
     Types are strict (JSON semantics: an int is accepted for a float, nothing else is
     coerced) and floats must be finite. ``text`` is accepted as an alias of ``input`` and
     ``speaker`` of ``voice``; giving both spellings with different values raises
     :class:`RequestValidationError`. A sampling field left unset (``None``) takes the
-    model's default: see :attr:`explicit_generation_params`.
+    model's default.
     """
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
@@ -140,18 +107,7 @@ class SpeechRequest(BaseModel):
         "model's rate for wav",
     )
     language: str | None = None
-    instructions: str | None = None
-    task_type: str | None = None
-    ref_audio: str | None = Field(default=None, min_length=1)
-    ref_text: str | None = None
-    references: list[SpeechReference] | None = None
-    x_vector_only_mode: bool = False
-    non_streaming_mode: bool | None = Field(
-        default=None,
-        description="text feeding of an AR speech model: true = the whole text in the "
-        "prompt, false = text fed alongside the generated audio; null = the model's default",
-    )
-    initial_codec_chunk_frames: int | None = Field(default=None, ge=0, le=_INT32_MAX)
+    instructions: str | None = Field(default=None, description="how to speak (OpenAI)")
 
     max_new_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, description="0 = greedy")
@@ -162,11 +118,6 @@ class SpeechRequest(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0)
     seed: int | None = Field(default=None, ge=0, le=_INT63_MAX)
 
-    extra_params: dict[str, float] = Field(
-        default_factory=dict,
-        description="model-declared extra generation parameters; filled by "
-        "parse_speech_request from top-level fields, never sent under this name",
-    )
     ignored_fields: tuple[str, ...] = Field(
         default=(),
         description="OpenAI fields the client set that this model does not use; filled by "
@@ -206,19 +157,6 @@ class SpeechRequest(BaseModel):
         (:func:`validate_speech_request` resolves an unset ``stream``)."""
         return bool(self.stream) or self.stream_format == "sse"
 
-    @property
-    def explicit_generation_params(self) -> frozenset[str]:
-        """Names of the generation parameters the client set to a non-null value: the
-        sampling fields in :data:`GENERATION_FIELDS` plus the ``extra_params`` keys. The
-        model's defaults apply to every other generation parameter."""
-        sampling = {
-            name
-            for name in self.model_fields_set & GENERATION_FIELDS
-            if getattr(self, name) is not None
-        }
-        return frozenset(sampling | set(self.extra_params))
-
-
 def _voice_name(value: Any) -> Any:
     """``voice`` as OpenAI's SDK sends it: a name, or ``{"id": name}`` (its custom-voice
     form) -> the name; anything else is left for the type check (a 400)."""
@@ -231,15 +169,23 @@ def _voice_name(value: Any) -> Any:
     return value
 
 
-_INTERNAL_FIELDS = frozenset({"extra_params", "ignored_fields"})
-#: Names a client may send in a speech request body (canonical fields and aliases).
-WIRE_FIELDS: frozenset[str] = (
-    frozenset(SpeechRequest.model_fields) - _INTERNAL_FIELDS
-) | frozenset(FIELD_ALIASES)
-#: Fields a model may list in ``SpeechCapabilities.supported_fields``.
-OPTIONAL_FIELDS: frozenset[str] = (
-    frozenset(SpeechRequest.model_fields) - ALWAYS_ALLOWED_FIELDS - _INTERNAL_FIELDS
-)
+_INTERNAL_FIELDS = frozenset({"ignored_fields"})
+
+
+def wire_fields(request_type: type[SpeechRequest]) -> frozenset[str]:
+    """Names a client may send to a model whose schema is ``request_type`` (its fields and
+    the aliases)."""
+    return (frozenset(request_type.model_fields) - _INTERNAL_FIELDS) | frozenset(FIELD_ALIASES)
+
+
+def optional_fields(request_type: type[SpeechRequest]) -> frozenset[str]:
+    """Fields a model with schema ``request_type`` may list in ``supported_fields``."""
+    return frozenset(request_type.model_fields) - ALWAYS_ALLOWED_FIELDS - _INTERNAL_FIELDS
+
+
+def own_fields(request_type: type[SpeechRequest]) -> tuple[str, ...]:
+    """The fields ``request_type`` adds to :class:`SpeechRequest`, in declaration order."""
+    return tuple(name for name in request_type.model_fields if name not in SpeechRequest.model_fields)
 
 
 # --------------------------------------------------------------------------- capabilities
@@ -252,22 +198,19 @@ class SpeechCapabilities(BaseModel):
         model_names: names the model is served under; the first is its id in ``/v1/models``.
             A request's ``model`` must be one of them (when given).
         model_type: model family, e.g. ``"qwen3_tts"`` or ``"piper"``.
-        supported_fields: request fields accepted beyond :data:`ALWAYS_ALLOWED_FIELDS`;
-            each must be in :data:`OPTIONAL_FIELDS`. ``voice`` is governed by ``voices``
-            and ``default_voice`` instead (listing it here is allowed and has no effect).
+        supported_fields: request fields accepted beyond :data:`ALWAYS_ALLOWED_FIELDS`:
+            fields of the model's schema (:func:`check_capabilities` checks them against
+            it). ``voice`` is governed by ``voices`` and ``default_voice`` instead (listing
+            it here is allowed and has no effect).
         voices: accepted voice names. Empty: only ``default_voice`` (if any) is accepted.
         default_voice: voice used when the request names none; must be in ``voices`` when
             ``voices`` is non-empty. With voices but no default, a request must name one.
         languages: accepted ``language`` values (include ``"auto"`` where the model detects
             the language); required non-empty when ``language`` is supported.
-        task_types: accepted ``task_type`` values; required non-empty when supported.
         sample_rate: output sample rate in Hz (> 0).
-        max_input_chars: cap on ``input`` (and ``instructions``, ``ref_text``) length in
-            characters (>= 1).
+        max_input_chars: cap on ``input`` (and ``instructions``) length in characters
+            (>= 1).
         speed_range: inclusive ``(min, max)`` speed factor within 0.25..4.0, containing 1.0.
-        extra_generation_params: model-specific numeric knobs, ``name -> (min, max)``
-            inclusive (``-inf``/``inf`` for unbounded). Names must be identifiers that are
-            not request fields or aliases.
         response_formats: accepted ``response_format`` values (subset of the six).
         stream_response_formats: formats accepted when the request streams.
         saved_voices: the model clones voices from a clip, so it takes voices saved with
@@ -282,11 +225,9 @@ class SpeechCapabilities(BaseModel):
     voices: tuple[str, ...] = ()
     default_voice: str | None = None
     languages: tuple[str, ...] = ()
-    task_types: tuple[str, ...] = ()
     sample_rate: int = Field(gt=0)
     max_input_chars: int = Field(default=4096, ge=1)
     speed_range: tuple[float, float] = (0.25, 4.0)
-    extra_generation_params: dict[str, tuple[float, float]] = Field(default_factory=dict)
     response_formats: frozenset[ResponseFormat] = RESPONSE_FORMATS
     stream_response_formats: frozenset[ResponseFormat] = frozenset({"pcm", "wav"})
     saved_voices: bool = False
@@ -298,44 +239,37 @@ class SpeechCapabilities(BaseModel):
 
     @property
     def accepted_fields(self) -> frozenset[str]:
-        """Every request field this model accepts, extra generation parameters included."""
+        """Every request field this model accepts."""
         voice = {"voice"} if self.voices or self.default_voice else set()
-        return (
-            ALWAYS_ALLOWED_FIELDS
-            | (self.supported_fields - {"voice"})
-            | voice
-            | frozenset(self.extra_generation_params)
-        )
+        return ALWAYS_ALLOWED_FIELDS | (self.supported_fields - {"voice"}) | voice
 
     @model_validator(mode="after")
     def _consistent(self) -> SpeechCapabilities:
-        _check_caps_fields(self)
         _check_caps_choices(self)
         _check_caps_ranges(self)
         return self
 
 
-def _check_caps_fields(caps: SpeechCapabilities) -> None:
-    unknown = caps.supported_fields - OPTIONAL_FIELDS
+def check_capabilities(caps: SpeechCapabilities, request_type: type[SpeechRequest]) -> None:
+    """Check that ``caps`` declares only fields of the model's schema ``request_type``.
+
+    Raises:
+        ValueError: a supported field is not a field of ``request_type``.
+    """
+    allowed = optional_fields(request_type)
+    unknown = caps.supported_fields - allowed
     if unknown:
         raise ValueError(
-            f"supported_fields has unknown fields {sorted(unknown)}; "
-            f"allowed: {', '.join(sorted(OPTIONAL_FIELDS))}"
+            f"supported_fields has fields {sorted(unknown)} that {request_type.__name__} does "
+            f"not declare; it declares: {', '.join(sorted(allowed))}"
         )
-    for name in caps.extra_generation_params:
-        if not name.isidentifier() or name in WIRE_FIELDS or name in _INTERNAL_FIELDS:
-            raise ValueError(
-                f"extra generation parameter {name!r} must be an identifier that is not "
-                "a request field"
-            )
 
 
 def _check_caps_choices(caps: SpeechCapabilities) -> None:
     if caps.voices and caps.default_voice is not None and caps.default_voice not in caps.voices:
         raise ValueError(f"default_voice {caps.default_voice!r} is not in voices")
-    for field, choices in (("language", caps.languages), ("task_type", caps.task_types)):
-        if field in caps.supported_fields and not choices:
-            raise ValueError(f"{field} is supported but no {field} values are declared")
+    if "language" in caps.supported_fields and not caps.languages:
+        raise ValueError("language is supported but no language values are declared")
     if not caps.stream_response_formats <= caps.response_formats:
         raise ValueError("stream_response_formats must be a subset of response_formats")
 
@@ -346,36 +280,27 @@ def _check_caps_ranges(caps: SpeechCapabilities) -> None:
         raise ValueError(
             f"speed_range {caps.speed_range} must satisfy 0.25 <= min <= 1 <= max <= 4"
         )
-    for name, (low, high) in caps.extra_generation_params.items():
-        if math.isnan(low) or math.isnan(high) or low > high:
-            raise ValueError(f"extra generation parameter {name!r}: bad range {(low, high)}")
 
 
 # --------------------------------------------------------------------------- parsing
 
 
 def parse_speech_request(
-    body: bytes | str | Mapping[str, Any], caps: SpeechCapabilities | None = None
+    body: bytes | str | Mapping[str, Any], request_type: type[SpeechRequest] = SpeechRequest
 ) -> SpeechRequest:
-    """Parse a speech request body (raw JSON bytes/str, or an already decoded mapping).
-
-    Top-level fields named in ``caps.extra_generation_params`` go to ``extra_params``;
-    without ``caps`` no extra parameter is accepted.
+    """Parse a speech request body (raw JSON bytes/str, or an already decoded mapping) with
+    the model's schema ``request_type``.
 
     Raises:
         RequestValidationError: the body is not a JSON object, has an unknown field
-            (``param`` = that field), or a field has a bad type or value (``param`` = its
-            dotted location, e.g. ``references.0.audio``).
+            (``param`` = that field; the message lists the model's own fields), or a field
+            has a bad type or value (``param`` = its dotted location, e.g.
+            ``references.0.audio``).
     """
     data = _decode_json_object(body)
-    declared = caps.extra_generation_params if caps is not None else {}
-    _reject_unknown_fields(data, declared)
-    fields = {k: v for k, v in data.items() if k not in declared}
-    extras = {k: v for k, v in data.items() if k in declared}
-    if extras:
-        fields["extra_params"] = extras
+    _reject_unknown_fields(data, request_type)
     try:
-        return SpeechRequest.model_validate(fields)
+        return request_type.model_validate(data)
     except ValidationError as exc:
         raise request_error_from_validation(exc) from None
 
@@ -392,30 +317,25 @@ def _decode_json_object(body: bytes | str | Mapping[str, Any]) -> dict[str, Any]
     return dict(body)
 
 
-def _reject_unknown_fields(data: Mapping[Any, Any], declared: Mapping[str, Any]) -> None:
+def _reject_unknown_fields(data: Mapping[Any, Any], request_type: type[SpeechRequest]) -> None:
+    known = wire_fields(request_type)
     for key in data:
-        if key in WIRE_FIELDS or key in declared:
+        if key in known:
             continue
-        hint = (
-            f" (model-specific parameters of this model: {', '.join(sorted(declared))})"
-            if declared
-            else ""
-        )
+        own = own_fields(request_type)
+        hint = f" (this model's own fields: {', '.join(own)})" if own else ""
         raise RequestValidationError(f"unknown field {str(key)!r}{hint}", param=str(key))
 
 
 def request_error_from_validation(exc: ValidationError) -> RequestValidationError:
     """Convert a pydantic ``ValidationError`` to a :class:`RequestValidationError` naming
     the first bad field's dotted location (``param``), e.g. ``"speed: Input should be less
-    than or equal to 4"``. The ``extra_params`` prefix is dropped, so a bad extra parameter
-    is named as the client sent it. Input values are never echoed."""
+    than or equal to 4"``. Input values are never echoed."""
     errors = exc.errors(include_url=False, include_input=False)
     if not errors:
         return RequestValidationError("invalid request")
     first = errors[0]
     loc = [str(part) for part in first["loc"]]
-    if len(loc) > 1 and loc[0] == "extra_params":
-        loc = loc[1:]
     param = ".".join(loc) or None
     msg = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
     message = f"{param}: {msg}" if param else msg
@@ -432,7 +352,7 @@ def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> Spe
     not changed.
 
     A field counts as *set* when its value is not ``None``, not its default and not an
-    empty list (so ``speed: 1.0`` or ``x_vector_only_mode: false`` are no-ops anywhere).
+    empty list (so ``speed: 1.0`` or a model's ``false`` flag are no-ops anywhere).
     ``voice`` and ``language`` match the declared names case-insensitively (an exact match
     first), as model cards spell them ("Vivian", "English") in any case.
 
@@ -452,28 +372,26 @@ def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> Spe
             of ``caps.model_names``; ``input`` is blank (only whitespace and Unicode format
             characters such as U+200B, U+FEFF) or longer than ``caps.max_input_chars``; a
             set field is not supported (the message lists the supported fields); a value
-            is not among the declared choices (voice, language, task_type,
-            response_format; the message lists them); ``speed`` or an extra parameter is
-            out of its declared range; ``sample_rate`` is set for a format other than pcm
-            or wav; ``stream: false`` with ``stream_format: "sse"``; reference fields are
-            inconsistent.
+            is not among the declared choices (voice, language, response_format; the
+            message lists them); ``speed`` is out of its declared range; ``sample_rate`` is
+            set for a format other than pcm or wav; ``stream: false`` with
+            ``stream_format: "sse"``; ``instructions`` is too long or unspeakable. A
+            model's own fields are the model's to check further (its request builder).
     """
     _check_model(req, caps)
-    _check_text("input", req.input, caps.max_input_chars, required=True)
+    check_text("input", req.input, caps.max_input_chars, required=True)
     ignored = _ignored_fields(req, caps)
     if ignored:
-        defaults = {name: SpeechRequest.model_fields[name].get_default() for name in ignored}
+        defaults = {name: type(req).model_fields[name].get_default() for name in ignored}
         req = req.model_copy(update={**defaults, "ignored_fields": tuple(sorted(ignored))})
     _check_supported(req, caps)
     stream = _resolve_stream(req, caps)
     _check_formats(req.model_copy(update={"stream": stream}), caps)
     _check_sample_rate(req)
     voice = _check_voice(req, caps)
-    language = _choice("language", req.language, caps.languages, ignore_case=True)
-    _choice("task_type", req.task_type, caps.task_types)
+    language = choice("language", req.language, caps.languages, ignore_case=True)
     _check_speed(req, caps)
-    _check_references(req, caps)
-    _check_extra_params(req, caps)
+    check_text("instructions", req.instructions, caps.max_input_chars)
     changed = {
         name: value
         for name, value in (("voice", voice), ("language", language), ("stream", stream))
@@ -540,7 +458,9 @@ def _is_blank(text: str) -> bool:
     return all(char.isspace() or unicodedata.category(char) == "Cf" for char in text)
 
 
-def _check_text(name: str, text: str | None, max_chars: int, required: bool = False) -> None:
+def check_text(name: str, text: str | None, max_chars: int, required: bool = False) -> None:
+    """Raises: RequestValidationError naming ``name`` when ``text`` is longer than
+    ``max_chars``, holds a NUL or an unpaired surrogate, or (``required``) is blank."""
     if text is None:
         return
     if required and _is_blank(text):
@@ -555,7 +475,7 @@ def _check_text(name: str, text: str | None, max_chars: int, required: bool = Fa
 
 def _set_fields(req: SpeechRequest) -> list[str]:
     names = []
-    for name, info in SpeechRequest.model_fields.items():
+    for name, info in type(req).model_fields.items():
         value = getattr(req, name)
         if value is None or value == [] or value == info.get_default(call_default_factory=True):
             continue
@@ -594,17 +514,19 @@ def _check_voice(req: SpeechRequest, caps: SpeechCapabilities) -> str | None:
                 f"voice is required; available voices: {', '.join(caps.voices)}", param="voice"
             )
         return None
-    return _choice("voice", req.voice, allowed, ignore_case=True)
+    return choice("voice", req.voice, allowed, ignore_case=True)
 
 
-_PLURALS = {"voice": "voices", "language": "languages", "task_type": "task types"}
-
-
-def _choice(
-    name: str, value: str | None, allowed: tuple[str, ...], ignore_case: bool = False
+def choice(
+    name: str,
+    value: str | None,
+    allowed: tuple[str, ...],
+    ignore_case: bool = False,
+    plural: str | None = None,
 ) -> str | None:
     """-> the entry of ``allowed`` that ``value`` names: equal, else (``ignore_case``) the one
-    equal after case folding. None stays None.
+    equal after case folding. None stays None. ``plural`` names the choices in the error
+    (default ``<name>s``).
 
     Raises:
         RequestValidationError: no entry matches, or several match only after case folding.
@@ -616,7 +538,7 @@ def _choice(
         if len(matches) == 1:
             return matches[0]
     raise RequestValidationError(
-        f"{name} {value!r} is not available; available {_PLURALS[name]}: {', '.join(allowed)}",
+        f"{name} {value!r} is not available; available {plural or name + 's'}: {', '.join(allowed)}",
         param=name,
     )
 
@@ -629,82 +551,45 @@ def _check_speed(req: SpeechRequest, caps: SpeechCapabilities) -> None:
         )
 
 
-def _check_references(req: SpeechRequest, caps: SpeechCapabilities) -> None:
-    if req.ref_audio is not None and req.references:
-        raise RequestValidationError("set ref_audio or references, not both", param="references")
-    if req.ref_text is not None and req.ref_audio is None:
-        raise RequestValidationError("ref_text needs ref_audio", param="ref_text")
-    if req.x_vector_only_mode and req.ref_audio is None and not req.references:
-        raise RequestValidationError(
-            "x_vector_only_mode needs ref_audio or references", param="x_vector_only_mode"
-        )
-    _check_text("instructions", req.instructions, caps.max_input_chars)
-    _check_text("ref_text", req.ref_text, caps.max_input_chars)
-    for i, ref in enumerate(req.references or ()):
-        _check_text(f"references.{i}.text", ref.text, caps.max_input_chars)
-
-
-def _check_extra_params(req: SpeechRequest, caps: SpeechCapabilities) -> None:
-    declared = caps.extra_generation_params
-    for name, value in req.extra_params.items():
-        if name not in declared:
-            raise RequestValidationError(
-                f"unknown field {name!r}; model-specific parameters of model "
-                f"{caps.model_name!r}: {', '.join(sorted(declared)) or 'none'}",
-                param=name,
-            )
-        low, high = declared[name]
-        if not low <= value <= high:
-            raise RequestValidationError(
-                f"{name} {value} is outside the allowed range {low}..{high}", param=name
-            )
-
-
 # --------------------------------------------------------------------------- responses
 
 
-class ParamRange(BaseModel):
-    """Inclusive numeric range; ``None`` means unbounded on that side."""
-
-    min: float | None
-    max: float | None
-
-
 class VoicesResponse(BaseModel):
-    """Body of ``GET /v1/audio/voices``: what the served model accepts."""
+    """Body of ``GET /v1/audio/voices``: what the served model accepts.
+
+    ``fields``: the JSON schema (type, range, default, description) of every optional
+    field the model accepts, its own fields included; ``definitions`` holds the schemas
+    those refer to (``{"$ref": "#/definitions/<name>"}``).
+    """
 
     model: str
     model_type: str
     voices: list[str]
     default_voice: str | None
     languages: list[str]
-    task_types: list[str]
     supported_fields: list[str]
-    extra_generation_params: dict[str, ParamRange]
+    fields: dict[str, dict[str, Any]]
+    definitions: dict[str, dict[str, Any]]
     response_formats: list[str]
     sample_rate: int = Field(description="Hz")
     max_input_chars: int
     saved_voices: bool = Field(description="POST /v1/audio/voices saves voices for this model")
 
 
-def voices_response(caps: SpeechCapabilities) -> VoicesResponse:
-    """Build the ``/v1/audio/voices`` body from ``caps`` (sorted field and format lists)."""
-
-    def bound(x: float) -> float | None:
-        return None if math.isinf(x) else x
-
+def voices_response(caps: SpeechCapabilities, request_type: type[SpeechRequest]) -> VoicesResponse:
+    """Build the ``/v1/audio/voices`` body from ``caps`` and the model's schema (sorted
+    field and format lists)."""
+    schema = request_type.model_json_schema(ref_template="#/definitions/{model}")
+    accepted = caps.accepted_fields - ALWAYS_ALLOWED_FIELDS
     return VoicesResponse(
         model=caps.model_name,
         model_type=caps.model_type,
         voices=list(caps.voices),
         default_voice=caps.default_voice,
         languages=list(caps.languages),
-        task_types=list(caps.task_types),
         supported_fields=sorted(caps.accepted_fields),
-        extra_generation_params={
-            name: ParamRange(min=bound(lo), max=bound(hi))
-            for name, (lo, hi) in caps.extra_generation_params.items()
-        },
+        fields={name: prop for name, prop in schema["properties"].items() if name in accepted},
+        definitions=schema.get("$defs", {}),
         response_formats=sorted(caps.response_formats),
         sample_rate=caps.sample_rate,
         max_input_chars=caps.max_input_chars,

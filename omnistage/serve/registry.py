@@ -3,6 +3,11 @@
 Every package under ``omnistage.models`` whose ``config`` module exposes ``EntryClass``
 (a :class:`SpeechModelConfig` subclass) is registered under its ``architecture`` and
 ``aliases``; ``Variants`` adds named variants. A duplicate architecture is an error.
+
+Models outside ``omnistage.models``: ``OMNISTAGE_EXTRA_MODELS`` holds comma-separated
+entries, each either a package of model packages laid out like ``omnistage.models``
+(``tests.extra_models``: each sub-package's ``config.EntryClass``) or one class
+(``package.module:Class``), registered after the discovered ones.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import os
 import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +23,8 @@ from pathlib import Path
 from omnistage.serve.model import SpeechModelConfig
 
 logger = logging.getLogger(__name__)
+
+EXTRA_MODELS_ENV = "OMNISTAGE_EXTRA_MODELS"
 
 
 class RegistryError(ValueError):
@@ -43,8 +51,11 @@ class ModelRegistry:
         self.unavailable: dict[str, str] = {}
 
     @classmethod
-    def discover(cls, packages: tuple[str, ...] = ("omnistage.models",)) -> ModelRegistry:
-        """Import ``<package>.<model>.config`` for every sub-package and register it.
+    def discover(
+        cls, packages: tuple[str, ...] = ("omnistage.models",), extra: str | None = None
+    ) -> ModelRegistry:
+        """Import ``<package>.<model>.config`` for every sub-package and register it, then
+        the ``extra`` entries (default: ``$OMNISTAGE_EXTRA_MODELS``; module docstring).
 
         A package whose third-party dependency is not installed (e.g. ``piper`` on a
         GPU-only install) is not registered: it is listed in :attr:`unavailable` with the
@@ -52,11 +63,19 @@ class ModelRegistry:
         nobody else serves. Any other import failure is a bug and raises.
 
         Raises:
-            RegistryError: a model package fails to import for another reason.
+            RegistryError: a model package fails to import for another reason, or an extra
+                entry cannot be imported, is not a model class, or clashes with a
+                registered model.
         """
         registry = cls()
+        extra = os.environ.get(EXTRA_MODELS_ENV, "") if extra is None else extra
+        classes = [e.strip() for e in extra.split(",") if ":" in e]
+        packages = (*packages, *(e.strip() for e in extra.split(",") if e.strip() and ":" not in e))
         for package_name in packages:
-            package = importlib.import_module(package_name)
+            try:
+                package = importlib.import_module(package_name)
+            except ImportError as exc:
+                raise RegistryError(f"{EXTRA_MODELS_ENV} entry {package_name!r}: cannot import it: {exc}") from None
             for info in pkgutil.iter_modules(package.__path__):
                 if not info.ispkg:
                     continue
@@ -75,6 +94,8 @@ class ModelRegistry:
                 entry = getattr(module, "EntryClass", None)
                 if entry is not None:
                     registry.register(entry, getattr(module, "Variants", {}))
+        for dotted in classes:
+            registry.register(_import_model_class(dotted))
         return registry
 
     def register(self, entry: type[SpeechModelConfig], variants: dict[str, type[SpeechModelConfig]] | None = None) -> None:
@@ -153,3 +174,19 @@ class ModelRegistry:
         if not self.unavailable:
             return ""
         return " (unavailable model packages: " + "; ".join(f"{k} {v}" for k, v in sorted(self.unavailable.items())) + ")"
+
+
+def _import_model_class(dotted: str) -> type[SpeechModelConfig]:
+    module_name, _, attr = dotted.partition(":")
+    where = f"{EXTRA_MODELS_ENV} entry {dotted!r}"
+    if not module_name or not attr:
+        raise RegistryError(f"{where} is not a dotted path like 'package.module:Class'")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except ImportError as exc:
+        raise RegistryError(f"{where}: cannot import {module_name!r}: {exc}") from None
+    except AttributeError:
+        raise RegistryError(f"{where}: module {module_name!r} has no {attr!r}") from None
+    if not (isinstance(cls, type) and issubclass(cls, SpeechModelConfig)):
+        raise RegistryError(f"{where} is not a SpeechModelConfig subclass")
+    return cls

@@ -244,7 +244,7 @@ async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) 
             param=refused[0],
         )
     caps = server.capabilities
-    probe = validate_speech_request(parse_speech_request({**fields, "input": "probe"}, caps), caps)
+    probe = validate_speech_request(parse_speech_request({**fields, "input": "probe"}, server.request_type), caps)
     rate = output_sample_rate(probe, caps)
     session = _Session(
         server=server,

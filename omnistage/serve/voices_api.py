@@ -28,7 +28,7 @@ from omnistage.core.errors import (
     PayloadTooLargeError,
     RequestValidationError,
 )
-from omnistage.serve.protocol import SpeechRequest, validate_speech_request, voices_response
+from omnistage.serve.protocol import validate_speech_request, voices_response
 from omnistage.serve.voice_library import MAX_NAME_CHARS, SavedVoice, data_uri
 
 if TYPE_CHECKING:
@@ -76,7 +76,7 @@ def install_voice_routes(v1: APIRouter, server: SpeechServer) -> None:
 
     @v1.get("/audio/voices")
     async def voices(request: Request) -> JSONResponse:
-        body = voices_response(caps).model_dump(mode="json")
+        body = voices_response(caps, server.request_type).model_dump(mode="json")
         saved = server.library.list(request.state.owner) if server.library is not None else []
         body["uploaded_voices"] = [VoiceObject.of(v).model_dump() for v in saved]
         return JSONResponse(body)
@@ -161,7 +161,7 @@ async def _read_upload(upload: UploadFile, limit: int) -> bytes:
 def _check_clip(server: SpeechServer, audio: str, ref_text: str | None) -> None:
     """Build a request naming the clip as its voice, as a speech request would (decoding,
     duration and silence checks of the model); an error names ``audio_sample``."""
-    probe = server.model.with_saved_voice(SpeechRequest(input="Hello."), audio, ref_text)
+    probe = server.model.with_saved_voice(server.request_type(input="Hello."), audio, ref_text)
     try:
         probe = validate_speech_request(probe, server.capabilities)
         server.model.build_request(probe, server.settings.media_policy)

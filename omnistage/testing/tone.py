@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Self
 
 import numpy as np
+from pydantic import Field
 
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.core.messages import StagePayload
@@ -72,10 +73,17 @@ def tone_stage(ctx: StageBuildContext) -> SimpleScheduler:
     return scheduler
 
 
+class ToneSpeechRequest(SpeechRequest):
+    """The tone model's schema: the framework's fields plus ``delay_s``."""
+
+    delay_s: float = Field(default=0.0, ge=0.0, le=1.0, description="seconds to wait after each chunk")
+
+
 class ToneConfig(SpeechModelConfig):
     architecture = "ToneGenerator"
     aliases = ("tone",)
     embedded_models = ("tone-test",)
+    speech_request = ToneSpeechRequest
 
     @classmethod
     def for_model_path(cls, model_path: str) -> Self:
@@ -92,19 +100,18 @@ class ToneConfig(SpeechModelConfig):
         return SpeechCapabilities(
             model_names=("tone-test", "tone"),
             model_type="tone",
-            supported_fields=frozenset({"speed", "max_new_tokens"}),
+            supported_fields=frozenset({"speed", "max_new_tokens", "delay_s"}),
             voices=("sine", "square"),
             default_voice="sine",
             sample_rate=SAMPLE_RATE,
-            extra_generation_params={"delay_s": (0.0, 1.0)},
             stream_response_formats=frozenset({"pcm", "wav", "mp3", "flac", "opus", "aac"}),
         )
 
-    def build_request(self, request: SpeechRequest, media: MediaPolicy) -> ToneRequest:
+    def build_request(self, request: ToneSpeechRequest, media: MediaPolicy) -> ToneRequest:
         return ToneRequest(
             text=request.input,
             voice=request.voice or "sine",
             speed=request.speed,
             max_chars=request.max_new_tokens or 10_000,
-            delay_s=request.extra_params.get("delay_s", 0.0),
+            delay_s=request.delay_s,
         )

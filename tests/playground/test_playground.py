@@ -250,12 +250,12 @@ CLONING_MODEL = {
     "voices": [],
     "default_voice": None,
     "languages": ["auto", "en", "de"],
-    "task_types": [],
     "supported_fields": sorted(
         {"input", "model", "response_format", "stream", "language", "instructions"}
         | {"ref_audio", "ref_text", "temperature"}
     ),
-    "extra_generation_params": {"guidance": {"min": None, "max": 3.0}},
+    "fields": {"guidance": {"anyOf": [{"type": "number", "maximum": 3.0}, {"type": "null"}]}},
+    "definitions": {},
     "response_formats": ["pcm", "wav"],
     "sample_rate": 16000,
     "max_input_chars": 4096,

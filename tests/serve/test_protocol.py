@@ -1,4 +1,7 @@
-"""Wire models, parsing, capability validation, error envelopes and SSE formatting."""
+"""Wire models, parsing, capability validation, error envelopes and SSE formatting.
+
+Models add their own fields by subclassing :class:`SpeechRequest`: Qwen3-TTS's schema
+(voice-clone fields) and ``NoiseRequest`` (float knobs, like Piper's) stand for that here."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ import unicodedata
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import Field, ValidationError
 
 from omnistage.core.errors import (
     AuthenticationError,
@@ -23,9 +26,9 @@ from omnistage.core.errors import (
     RequestValidationError,
     StageFailureError,
 )
+from omnistage.models.qwen3_tts.request_builders import Qwen3TTSSpeechRequest as CloneRequest
 from omnistage.serve.protocol import (
     OPENAI_PCM_SAMPLE_RATE,
-    WIRE_FIELDS,
     ErrorEvent,
     SpeechAudioDelta,
     SpeechAudioDone,
@@ -33,6 +36,7 @@ from omnistage.serve.protocol import (
     SpeechRequest,
     SpeechUsage,
     body_too_large,
+    check_capabilities,
     error_envelope,
     model_list,
     not_found_envelope,
@@ -42,7 +46,14 @@ from omnistage.serve.protocol import (
     sse_event,
     validate_speech_request,
     voices_response,
+    wire_fields,
 )
+
+
+class NoiseRequest(SpeechRequest):
+    noise_scale: float | None = Field(default=None, ge=0.0)
+    noise_w: float | None = Field(default=None, ge=0.0, le=1.0, description="duration noise")
+
 
 QWEN = SpeechCapabilities(
     model_names=("qwen3-tts", "Qwen/Qwen3-TTS"),
@@ -57,7 +68,6 @@ QWEN = SpeechCapabilities(
     voices=("joe", "amy"),
     default_voice="joe",
     languages=("auto", "English", "Chinese"),
-    task_types=("Base", "CustomVoice"),
     sample_rate=24000,
     max_input_chars=50,
     speed_range=(0.5, 2.0),
@@ -68,7 +78,7 @@ PIPER = SpeechCapabilities(
     model_type="piper",
     default_voice="lessac",
     sample_rate=22050,
-    extra_generation_params={"noise_scale": (0.0, math.inf), "noise_w": (0.0, 1.0)},
+    supported_fields=frozenset({"noise_scale", "noise_w"}),
     response_formats=frozenset({"wav", "pcm"}),
 )
 
@@ -81,8 +91,15 @@ def rejects(param: str | None, fn, *args) -> RequestValidationError:
     return info.value
 
 
+SCHEMAS = {"qwen3_tts": CloneRequest, "piper": NoiseRequest}
+
+
+def parse(body, caps: SpeechCapabilities | None = None) -> SpeechRequest:
+    return parse_speech_request(body, SCHEMAS.get(caps.model_type, SpeechRequest) if caps else SpeechRequest)
+
+
 def valid(body: dict, caps: SpeechCapabilities = QWEN) -> SpeechRequest:
-    return validate_speech_request(parse_speech_request(body, caps), caps)
+    return validate_speech_request(parse(body, caps), caps)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -95,8 +112,7 @@ def test_minimal_request_defaults():
     assert req.speed == 1.0
     assert req.stream is None and req.stream_format == "audio" and not req.streaming
     assert req.sample_rate is None and req.ignored_fields == ()
-    assert req.voice is None and req.extra_params == {}
-    assert req.explicit_generation_params == frozenset()
+    assert req.voice is None and req.seed is None
 
 
 @pytest.mark.parametrize(
@@ -131,46 +147,34 @@ def test_unknown_field_rejected_with_its_name():
     assert "unknown field 'foo'" in str(err)
 
 
-def test_undeclared_extra_param_rejected_even_if_another_model_declares_it():
-    rejects("noise_scale", parse_speech_request, {"input": "hi", "noise_scale": 0.5}, QWEN)
+def test_a_field_of_another_model_is_unknown():
+    rejects("noise_scale", parse, {"input": "hi", "noise_scale": 0.5}, QWEN)
     rejects("noise_scale", parse_speech_request, {"input": "hi", "noise_scale": 0.5})
 
 
-def test_unknown_field_hint_lists_model_specific_params():
-    err = rejects("noise", parse_speech_request, {"input": "hi", "noise": 0.5}, PIPER)
-    assert "noise_scale, noise_w" in str(err)
+def test_unknown_field_hint_lists_the_model_own_fields():
+    err = rejects("noise", parse, {"input": "hi", "noise": 0.5}, PIPER)
+    assert "this model's own fields: noise_scale, noise_w" in str(err)
+    err = rejects("noise", parse_speech_request, {"input": "hi", "noise": 0.5})
+    assert "own fields" not in str(err)
 
 
-def test_extra_params_key_itself_is_not_a_wire_field():
-    body = {"input": "hi", "extra_params": {"noise_scale": 0.5}}
-    rejects("extra_params", parse_speech_request, body, PIPER)
-
-
-def test_declared_extra_params_are_typed_and_explicit():
+def test_own_fields_are_typed():
     req = valid({"input": "hi", "noise_scale": 1, "noise_w": 0.25}, PIPER)
-    assert req.extra_params == {"noise_scale": 1.0, "noise_w": 0.25}
-    assert isinstance(req.extra_params["noise_scale"], float)
-    assert req.explicit_generation_params == {"noise_scale", "noise_w"}
-    assert "noise_w" not in req.model_fields_set  # the wire field is not a model field
+    assert isinstance(req, NoiseRequest) and (req.noise_scale, req.noise_w) == (1.0, 0.25)
+    assert isinstance(req.noise_scale, float)
 
 
-@pytest.mark.parametrize("value", ["0.5", True, None, [0.5]])
-def test_extra_param_bad_type_named_as_sent(value):
-    err = rejects("noise_w", parse_speech_request, {"input": "hi", "noise_w": value}, PIPER)
+@pytest.mark.parametrize("value", ["0.5", True, [0.5]])
+def test_own_field_bad_type_named_as_sent(value):
+    err = rejects("noise_w", parse, {"input": "hi", "noise_w": value}, PIPER)
     assert str(err).startswith("noise_w: ")
-
-
-def test_explicit_generation_params_only_set_non_null():
-    req = parse_speech_request({"input": "hi", "seed": 0, "top_p": 0.9, "temperature": None})
-    assert req.explicit_generation_params == {"seed", "top_p"}
-    assert req.temperature is None
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])
 def test_top_k_disabled_is_stored_as_zero(top_k):
     req = parse_speech_request({"input": "hi", "top_k": top_k})
     assert req.top_k == 0
-    assert "top_k" in req.explicit_generation_params
 
 
 @pytest.mark.parametrize(
@@ -199,14 +203,14 @@ def test_top_k_disabled_is_stored_as_zero(top_k):
 )
 def test_field_errors_name_the_field(field, value, fragment):
     body = {"input": "hi", field: value}
-    err = rejects(field, parse_speech_request, body)
+    err = rejects(field, parse, body, QWEN)
     assert str(err).startswith(f"{field}: ")
     assert fragment in str(err)
 
 
 def test_nested_error_location_is_dotted():
     body = {"input": "hi", "references": [{"audio": "a"}, {"audio": "b", "txt": "x"}]}
-    err = rejects("references.1.txt", parse_speech_request, body)
+    err = rejects("references.1.txt", parse, body, QWEN)
     assert str(err) == "references.1.txt: unknown field"
 
 
@@ -297,8 +301,9 @@ def test_ignored_fields_are_sorted_and_default_values_are_not_named():
 
 
 def test_default_valued_fields_are_no_ops_on_any_model():
-    valid({"input": "hi", "speed": 1.0, "x_vector_only_mode": False, "references": []}, PIPER)
-    valid({"input": "hi", "language": None, "seed": None}, PIPER)
+    valid({"input": "hi", "speed": 1.0, "language": None, "seed": None}, PIPER)
+    plain = QWEN.model_copy(update={"supported_fields": frozenset()})
+    valid({"input": "hi", "x_vector_only_mode": False, "references": []}, plain)
 
 
 def test_voice_not_available_lists_voices():
@@ -313,9 +318,9 @@ def test_voice_and_language_match_case_insensitively_in_the_declared_spelling():
 
 
 def test_validation_returns_a_normalized_copy_and_leaves_the_request_alone():
-    req = parse_speech_request({"input": "hi", "voice": "Joe"}, QWEN)
+    req = parse({"input": "hi", "voice": "Joe"}, QWEN)
     assert validate_speech_request(req, QWEN).voice == "joe" and req.voice == "Joe"
-    exact = parse_speech_request({"input": "hi", "voice": "joe", "stream": True}, QWEN)
+    exact = parse({"input": "hi", "voice": "joe", "stream": True}, QWEN)
     assert validate_speech_request(exact, QWEN) is exact
 
 
@@ -384,11 +389,9 @@ def test_voice_required_without_default():
     assert "voice is required; available voices: a" in str(err)
 
 
-def test_language_and_task_type_choices():
+def test_language_choices():
     err = rejects("language", valid, {"input": "hi", "language": "French"})
     assert "available languages: auto, English, Chinese" in str(err)
-    err = rejects("task_type", valid, {"input": "hi", "task_type": "VoiceDesign"})
-    assert "available task types: Base, CustomVoice" in str(err)
 
 
 def test_speed_range_of_model():
@@ -409,42 +412,20 @@ def test_streaming_formats(body):
     assert "streaming response formats: pcm, wav" in str(err)
 
 
-@pytest.mark.parametrize(
-    ("body", "param"),
-    [
-        ({"ref_audio": "a", "references": [{"audio": "b"}]}, "references"),
-        ({"ref_text": "words"}, "ref_text"),
-        ({"x_vector_only_mode": True}, "x_vector_only_mode"),
-        ({"instructions": "x" * 51}, "instructions"),
-        ({"ref_audio": "a", "ref_text": "x" * 51}, "ref_text"),
-        ({"references": [{"audio": "a", "text": "x" * 51}]}, "references.0.text"),
-    ],
-)
-def test_reference_consistency(body, param):
-    rejects(param, valid, {"input": "hi", **body})
-
-
-def test_x_vector_mode_with_references():
-    valid({"input": "hi", "references": [{"audio": "a"}], "x_vector_only_mode": True})
+def test_instructions_length_cap():
+    rejects("instructions", valid, {"input": "hi", "instructions": "x" * 51})
 
 
 @pytest.mark.parametrize(
     ("name", "value"), [("noise_w", 1.01), ("noise_w", -0.1), ("noise_scale", -1)]
 )
-def test_extra_param_range(name, value):
+def test_own_field_range(name, value):
     err = rejects(name, valid, {"input": "hi", name: value}, PIPER)
-    assert "outside the allowed range" in str(err)
+    assert "greater than or equal" in str(err) or "less than or equal" in str(err)
 
 
-def test_extra_param_unbounded_side():
-    assert valid({"input": "hi", "noise_scale": 1e9}, PIPER).extra_params["noise_scale"] == 1e9
-
-
-def test_python_built_request_with_undeclared_extra_is_rejected():
-    req = SpeechRequest(input="hi", extra_params={"noise_scale": 0.5})
-    validate_speech_request(req, PIPER)
-    err = rejects("noise_scale", validate_speech_request, req, QWEN)
-    assert "none" in str(err)
+def test_own_field_unbounded_side():
+    assert valid({"input": "hi", "noise_scale": 1e9}, PIPER).noise_scale == 1e9
 
 
 # --------------------------------------------------------------------------- capabilities
@@ -453,18 +434,10 @@ def test_python_built_request_with_undeclared_extra_is_rejected():
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"supported_fields": frozenset({"speeed"})},
-        {"supported_fields": frozenset({"input"})},
         {"voices": ("a",), "default_voice": "b"},
         {"supported_fields": frozenset({"language"})},
-        {"supported_fields": frozenset({"task_type"})},
         {"speed_range": (1.5, 2.0)},
         {"speed_range": (0.1, 2.0)},
-        {"extra_generation_params": {"temperature": (0, 1)}},
-        {"extra_generation_params": {"text": (0, 1)}},
-        {"extra_generation_params": {"bad-name": (0, 1)}},
-        {"extra_generation_params": {"x": (1, 0)}},
-        {"extra_generation_params": {"x": (math.nan, 1)}},
         {"response_formats": frozenset({"mp3"})},
         {"model_names": ()},
         {"sample_rate": 0},
@@ -476,6 +449,16 @@ def test_inconsistent_capabilities_rejected_at_build(kwargs):
         SpeechCapabilities(**{**base, **kwargs})
 
 
+@pytest.mark.parametrize("field", ["speeed", "input", "noise_scale"])
+def test_supported_fields_must_be_optional_fields_of_the_schema(field):
+    caps = SpeechCapabilities(
+        model_names=("m",), model_type="t", sample_rate=16000, supported_fields=frozenset({field})
+    )
+    with pytest.raises(ValueError, match=repr(field)):
+        check_capabilities(caps, CloneRequest)
+    check_capabilities(QWEN, CloneRequest)
+
+
 def test_capabilities_are_frozen():
     with pytest.raises(ValidationError):
         QWEN.sample_rate = 1
@@ -485,28 +468,41 @@ def test_capabilities_are_frozen():
 
 
 def test_voices_response():
-    body = voices_response(PIPER).model_dump(mode="json")
+    body = voices_response(PIPER, NoiseRequest).model_dump(mode="json")
     assert body == {
         "model": "piper",
         "model_type": "piper",
         "voices": [],
         "default_voice": "lessac",
         "languages": [],
-        "task_types": [],
         "supported_fields": [
             "input", "model", "noise_scale", "noise_w", "response_format", "sample_rate",
             "stream", "stream_format", "voice",
         ],
-        "extra_generation_params": {
-            "noise_scale": {"min": 0.0, "max": None},
-            "noise_w": {"min": 0.0, "max": 1.0},
+        "fields": {
+            "voice": {
+                "anyOf": [{"type": "string"}, {"type": "null"}], "default": None,
+                "description": 'voice name, or {"id": name} (alias: speaker)', "title": "Voice",
+            },
+            "noise_scale": {
+                "anyOf": [{"type": "number", "minimum": 0.0}, {"type": "null"}], "default": None,
+                "title": "Noise Scale",
+            },
+            "noise_w": {
+                "anyOf": [{"type": "number", "minimum": 0.0, "maximum": 1.0}, {"type": "null"}],
+                "default": None, "description": "duration noise", "title": "Noise W",
+            },
         },
+        "definitions": {},
         "response_formats": ["pcm", "wav"],
         "sample_rate": 22050,
         "max_input_chars": 4096,
         "saved_voices": False,
     }  # fmt: skip
-    assert voices_response(QWEN).voices == ["joe", "amy"]
+    qwen = voices_response(QWEN, CloneRequest)
+    assert qwen.voices == ["joe", "amy"]
+    assert qwen.fields["references"]["anyOf"][0]["items"] == {"$ref": "#/definitions/Qwen3TTSReference"}
+    assert set(qwen.definitions["Qwen3TTSReference"]["properties"]) == {"audio", "text"}
 
 
 def test_model_list_openai_shape():
@@ -641,7 +637,7 @@ json_values = st.recursive(
     ),
     max_leaves=12,
 )
-known_keys = st.sampled_from(sorted(WIRE_FIELDS | {"noise_scale", "noise_w", "extra_params"}))
+known_keys = st.sampled_from(sorted(wire_fields(CloneRequest) | wire_fields(NoiseRequest)))
 keys = st.one_of([known_keys] * 4 + [st.text(max_size=12)])  # mostly known field names
 names = st.sampled_from(["joe", "amy", "lessac", "bob", "auto", "English", "Base", ""])
 reference = st.fixed_dictionaries({"audio": st.text(max_size=3)}, optional={"text": st.text()})
@@ -682,7 +678,7 @@ caps_choice = st.sampled_from([QWEN, PIPER])
 
 def parse_and_validate(body, caps) -> None:
     try:
-        validate_speech_request(parse_speech_request(body, caps), caps)
+        validate_speech_request(parse(body, caps), caps)
     except RequestValidationError as exc:
         assert exc.http_status == 400
         assert exc.param is None or isinstance(exc.param, str)
@@ -725,4 +721,3 @@ speakable = st.characters(blacklist_categories=("Cs",), blacklist_characters="\x
 def test_fuzz_valid_requests_accepted(input_, seed):
     req = valid({"text": input_, "seed": seed, "voice": "amy"})
     assert (req.input, req.seed) == (input_, seed)
-    assert req.explicit_generation_params == {"seed"}

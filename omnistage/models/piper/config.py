@@ -13,11 +13,15 @@ from typing import Self
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.models.piper.modeling import MAX_SPEED, MIN_SPEED, default_voice_path
 from omnistage.models.piper.payload_types import PiperRequest
-from omnistage.models.piper.request_builders import build_piper_request, voice_names
+from omnistage.models.piper.request_builders import (
+    PiperSpeechRequest,
+    build_piper_request,
+    voice_names,
+)
 from omnistage.models.piper.stages import voice_spec
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.model import SpeechModelConfig
-from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
+from omnistage.serve.protocol import SpeechCapabilities
 
 DEFAULT_VOICE = "en_US-joe-medium"
 _STAGES = "omnistage.models.piper.stages"
@@ -27,6 +31,7 @@ class PiperVoiceConfig(SpeechModelConfig):
     architecture = "PiperVoice"
     embedded_models = (DEFAULT_VOICE,)
     is_default = True
+    speech_request = PiperSpeechRequest
 
     @classmethod
     def claims(cls, path: Path) -> bool:
@@ -73,16 +78,15 @@ class PiperVoiceConfig(SpeechModelConfig):
         return SpeechCapabilities(
             model_names=(Path(self.model_path).stem, "piper"),
             model_type="piper",
-            supported_fields=frozenset({"speed", "voice"}),
+            supported_fields=frozenset({"speed", "voice", "noise_scale", "noise_w"}),
             voices=voices,
             default_voice=voices[0],
             sample_rate=spec.sample_rate,
             speed_range=(MIN_SPEED, MAX_SPEED),
-            extra_generation_params={"noise_scale": (0.0, 2.0), "noise_w": (0.0, 2.0)},
             stream_response_formats=frozenset({"pcm", "wav", "mp3", "flac", "opus", "aac"}),
         )
 
-    def build_request(self, request: SpeechRequest, media: MediaPolicy) -> PiperRequest:
+    def build_request(self, request: PiperSpeechRequest, media: MediaPolicy) -> PiperRequest:
         assert self.model_path is not None
         return build_piper_request(request, voice_spec(self.model_path))
 

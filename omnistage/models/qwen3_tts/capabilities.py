@@ -35,7 +35,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from omnistage.models.qwen3_tts.modeling.config import (
-    MAX_NEW_TOKENS_LIMIT,
     ModelType,
     Qwen3TTSConfig,
 )
@@ -62,7 +61,7 @@ _SAMPLING_FIELDS = frozenset(
     {"max_new_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed"}
 )
 _COMMON_FIELDS = _SAMPLING_FIELDS | {
-    "language", "task_type", "non_streaming_mode", "initial_codec_chunk_frames",
+    "language", "task_type", "non_streaming_mode", "initial_codec_chunk_frames", "min_new_tokens",
 }  # fmt: skip
 _CLONE_FIELDS = frozenset({"ref_audio", "ref_text", "references", "x_vector_only_mode"})
 
@@ -125,10 +124,8 @@ def qwen3_tts_capabilities(
 ) -> SpeechCapabilities:
     """The server-side declaration of what ``facts``' model accepts (module docstring).
 
-    Sampling fields, ``non_streaming_mode`` and ``initial_codec_chunk_frames`` are request
-    fields (not ``extra_generation_params``: those carry floats, and these are typed ints
-    and bools already in :class:`~omnistage.serve.protocol.SpeechRequest`). ``speed`` is
-    ignored (the model has no duration control; the response names it in
+    Fields of :class:`~.request_builders.Qwen3TTSSpeechRequest`: the framework's sampling
+    and ``language`` fields and the model's own. ``speed`` is ignored (the model has no duration control; the response names it in
     ``X-Ignored-Fields``).
     """
     fields = set(_COMMON_FIELDS)
@@ -142,11 +139,9 @@ def qwen3_tts_capabilities(
         supported_fields=frozenset(fields),
         voices=facts.voices,
         languages=facts.languages,
-        task_types=(facts.task_type,),
         sample_rate=SAMPLE_RATE,
         max_input_chars=MAX_INPUT_CHARS,
         response_formats=RESPONSE_FORMATS,
         stream_response_formats=RESPONSE_FORMATS,
-        extra_generation_params={"min_new_tokens": (0, MAX_NEW_TOKENS_LIMIT)},
         saved_voices=facts.model_type == "base",
     )

@@ -26,10 +26,14 @@ from omnistage.models.qwen3_tts.capabilities import (
 )
 from omnistage.models.qwen3_tts.modeling.config import load_config
 from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest
-from omnistage.models.qwen3_tts.request_builders import build_qwen3_tts_request
+from omnistage.models.qwen3_tts.random_checkpoint import SIZES, TYPES
+from omnistage.models.qwen3_tts.request_builders import (
+    Qwen3TTSSpeechRequest,
+    build_qwen3_tts_request,
+)
 from omnistage.serve.media import MediaPolicy
-from omnistage.serve.model import SpeechModelConfig
-from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
+from omnistage.serve.model import RandomCheckpoint, SpeechModelConfig
+from omnistage.serve.protocol import SpeechCapabilities
 
 _STAGES = "omnistage.models.qwen3_tts.stages"
 # what the edges carry (omnistage.pipeline.edges)
@@ -44,6 +48,10 @@ ENCODED_REFERENCE = "omnistage.models.qwen3_tts.payload_types:EncodedReference"
 
 class Qwen3TTSPipelineConfig(SpeechModelConfig):
     architecture = "Qwen3TTSForConditionalGeneration"
+    speech_request = Qwen3TTSSpeechRequest
+    random_checkpoint = RandomCheckpoint(
+        writer="omnistage.models.qwen3_tts.random_checkpoint:write_random_checkpoint", sizes=SIZES, types=TYPES
+    )
 
     @classmethod
     def for_model_path(cls, model_path: str) -> Self:
@@ -117,10 +125,12 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
         assert self.model_path is not None
         return qwen3_tts_capabilities(self._facts(), (Path(self.model_path).name, "qwen3-tts"))
 
-    def build_request(self, request: SpeechRequest, media: MediaPolicy) -> Qwen3TTSRequest:
+    def build_request(self, request: Qwen3TTSSpeechRequest, media: MediaPolicy) -> Qwen3TTSRequest:
         return build_qwen3_tts_request(request, self._facts(), media)
 
-    def with_saved_voice(self, request: SpeechRequest, audio: str, ref_text: str | None) -> SpeechRequest:
+    def with_saved_voice(
+        self, request: Qwen3TTSSpeechRequest, audio: str, ref_text: str | None
+    ) -> Qwen3TTSSpeechRequest:
         """Base: the saved clip as ``ref_audio``; its transcript as ``ref_text`` (ICL), or
         without one ``x_vector_only_mode``.
 
@@ -136,7 +146,7 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
         clone = {"ref_audio": audio, "ref_text": ref_text, "x_vector_only_mode": ref_text is None}
         return request.model_copy(update={**clone, "voice": None})
 
-    def warmup_request(self) -> SpeechRequest:
+    def sample_requests(self) -> list[Qwen3TTSSpeechRequest]:
         """A 4-frame request valid for the checkpoint's type (Base: an ICL clone of a 1 s
         synthetic clip, so the reference encoders and the vocoder's left-context path are
         warm before the first real clone)."""
@@ -149,7 +159,7 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
         else:
             fields["ref_audio"] = _warmup_clip()
             fields["ref_text"] = "Hello."
-        return SpeechRequest(**fields)
+        return [Qwen3TTSSpeechRequest(**fields)]
 
 
 @lru_cache(maxsize=8)

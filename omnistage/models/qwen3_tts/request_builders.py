@@ -1,4 +1,9 @@
-"""Speech request -> :class:`Qwen3TTSRequest`: all validation before any model work.
+"""The Qwen3-TTS speech request schema, and speech request -> :class:`Qwen3TTSRequest`:
+all validation before any model work.
+
+:class:`Qwen3TTSSpeechRequest` is the model's ``/v1/audio/speech`` schema: the framework's
+fields plus Qwen3-TTS's own (``task_type``, the voice-clone fields, ``non_streaming_mode``,
+``initial_codec_chunk_frames``, ``min_new_tokens``), typed and ranged by pydantic.
 
 Precondition: the request is what :func:`~omnistage.serve.protocol.validate_speech_request`
 returned against :func:`~.capabilities.qwen3_tts_capabilities` of the same checkpoint (the
@@ -8,7 +13,13 @@ allowed ones), blank or too long text, ``instructions`` on Base (and on 0.6B Cus
 ``ref_audio``/``ref_text``/``references``/``x_vector_only_mode`` on CustomVoice and
 VoiceDesign, ``speed``, and the sampling ranges the wire format has (temperature >= 0,
 top_k >= 0 (-1 = 0), 0 < top_p <= 1, repetition_penalty > 0,
-initial_codec_chunk_frames >= 0). This builder adds the rules that need the model type:
+initial_codec_chunk_frames >= 0). This builder adds the rules of the model's own fields
+and those that need the model type:
+
+- ``task_type``, when given, must be the checkpoint's (``Base``, ``CustomVoice`` or
+  ``VoiceDesign``); ``ref_audio`` and ``references`` exclude each other; ``ref_text`` needs
+  ``ref_audio``; ``x_vector_only_mode`` needs a reference; ``ref_text`` and reference
+  transcripts obey the input's length cap.
 
 - VoiceDesign needs non-blank ``instructions``; blank ``instructions`` are refused anywhere.
 - Base clones a voice: ``ref_audio`` (or ``references`` with exactly one item) is required.
@@ -35,27 +46,87 @@ from __future__ import annotations
 import math
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.engine.sampler import SamplingParams
 from omnistage.models.qwen3_tts.capabilities import (
     AUTO_LANGUAGE,
     FRAMES_PER_SECOND,
-    MAX_NEW_TOKENS_LIMIT,
+    MAX_INPUT_CHARS,
     SAMPLE_RATE,
     Qwen3TTSModelFacts,
 )
-from omnistage.models.qwen3_tts.modeling.config import GenerationConfig
+from omnistage.models.qwen3_tts.modeling.config import MAX_NEW_TOKENS_LIMIT, GenerationConfig
 from omnistage.models.qwen3_tts.payload_types import (
     Qwen3TTSRequest,
     Qwen3TTSSampling,
     SamplingOverrides,
 )
 from omnistage.serve.media import MediaPolicy, load_reference_audio, resample
-from omnistage.serve.protocol import SpeechRequest
+from omnistage.serve.protocol import SpeechRequest, check_text, choice
+
+
+class Qwen3TTSReference(BaseModel):
+    """One reference clip for voice cloning: ``audio`` (base64, data URI, URL or path, kept
+    as the raw string; resolved by the media layer; alias ``audio_path``, SGLang-Omni's
+    spelling) and its optional transcript ``text``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    audio: str = Field(min_length=1)
+    text: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _audio_path_alias(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or "audio_path" not in data:
+            return data
+        data = dict(data)
+        path = data.pop("audio_path")
+        if "audio" in data and data["audio"] != path:
+            raise RequestValidationError(
+                "'audio' and its alias 'audio_path' are both set with different values; set only one",
+                param="references",
+            )
+        data["audio"] = path
+        return data
+
+
+class Qwen3TTSSpeechRequest(SpeechRequest):
+    """``POST /v1/audio/speech`` for Qwen3-TTS: the framework's fields plus these (which of
+    them a checkpoint accepts: :func:`~.capabilities.qwen3_tts_capabilities`)."""
+
+    task_type: str | None = Field(
+        default=None, description="the checkpoint's type as qwen-tts spells it (Base, CustomVoice, VoiceDesign)"
+    )
+    ref_audio: str | None = Field(
+        default=None, min_length=1, description="voice-clone reference clip: base64, data URI, URL or path"
+    )
+    ref_text: str | None = Field(default=None, description="transcript of ref_audio (in-context clone)")
+    references: list[Qwen3TTSReference] | None = Field(
+        default=None, description="the reference as a list of one {audio, text}"
+    )
+    x_vector_only_mode: bool = Field(
+        default=False, description="clone from the speaker embedding alone (no ref_text)"
+    )
+    non_streaming_mode: bool | None = Field(
+        default=None,
+        description="text feeding: true = the whole text in the prompt, false = one text "
+        "token per generated frame; null = the model type's default",
+    )
+    initial_codec_chunk_frames: int | None = Field(
+        default=None, ge=0, le=2**31 - 1, description="frames of the first streamed chunk (capped at 8)"
+    )
+    min_new_tokens: int | None = Field(
+        default=None, ge=0, le=MAX_NEW_TOKENS_LIMIT, description="frames before EOS may end the request"
+    )
+
 
 MIN_REF_SECONDS = 0.5
 """Shortest reference: 6 codec frames, about 45 speaker-encoder mel frames (hop 256 at
@@ -131,7 +202,7 @@ def max_frames_for_text(text: str, limit: int = MAX_NEW_TOKENS_LIMIT) -> int:
 
 
 def build_qwen3_tts_request(
-    request: SpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy
+    request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy
 ) -> Qwen3TTSRequest:
     """Validate ``request`` for the checkpoint ``facts`` describes (rules: module docstring).
 
@@ -143,6 +214,8 @@ def build_qwen3_tts_request(
         PayloadTooLargeError: reference audio over the media policy's byte cap or longer
             than :data:`MAX_REF_SECONDS` (or the policy's duration cap, if lower).
     """
+    choice("task_type", request.task_type, (facts.task_type,), plural="task types")
+    _check_reference_fields(request)
     _check_generation_limits(request)
     instructions = _instructions(request, facts)
     ref_audio, ref_text, x_vector_only = _voice_clone(request, facts, media)
@@ -176,6 +249,20 @@ def build_qwen3_tts_request(
     )
 
 
+def _check_reference_fields(request: Qwen3TTSSpeechRequest) -> None:
+    if request.ref_audio is not None and request.references:
+        raise RequestValidationError("set ref_audio or references, not both", param="references")
+    if request.ref_text is not None and request.ref_audio is None:
+        raise RequestValidationError("ref_text needs ref_audio", param="ref_text")
+    if request.x_vector_only_mode and request.ref_audio is None and not request.references:
+        raise RequestValidationError(
+            "x_vector_only_mode needs ref_audio or references", param="x_vector_only_mode"
+        )
+    check_text("ref_text", request.ref_text, MAX_INPUT_CHARS)
+    for i, ref in enumerate(request.references or ()):
+        check_text(f"references.{i}.text", ref.text, MAX_INPUT_CHARS)
+
+
 def _check_generation_limits(request: SpeechRequest) -> None:
     for name in FLOAT32_FIELDS:
         value = getattr(request, name)
@@ -194,21 +281,19 @@ def _check_generation_limits(request: SpeechRequest) -> None:
         )
 
 
-def _min_new_tokens(request: SpeechRequest) -> int:
-    """``extra_params["min_new_tokens"]``: frames before EOS may end the request (at least
-    the reference's 2). Benchmarks set it equal to ``max_new_tokens`` for fixed lengths."""
-    value = request.extra_params.get("min_new_tokens", REFERENCE_MIN_NEW_TOKENS)
-    if value != int(value):
-        raise RequestValidationError("min_new_tokens must be an integer", param="min_new_tokens")
+def _min_new_tokens(request: Qwen3TTSSpeechRequest) -> int:
+    """``min_new_tokens``: frames before EOS may end the request (at least the reference's
+    2). Benchmarks set it equal to ``max_new_tokens`` for fixed lengths."""
+    value = REFERENCE_MIN_NEW_TOKENS if request.min_new_tokens is None else request.min_new_tokens
     if request.max_new_tokens is not None and value > request.max_new_tokens:
         raise RequestValidationError(
-            f"min_new_tokens ({int(value)}) exceeds max_new_tokens ({request.max_new_tokens})",
+            f"min_new_tokens ({value}) exceeds max_new_tokens ({request.max_new_tokens})",
             param="min_new_tokens",
         )
-    return max(REFERENCE_MIN_NEW_TOKENS, int(value))
+    return max(REFERENCE_MIN_NEW_TOKENS, value)
 
 
-def _instructions(request: SpeechRequest, facts: Qwen3TTSModelFacts) -> str | None:
+def _instructions(request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts) -> str | None:
     text = request.instructions
     if text is not None and not text.strip():
         raise RequestValidationError(
@@ -222,7 +307,7 @@ def _instructions(request: SpeechRequest, facts: Qwen3TTSModelFacts) -> str | No
 
 
 def _voice_clone(
-    request: SpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy
+    request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy
 ) -> tuple[np.ndarray | None, str | None, bool]:
     """-> (reference samples [S] at 24 kHz, its transcript, x-vector-only) for Base."""
     if facts.model_type != "base":

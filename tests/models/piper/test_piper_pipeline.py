@@ -6,7 +6,6 @@ from omnistage.core.payloads import AudioChunk, AudioResult
 from omnistage.models.piper.payload_types import PhonemizedText
 from omnistage.pipeline.pipeline import Pipeline, build_topology
 from omnistage.serve.media import MediaPolicy
-from omnistage.serve.protocol import SpeechRequest
 from omnistage.serve.registry import ModelRegistry
 from omnistage.testing.leaks import assert_no_request_state
 
@@ -27,7 +26,7 @@ async def test_output_is_capped_in_proportion_to_the_text_and_finishes_with_leng
     synthesis = config.stage("synthesis")
     synthesis.factory.args["max_seconds_per_phoneme"] = 0.0001  # cap = the 10 s floor
     text = "This sentence is read very slowly, again and again. " * 6
-    request = config.build_request(SpeechRequest(input=text, speed=0.25), MediaPolicy())
+    request = config.build_request(config.speech_request(input=text, speed=0.25), MediaPolicy())
     async with Pipeline(config) as pipeline:
         result = await pipeline.submit(request, collect=True).result()
         await assert_no_request_state(pipeline)
@@ -42,6 +41,6 @@ async def test_realistic_text_is_not_capped_even_slow():
     text = "Call 5551234567 or 5559876543. Account 1234567, 7654321, 2718281. A. B. C. D. E."
     async with Pipeline(config) as pipeline:
         for speed in (1.0, 0.25):
-            request = config.build_request(SpeechRequest(input=text, speed=speed), MediaPolicy())
+            request = config.build_request(config.speech_request(input=text, speed=speed), MediaPolicy())
             result = await pipeline.submit(request, collect=True).result()
             assert result.finish_reason == "stop", speed

@@ -37,6 +37,7 @@ from omnistage.models.qwen3_tts.random_checkpoint import (
     build_config_dict,
 )
 from omnistage.models.qwen3_tts.request_builders import (
+    Qwen3TTSSpeechRequest,
     build_qwen3_tts_request,
     max_frames_for_text,
     resolve_sampling,
@@ -73,7 +74,7 @@ def checkpoint(tmp_path):
 def build(facts: Qwen3TTSModelFacts, body: dict, media: MediaPolicy = INLINE) -> Qwen3TTSRequest:
     """The server's path: parse, validate against the capabilities, build."""
     caps = qwen3_tts_capabilities(facts, ("qwen3-tts",))
-    request = validate_speech_request(parse_speech_request(body, caps), caps)
+    request = validate_speech_request(parse_speech_request(body, Qwen3TTSSpeechRequest), caps)
     return build_qwen3_tts_request(request, facts, media)
 
 
@@ -126,7 +127,7 @@ def test_custom_voice_capabilities_list_speakers_and_non_dialect_languages(check
     caps = qwen3_tts_capabilities(checkpoint("custom_voice"), ("qwen3-tts",))
     assert caps.voices == tuple(SPEAKERS) and caps.default_voice is None
     assert caps.languages == ("auto", *LANGUAGES)
-    assert caps.task_types == ("CustomVoice",) and caps.sample_rate == 24000
+    assert caps.sample_rate == 24000
     assert "instructions" in caps.supported_fields
     assert not {"ref_audio", "ref_text", "references", "x_vector_only_mode"} & caps.supported_fields
     assert {"temperature", "top_k", "top_p", "repetition_penalty", "seed", "max_new_tokens",
@@ -137,7 +138,7 @@ def test_base_capabilities_take_reference_audio_and_no_named_voice(checkpoint):
     caps = qwen3_tts_capabilities(checkpoint("base"), ("qwen3-tts",))
     assert caps.voices == () and caps.default_voice is None
     assert {"ref_audio", "ref_text", "references", "x_vector_only_mode"} <= caps.supported_fields
-    assert "instructions" not in caps.supported_fields and caps.task_types == ("Base",)
+    assert "instructions" not in caps.supported_fields
 
 
 # --------------------------------------------------------------------------- voices, languages
@@ -191,7 +192,7 @@ def test_a_voice_is_ignored_without_speakers(checkpoint, model_type):
     if model_type == "voice_design":
         body = {"input": "Hi.", "voice": "alloy", "instructions": "calm"}
     caps = qwen3_tts_capabilities(checkpoint(model_type), ("qwen3-tts",))
-    request = validate_speech_request(parse_speech_request(body, caps), caps)
+    request = validate_speech_request(parse_speech_request(body, Qwen3TTSSpeechRequest), caps)
     assert request.ignored_fields == ("voice",)
     assert build(checkpoint(model_type), body).voice is None
 
@@ -242,7 +243,7 @@ def test_blank_instructions_are_refused(checkpoint, model_type):
 
 def ignored(facts: Qwen3TTSModelFacts, body: dict) -> tuple[str, ...]:
     caps = qwen3_tts_capabilities(facts, ("qwen3-tts",))
-    request = validate_speech_request(parse_speech_request(body, caps), caps)
+    request = validate_speech_request(parse_speech_request(body, Qwen3TTSSpeechRequest), caps)
     assert build_qwen3_tts_request(request, facts, INLINE) is not None
     return request.ignored_fields
 
@@ -355,6 +356,20 @@ def test_reference_with_transcript_is_an_icl_clone(checkpoint):
     )
     assert req.icl and not req.x_vector_only and req.ref_text == "hello there"
     assert req.ref_audio.dtype == np.float32 and req.ref_audio.shape == (48000,)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"ref_audio": WAV_2S, "references": [{"audio": WAV_2S}]}, "references"),
+        ({"ref_text": "words"}, "ref_text"),
+        ({"x_vector_only_mode": True}, "x_vector_only_mode"),
+        ({"ref_audio": WAV_2S, "ref_text": "x" * (MAX_INPUT_CHARS + 1)}, "ref_text"),
+        ({"references": [{"audio": WAV_2S, "text": "x" * (MAX_INPUT_CHARS + 1)}]}, "references.0.text"),
+    ],
+)
+def test_inconsistent_reference_fields_are_refused(checkpoint, body, param):
+    rejects(param, checkpoint("base"), {"input": "Hi.", **body})
 
 
 def test_reference_without_transcript_needs_x_vector_only_mode(checkpoint):

@@ -75,7 +75,8 @@ def test_custom_voice_and_voice_design_have_no_speaker_encoder_weights() -> None
 
 def test_init_random_command_writes_a_complete_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "cv"
-    result = CliRunner().invoke(app, ["init-random", "--size", "tiny", "--type", "custom_voice", "--seed", "3", str(out)])
+    args = ["init-random", "--arch", "Qwen3TTSForConditionalGeneration", "--size", "tiny", "--type", "custom_voice"]
+    result = CliRunner().invoke(app, [*args, "--seed", "3", str(out)])
     assert result.exit_code == 0, result.output
     for name in ("config.json", "generation_config.json", "vocab.json", "merges.txt", "tokenizer_config.json",
                  "preprocessor_config.json", "model.safetensors", "speech_tokenizer/config.json",
@@ -88,3 +89,15 @@ def test_init_random_command_writes_a_complete_checkpoint(tmp_path: Path) -> Non
 def test_init_random_rejects_an_unknown_architecture(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["init-random", "--arch", "Nope", str(tmp_path)])
     assert result.exit_code == 2 and "unknown --arch 'Nope'" in result.output
+    assert "--arch Qwen3TTSForConditionalGeneration: --size tiny | 0.6b | 1.7b" in result.output
+
+
+def test_init_random_lists_what_each_model_offers_and_refuses_what_it_does_not(tmp_path: Path) -> None:
+    listed = CliRunner().invoke(app, ["init-random", "--list"])
+    assert listed.exit_code == 0
+    assert "--type base | custom_voice | voice_design" in listed.output
+    arch = ["init-random", "--arch", "Qwen3TTSForConditionalGeneration"]
+    result = CliRunner().invoke(app, [*arch, "--size", "3b", str(tmp_path)])
+    assert result.exit_code == 2 and "sizes: tiny, 0.6b, 1.7b" in result.output
+    result = CliRunner().invoke(app, [*arch, "--type", "omni", str(tmp_path)])
+    assert result.exit_code == 2 and "types: base, custom_voice, voice_design" in result.output

@@ -45,6 +45,21 @@ function paramField(name, range) {
   return field;
 }
 
+/** The model's numeric fields that have no input of their own: name -> {min, max}, from
+ * their JSON schema (a nullable field is {anyOf: [{type: "number", ...}, {type: "null"}]}). */
+function numericFields(fields) {
+  const params = {};
+  for (const [name, schema] of Object.entries(fields)) {
+    const numeric = (schema.anyOf ?? [schema]).find((s) => s.type === "number" || s.type === "integer");
+    if (!numeric || name === "speed") continue;
+    params[name] = {
+      min: numeric.minimum ?? numeric.exclusiveMinimum ?? null,
+      max: numeric.maximum ?? numeric.exclusiveMaximum ?? null,
+    };
+  }
+  return params;
+}
+
 function renderExtraParams(params) {
   const fieldset = $("extra-params");
   fieldset.querySelectorAll(".field").forEach((field) => field.remove());
@@ -64,7 +79,7 @@ export function renderForm(info) {
   show("instructions-field", supports("instructions"));
   show("reference-field", supports("ref_audio"));
   show("ref-text-field", supports("ref_text"));
-  renderExtraParams(info.extra_generation_params);
+  renderExtraParams(numericFields(info.fields));
 }
 
 function readFile(file) {
