@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from omnistage.config.hooks import factory_parameters
 from omnistage.config.overrides import resolve_config
 from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
 
@@ -26,8 +27,12 @@ def documented_knobs() -> list[str]:
     return knobs
 
 
-def test_the_doc_lists_the_knobs():
-    assert len(documented_knobs()) == 14
+def test_the_doc_lists_every_knob_the_factories_take(tiny_checkpoints):
+    defaults = Qwen3TTSPipelineConfig.for_model_path(str(tiny_checkpoints["custom_voice"]))
+    taken = {
+        f"{stage.name}.factory.args.{name}" for stage in defaults.stages for name in factory_parameters(stage)
+    }
+    assert set(documented_knobs()) == taken
 
 
 def changed(value):
