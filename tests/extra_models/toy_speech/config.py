@@ -39,10 +39,18 @@ class ToySpeechConfig(SpeechModelConfig):
             model_path=model_path,
             stages=[
                 StageConfig(
-                    name="score", factory=FactoryConfig(path=f"{_HERE}.stages:create_score_stage"), next="synth"
+                    name="score",
+                    factory=FactoryConfig(path=f"{_HERE}.stages:create_score_stage"),
+                    next="synth",
+                    result_type=f"{_HERE}.stages:Score",
                 ),
                 StageConfig(
-                    name="synth", factory=FactoryConfig(path=f"{_HERE}.stages:create_synth_stage"), terminal=True
+                    name="synth",
+                    factory=FactoryConfig(path=f"{_HERE}.stages:create_synth_stage"),
+                    terminal=True,
+                    payload_type=f"{_HERE}.stages:Score",
+                    result_type="omnistage.core.payloads:AudioResult",
+                    stream_types=["omnistage.core.payloads:AudioChunk"],
                 ),
             ],
         )

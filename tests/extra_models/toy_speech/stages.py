@@ -1,5 +1,5 @@
 """The toy model's stages: ``score`` (batching: request -> :class:`Score`) and ``synth``
-(terminal: one 50 ms chunk per tone, mono float32 at :data:`SAMPLE_RATE`)."""
+(terminal: one 50 ms :class:`AudioChunk` per tone at :data:`SAMPLE_RATE`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from omnistage.core.messages import StagePayload
-from omnistage.core.payloads import AudioResult
+from omnistage.core.payloads import AudioChunk, AudioResult
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import SimpleScheduler
 
@@ -70,7 +70,7 @@ def create_synth_stage(ctx: StageBuildContext) -> SimpleScheduler:
             for f in score.frequencies:
                 wave = sum(w * np.sin(2 * np.pi * f * (k + 1) * t) for k, w in enumerate(score.weights))
                 chunk = (0.5 * wave / score.weights.sum()).astype(np.float32)
-                scheduler.outbox.stream(payload.request_id, chunk, "audio")
+                scheduler.outbox.stream(payload.request_id, AudioChunk(chunk, SAMPLE_RATE))
             out.append(AudioResult(len(score.frequencies) * len(t), SAMPLE_RATE, len(score.frequencies)))
         return out
 
