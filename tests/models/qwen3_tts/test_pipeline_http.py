@@ -37,11 +37,12 @@ from omnistage.models.qwen3_tts.modeling.generate import TalkerSampling, generat
 from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
 from omnistage.models.qwen3_tts.modeling.weights import load_checkpoint
+from omnistage.models.qwen3_tts.request_builders import Qwen3TTSSpeechRequest
 from omnistage.pipeline.timeline import parse_header
 from omnistage.scheduling.ar import CodeFrames
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.audio import float_to_s16
-from omnistage.serve.protocol import SpeechRequest, validate_speech_request
+from omnistage.serve.protocol import validate_speech_request
 from omnistage.testing.leaks import assert_no_request_state
 from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
 
@@ -477,7 +478,7 @@ def test_an_abort_at_any_phase_leaves_no_state_and_frees_every_slot(servers, pha
     KV blocks and vocoder slots are all free again."""
     server = servers["base"]
     speech = server.speech
-    body = SpeechRequest(**request_body("base_icl", max_new_tokens=400, stream=True, response_format="pcm"))
+    body = Qwen3TTSSpeechRequest(**request_body("base_icl", max_new_tokens=400, stream=True, response_format="pcm"))
     model_request = speech.model.build_request(validate_speech_request(body, speech.capabilities), speech.settings.media_policy)
 
     async def abort_at_phase() -> None:
