@@ -97,10 +97,10 @@ class PagedKVCache:
         return cls(num_layers, num_kv_heads, head_dim, blocks, block_size, dtype, device)
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """Zeros of ``shape``; on CPU backed by ``calloc``, committed page by page on first
     write (``torch.zeros`` writes every byte, making the whole pool resident at once)."""
-    if device.type != "cpu":
+    if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
