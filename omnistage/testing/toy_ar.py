@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
+from omnistage.engine.layers import CodePredictor, CodePredictorConfig, Decoder, DecoderConfig
 from omnistage.engine.model_runner import ARModelSpec, SampleFn
-from omnistage.models.qwen3_tts.modeling.config import CodePredictorConfig, DecoderConfig
-from omnistage.models.qwen3_tts.modeling.talker import CodePredictor, Decoder
 
 
 @dataclass(frozen=True)
