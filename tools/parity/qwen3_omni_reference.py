@@ -10,8 +10,8 @@ prompt ids, transformers' MRoPE positions and delta, the encoder rows the thinke
 logits at a fixed set of vocabulary ids, the talker's prefill rows, first code-0 logits and
 greedy codes.
 
-The checkpoint holds the thinker (text model, audio and vision encoders) and the talker;
-transformers initializes the code2wav it lacks from ``torch.manual_seed(SEED)`` (unused here).
+The checkpoint holds every part (thinker with its encoders, talker, code2wav; code2wav is
+unused here: ``qwen3_omni_encoders_reference.py`` covers it).
 The encoders' raw inputs and their output rows are stored too, so the thinker is compared
 both on identical encoder rows and end to end from the raw inputs through our encoders.
 Placeholder counts follow transformers' own formulas (merged grid, audio feature lengths).

@@ -16,9 +16,10 @@ norm weights around 1, embeddings N(0, 1), matrices N(0, 1/fan_in), biases N(0, 
 from a generator seeded by ``(seed, crc32(name))``) and written shard by shard (2 GiB), so at
 most one shard is in host memory; the same seed gives the same bytes as a dummy load draws.
 
-Written parts: the thinker's text model and LM head, the audio and vision encoders (drawn by
-:func:`~omnistage.models.qwen3_omni.modeling.random_init.random_state_dict`, as a dummy load
-does), and the talker with its code predictor. Not yet: code2wav.
+Written parts: every part of the real checkpoint: the thinker's text model and LM head, the
+talker with its code predictor (drawn per name), the audio and vision encoders and code2wav
+(drawn by :func:`~omnistage.models.qwen3_omni.modeling.random_init.random_state_dict`, code2wav
+with its residual / waveform gains, as a dummy load does).
 """
 
 from __future__ import annotations
@@ -34,16 +35,19 @@ from safetensors.torch import save_file
 
 from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.modeling.model import (
-    ENCODER_PARTS,
     PARTS,
+    SEEDED_GAINS,
+    SEEDED_PARTS,
     build_parts,
-    encoder_seed,
     part_prefixes,
+    part_seed,
 )
 from omnistage.models.qwen3_omni.modeling.random_init import random_state_dict
 from omnistage.models.qwen3_omni.modeling.weights import checkpoint_shapes, random_source
+from omnistage.serve.model import RandomCheckpoint
 
 __all__ = [
+    "RANDOM_CHECKPOINT",
     "SIZES",
     "Size",
     "build_config_dict",
@@ -55,6 +59,10 @@ __all__ = [
 Size = Literal["tiny", "30b-a3b"]
 SIZES: tuple[str, ...] = ("tiny", "30b-a3b")
 SHARD_BYTES = 2 * 1024**3
+RANDOM_CHECKPOINT = RandomCheckpoint(
+    writer="omnistage.models.qwen3_omni.random_checkpoint:write_random_checkpoint", sizes=SIZES
+)
+"""What ``EntryClass.random_checkpoint`` declares (``omnistage init-random``)."""
 
 _IDS = {
     "im_start_token_id": 151644, "im_end_token_id": 151645, "tts_pad_token_id": 151671,
@@ -177,14 +185,15 @@ def checkpoint_tensor_shapes(raw: dict) -> dict[str, torch.Size]:
     return shapes
 
 
-def _encoder_tensors(raw: dict, seed: int) -> dict[str, torch.Tensor]:
-    """The encoders' random tensors under their prefixes (drawn as a dummy load draws them)."""
+def _seeded_tensors(raw: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The random tensors of the encoders and code2wav (:data:`SEEDED_PARTS`) under their
+    prefixes, drawn as a dummy load draws them."""
     config = Qwen3OmniConfig.from_dict(raw)
     tensors = {}
-    for name, module in build_parts(config, ENCODER_PARTS).items():
+    for name, module in build_parts(config, SEEDED_PARTS).items():
         prefix = part_prefixes()[name]
         tensors.update(
-            {prefix + k: v for k, v in random_state_dict(module, encoder_seed(seed, name)).items()}
+            {prefix + k: v for k, v in random_state_dict(module, part_seed(seed, name), SEEDED_GAINS[name]).items()}
         )
     return tensors
 
@@ -214,12 +223,24 @@ def write_config(out_dir: str | Path, size: Size) -> Path:
 
 
 def write_random_checkpoint(
-    out_dir: str | Path, size: Size, seed: int = 0, device: str = "cpu"
+    out_dir: str | Path,
+    size: Size,
+    model_type: None = None,
+    seed: int = 0,
+    device: str = "cpu",
 ) -> Path:
-    """config.json plus random weights (``model.safetensors``, or 2 GiB shards and
-    ``model.safetensors.index.json``). Returns ``out_dir`` as a Path.
+    """config.json plus random weights of every part (``model.safetensors``, or 2 GiB shards
+    and ``model.safetensors.index.json``): the ``init-random`` writer
+    (:data:`RANDOM_CHECKPOINT`). Returns ``out_dir`` as a Path.
 
-    Raises: KeyError on an unknown size."""
+    Args:
+        model_type: must be None (Qwen3-Omni has one type; the CLI refuses ``--type``).
+        seed: same seed, device and torch build: same bytes.
+        device: where the per-name tensors are drawn (``"cuda"`` for the real size).
+
+    Raises: KeyError on an unknown size; ValueError on a model type."""
+    if model_type is not None:
+        raise ValueError(f"Qwen3-Omni has one model type; got model_type {model_type!r}")
     out = write_config(out_dir, size)
     raw = build_config_dict(size)
     dtype = _dtype(size)
@@ -229,11 +250,11 @@ def write_random_checkpoint(
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]  # fmt: skip
     source = random_source(seed, device)
-    encoders = _encoder_tensors(raw, seed)
+    seeded = _seeded_tensors(raw, seed)
     weight_map = {}
     for file, names in zip(files, shards, strict=True):
         tensors = {
-            name: (encoders[name] if name in encoders else source(name, shapes[name]))
+            name: (seeded[name] if name in seeded else source(name, shapes[name]))
             .to(dtype)
             .cpu()
             for name in names

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -32,15 +31,13 @@ from omnistage.engine.sequence import GenerationInput
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
 from omnistage.models.qwen3_omni.engine_model import TalkerEngineModel, ThinkerEngineModel
 from omnistage.models.qwen3_omni.modeling.audio_encoder import output_lengths
-from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav, Code2WavConfig
-from omnistage.models.qwen3_omni.modeling.config import load_config, read_config_json
+from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav
+from omnistage.models.qwen3_omni.modeling.config import load_config
 from omnistage.models.qwen3_omni.modeling.generate import talker_sampling
 from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, LoadFormat, load_model
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout, prompt_positions
 from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
-from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS, random_state_dict
 from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
-from omnistage.models.qwen3_omni.modeling.weights import Part, load_parts
 from omnistage.models.qwen3_omni.payload_types import (
     AudioSetup,
     ChatText,
@@ -443,18 +440,15 @@ def create_talker_stage(
 def load_code2wav(
     model_path: str, device: torch.device, load_format: LoadFormat, seed: int = 0
 ) -> Code2Wav:
-    """code2wav from the checkpoint's ``code2wav.`` tensors, or random weights
-    (``"dummy"``: :func:`random_state_dict` with :data:`CODE2WAV_GAINS`, seeded by ``seed``).
+    """code2wav (fp32) from the checkpoint's ``code2wav.`` tensors, or with ``"dummy"`` the
+    random weights ``init-random`` writes with ``seed``.
 
     Raises: CheckpointWeightsError: tensors missing or of the wrong shape."""
-    raw = read_config_json(model_path)["code2wav_config"]
-    # built on the device, not on meta: its buffers (the dropped-sample masks) are computed
-    module = Code2Wav(Code2WavConfig.from_hf(raw)).to(device)
-    if load_format == "dummy":
-        module.load_state_dict(random_state_dict(module, seed, CODE2WAV_GAINS), strict=True)
-    else:
-        load_parts(Path(model_path), [Part(module, "code2wav.")], device, torch.float32)
-    return module.eval().requires_grad_(False)
+    model = load_model(
+        model_path, device, torch.float32, parts=("code2wav",), load_format=load_format, seed=seed
+    )
+    assert model.code2wav is not None
+    return model.code2wav
 
 
 def create_code2wav_stage(

@@ -10,9 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import omnistage.models.qwen3_omni.random_checkpoint as omni_random
+from omnistage.config.hooks import import_callable
 from omnistage.models.qwen3_omni.modeling.model import PARTS, load_model
 from omnistage.models.qwen3_omni.modeling.weights import CheckpointWeightsError
 from omnistage.models.qwen3_omni.random_checkpoint import (
+    RANDOM_CHECKPOINT,
     build_config_dict,
     checkpoint_tensor_shapes,
     write_config,
@@ -108,10 +110,11 @@ def test_dummy_load_equals_the_written_checkpoint(tiny_copy) -> None:
 
 
 def test_real_dims_spec_counts_every_written_part() -> None:
-    """30B-A3B without code2wav: 35.04 B parameters (the checkpoint's 35.26 B less the
-    vocoder), one tensor per expert."""
+    """30B-A3B: 35.26 B parameters, the shipped checkpoint's count, one tensor per expert."""
     shapes = checkpoint_tensor_shapes(build_config_dict("30b-a3b"))
-    assert round(sum(math.prod(s) for s in shapes.values()) / 1e9, 2) == 35.04
+    assert round(sum(math.prod(s) for s in shapes.values()) / 1e9, 2) == 35.26
+    assert shapes["code2wav.code_embedding.weight"] == (16 * 2048, 1024)
+    assert shapes["code2wav.pre_transformer.layers.7.mlp.down_proj.weight"] == (1024, 3072)
     assert shapes["thinker.audio_tower.conv_out.weight"] == (1280, 7680)
     assert shapes["thinker.visual.merger_list.2.mlp.2.weight"] == (2048, 4608)
     assert shapes["thinker.model.layers.47.mlp.experts.127.gate_proj.weight"] == (768, 2048)
@@ -125,3 +128,26 @@ def test_unknown_part_and_format_are_refused(tiny_copy) -> None:
         load_model(root, parts=("vocoder",))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="load_format"):
         load_model(root, load_format="pt")  # type: ignore[arg-type]
+
+
+def test_the_registered_writer_writes_a_checkpoint_transformers_loads_whole(tmp_path) -> None:
+    """The init-random writer (RANDOM_CHECKPOINT, what EntryClass declares) writes every part
+    transformers' model has: it loads with no missing or unexpected tensor, and ours loads
+    it strictly, code2wav included, equal to the written bytes."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    writer = import_callable(RANDOM_CHECKPOINT.writer, what="random-checkpoint writer")
+    assert RANDOM_CHECKPOINT.sizes == ("tiny", "30b-a3b") and RANDOM_CHECKPOINT.types == ()
+    root = writer(tmp_path / "tiny", "tiny", None, seed=0, device="cpu")
+    ref, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
+        str(root), dtype=torch.float32, output_loading_info=True
+    )
+    assert not info["missing_keys"], info["missing_keys"]
+    assert not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ours = load_model(root, parts=PARTS)
+    written = load_file(str(root / "model.safetensors"))
+    for name, tensor in ours.code2wav.state_dict().items():
+        assert torch.equal(tensor, written[f"code2wav.{name}"]), name
+        assert torch.equal(tensor, ref.code2wav.state_dict()[name]), name
+    with pytest.raises(ValueError, match="one model type"):
+        writer(tmp_path / "typed", "tiny", "base")

@@ -124,6 +124,11 @@ class Code2Wav(CarriedStateVocoder):
                     unit.conv1.zero_before = (dropped, rate)
         self.decoder[-1].zero_before = (dropped, rate)
 
+    def reset_buffers(self, device: torch.device | str) -> None:
+        """After a load onto ``device`` from the meta device: recompute the pre-transformer's
+        RoPE frequencies there (a plain tensor, recomputed by ``nn.Module._apply``)."""
+        self.to(device)
+
     def latents(self, codes: torch.Tensor, carry: Carry) -> torch.Tensor:
         """``codes [B, n, 16]`` int64 in ``[0, codebook_size)`` -> ``[B, hidden, n]``."""
         offsets = (

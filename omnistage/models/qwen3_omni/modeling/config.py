@@ -29,6 +29,7 @@ from typing import Any
 
 from omnistage.engine.layers import CodePredictorConfig, DecoderConfig
 from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoderConfig
+from omnistage.models.qwen3_omni.modeling.code2wav import Code2WavConfig
 from omnistage.models.qwen3_omni.modeling.vision_encoder import VisionEncoderConfig
 
 __all__ = [
@@ -488,12 +489,15 @@ class Qwen3OmniConfig:
     """The whole ``config.json`` (the parts the thinker, talker and prompts read).
 
     ``talker`` is None when ``enable_audio_output`` is false (a thinker-only checkpoint).
-    The raw ``thinker_config.audio_config``, ``thinker_config.vision_config`` and
-    ``code2wav_config`` sections are parsed by the encoder and code2wav modules.
+    ``talker`` and ``code2wav`` are None when ``enable_audio_output`` is false (a
+    thinker-only checkpoint). The raw ``thinker_config.audio_config``,
+    ``thinker_config.vision_config`` and ``code2wav_config`` sections are parsed by the
+    encoder and code2wav modules' ``from_hf``.
     """
 
     thinker: ThinkerConfig
     talker: TalkerConfig | None
+    code2wav: Code2WavConfig | None
     im_start_id: int
     im_end_id: int
     system_id: int
@@ -521,9 +525,18 @@ class Qwen3OmniConfig:
             _require(raw, "enable_audio_output", "", bool) if "enable_audio_output" in raw else True
         )
         talker = TalkerConfig.parse(_require(raw, "talker_config", "")) if audio_output else None
+        code2wav = None
+        if audio_output:
+            try:
+                code2wav = Code2WavConfig.from_hf(_require(raw, "code2wav_config", ""))
+            except CheckpointConfigError:
+                raise
+            except (ValueError, TypeError) as exc:
+                raise CheckpointConfigError(f"code2wav_config: {exc}") from None
         config = cls(
             thinker=thinker,
             talker=talker,
+            code2wav=code2wav,
             im_start_id=req("im_start_token_id"),
             im_end_id=req("im_end_token_id"),
             system_id=req("system_token_id"),

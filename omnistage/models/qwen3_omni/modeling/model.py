@@ -1,4 +1,4 @@
-"""Build Qwen3-Omni's thinker and talker from a checkpoint directory, from its safetensors or
+"""Build Qwen3-Omni's parts (thinker, talker, encoders, code2wav) from a checkpoint directory, from its safetensors or
 with random weights made in place (``load_format="dummy"``, the vLLM/SGLang convention: the
 real-size checkpoint, 65.7 GB, does not fit the GPU machine's 64 GiB disk, so a config alone
 is enough to serve real dimensions)."""
@@ -13,8 +13,9 @@ from typing import Literal
 import torch
 
 from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoder
+from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig, load_config
-from omnistage.models.qwen3_omni.modeling.random_init import random_state_dict
+from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS, random_state_dict
 from omnistage.models.qwen3_omni.modeling.talker import Talker
 from omnistage.models.qwen3_omni.modeling.thinker import Thinker
 from omnistage.models.qwen3_omni.modeling.vision_encoder import VisionEncoder
@@ -28,8 +29,8 @@ from omnistage.models.qwen3_omni.modeling.weights import (
 __all__ = ["PARTS", "LoadFormat", "LoadedOmni", "ModelPart", "load_model", "part_prefixes"]
 
 LoadFormat = Literal["safetensors", "dummy"]
-ModelPart = Literal["thinker", "talker", "audio_tower", "visual"]
-PARTS: tuple[str, ...] = ("thinker", "talker", "audio_tower", "visual")
+ModelPart = Literal["thinker", "talker", "audio_tower", "visual", "code2wav"]
+PARTS: tuple[str, ...] = ("thinker", "talker", "audio_tower", "visual", "code2wav")
 
 
 @dataclass
@@ -41,6 +42,7 @@ class LoadedOmni:
     talker: Talker | None = None
     audio_tower: AudioEncoder | None = None
     visual: VisionEncoder | None = None
+    code2wav: Code2Wav | None = None
 
 
 def load_model(
@@ -61,8 +63,8 @@ def load_model(
     Raises:
         CheckpointConfigError: config.json missing or invalid.
         CheckpointWeightsError: weights missing, unexpected or of the wrong shape.
-        ValueError: ``"talker"`` asked of a checkpoint without audio output, or an unknown
-            part or load format.
+        ValueError: ``"talker"`` or ``"code2wav"`` asked of a checkpoint without audio
+            output, or an unknown part or load format.
     """
     config = load_config(checkpoint_dir)
     # bf16 on CUDA (the shipped checkpoint's dtype), fp32 elsewhere
@@ -72,15 +74,16 @@ def load_model(
     unknown = set(parts) - set(PARTS)
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
-    if "talker" in parts and config.talker is None:
-        raise ValueError("the checkpoint has no talker (enable_audio_output is false)")
+    for name in ("talker", "code2wav"):
+        if name in parts and getattr(config, name) is None:
+            raise ValueError(f"the checkpoint has no {name} (enable_audio_output is false)")
     modules = build_parts(config, parts)
     built = [Part(m, part_prefixes()[name]) for name, m in modules.items()]
     if load_format == "dummy":
         source = random_source(seed, device)
         for name, part in zip(modules, built, strict=True):
-            if name in ENCODER_PARTS:
-                state = random_state_dict(part.module, encoder_seed(seed, name))
+            if name in SEEDED_PARTS:
+                state = random_state_dict(part.module, part_seed(seed, name), SEEDED_GAINS[name])
                 part.module.load_state_dict(
                     {k: v.to(device, dtype) for k, v in state.items()}, strict=True, assign=True
                 )
@@ -96,7 +99,14 @@ def load_model(
     return LoadedOmni(config=config, **modules)
 
 
-ENCODER_PARTS = ("audio_tower", "visual")
+SEEDED_PARTS = ("audio_tower", "visual", "code2wav")
+"""Parts whose random weights :func:`random_state_dict` draws (one generator per part, the
+per-tensor gains of :data:`SEEDED_GAINS`); the others draw per name (:func:`random_source`)."""
+SEEDED_GAINS: dict[str, dict[str, float] | None] = {
+    "audio_tower": None,
+    "visual": None,
+    "code2wav": CODE2WAV_GAINS,
+}
 
 
 def part_prefixes() -> dict[str, str]:
@@ -106,12 +116,13 @@ def part_prefixes() -> dict[str, str]:
         "talker": "talker.",
         "audio_tower": "thinker.audio_tower.",
         "visual": "thinker.visual.",
+        "code2wav": "code2wav.",
     }
 
 
-def encoder_seed(seed: int, part: str) -> int:
-    """The random-init seed of an encoder part (one stream per part)."""
-    return seed * 10 + ENCODER_PARTS.index(part) + 1
+def part_seed(seed: int, part: str) -> int:
+    """The random-init seed of a part of :data:`SEEDED_PARTS` (one stream per part)."""
+    return seed * 10 + SEEDED_PARTS.index(part) + 1
 
 
 def build_parts(config: Qwen3OmniConfig, parts: Sequence[str]) -> dict[str, torch.nn.Module]:
@@ -121,6 +132,7 @@ def build_parts(config: Qwen3OmniConfig, parts: Sequence[str]) -> dict[str, torc
         "talker": lambda: Talker(config.talker) if config.talker is not None else None,
         "audio_tower": lambda: AudioEncoder(config.thinker.audio),
         "visual": lambda: VisionEncoder(config.thinker.vision),
+        "code2wav": lambda: Code2Wav(config.code2wav) if config.code2wav is not None else None,
     }
     with torch.device("meta"):
         built = {name: makers[name]() for name in PARTS if name in parts}
