@@ -46,6 +46,12 @@ class OmnistageError(Exception):
     def __reduce__(self):
         return (_rebuild, (type(self), self.args, dict(self.__dict__)))
 
+    @property
+    def public_message(self) -> str:
+        """What a client is told (the error body's ``message``): the message itself, except
+        where it carries internals (see :class:`StageFailureError`)."""
+        return str(self)
+
 
 class PipelineConfigError(OmnistageError):
     """A pipeline declaration is invalid; raised at build time.
@@ -142,18 +148,32 @@ class RequestTimeoutError(OmnistageError):
 class StageFailureError(OmnistageError):
     """A stage failed while computing a request.
 
+    ``str(error)`` holds the cause, for the log; a client sees only
+    :attr:`public_message` (the stage and the request id, never internal exception text).
+
     Args:
         stage: name of the failing stage.
         cause: short description of the underlying exception (type and message).
+        request_id: the failed request, once known (:meth:`for_request`).
     """
 
     http_status = 500
     error_type = "stage_failure"
 
-    def __init__(self, stage: str, cause: str) -> None:
+    def __init__(self, stage: str, cause: str, request_id: str | None = None) -> None:
         self.stage = stage
         self.cause = cause
+        self.request_id = request_id
         super().__init__(f"stage {stage!r} failed: {cause}")
+
+    @property
+    def public_message(self) -> str:
+        request = f" for request {self.request_id}" if self.request_id else ""
+        return f"stage {self.stage!r} failed{request}; the server log has the cause under that request id"
+
+    def for_request(self, request_id: str) -> StageFailureError:
+        """This failure, naming the request it ended."""
+        return StageFailureError(self.stage, self.cause, request_id)
 
 
 class RequestAbortedError(OmnistageError):

@@ -13,6 +13,7 @@ Thread model: every public method runs on the loop; stage threads hand events ov
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -46,6 +47,8 @@ from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.timeline import ADMITTED, RECEIVED, Timeline
 from omnistage.pipeline.topology import Topology
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,10 @@ class Coordinator:
     ) -> None:
         handle = self.requests.pop(request_id)
         self._ended.add(request_id)
+        if isinstance(error, StageFailureError):
+            # the cause (internal exception text) goes to the log only, under the request id
+            error = error.for_request(request_id)
+            logger.error("request %s: %s", request_id, error)
         if handle._timer is not None:
             handle._timer.cancel()
         if finish_reason is not None:

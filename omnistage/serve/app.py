@@ -509,7 +509,7 @@ class _SpeechCall:
             raise
         audio = [a for c in result.chunks if (a := audio_of_chunk(c)) is not None]
         if not audio:
-            error = StageFailureError("server", "the model produced no audio")
+            error = StageFailureError("server", "the model produced no audio", self.handle.request_id)
             self._finished(error)
             raise error
         samples = np.concatenate(audio)
@@ -564,7 +564,7 @@ class _SpeechCall:
             if (audio := audio_of_chunk(chunk)) is not None:
                 return audio
         await self.handle.result()  # raises the request's error, if any
-        raise StageFailureError("server", "the model produced no audio")
+        raise StageFailureError("server", "the model produced no audio", self.handle.request_id)
 
     async def _audio_chunks(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[np.ndarray]:
         yield first

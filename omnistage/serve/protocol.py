@@ -672,7 +672,7 @@ def error_envelope(exc: BaseException) -> tuple[int, dict]:
         exc = request_error_from_validation(exc)
     if isinstance(exc, OmnistageError):
         param = getattr(exc, "param", None)
-        return _envelope(exc.http_status, str(exc), exc.error_type, param)
+        return _envelope(exc.http_status, exc.public_message, exc.error_type, param)
     return _envelope(500, "internal server error", "server_error", None)
 
 

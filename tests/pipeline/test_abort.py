@@ -103,5 +103,9 @@ async def test_late_chunks_after_abort_never_recreate_streaming_state():
         await wait_until(lambda: not accumulate.live_state())
         accumulate.deliver(StreamChunk("r1", "double", torch.tensor([2]), request=request), "double")
         accumulate.deliver(StagePayload("r1", request, 2), "double")
-        await asyncio.sleep(0.1)
-        assert not accumulate.live_state()
+        # the stage handles its inbox in order: once a later probe request shows up, the
+        # late messages before it have been handled (no fixed sleep stands in for that)
+        accumulate.deliver(StreamChunk("probe", "double", torch.tensor([1]), request=request), "double")
+        await wait_until(lambda: accumulate.live_state().get("scheduler") == ["probe"])
+        accumulate.deliver(Abort("probe"), "main")
+        await wait_until(lambda: not accumulate.live_state())

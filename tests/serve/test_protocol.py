@@ -540,7 +540,16 @@ def test_model_list_openai_shape():
 def test_error_envelope_by_type(exc, status, etype, param):
     got_status, body = error_envelope(exc)
     assert got_status == status
-    assert body == {"error": {"message": str(exc), "type": etype, "param": param, "code": status}}
+    assert body == {"error": {"message": exc.public_message, "type": etype, "param": param, "code": status}}
+
+
+def test_a_stage_failure_body_names_the_stage_and_request_never_the_cause():
+    error = StageFailureError("talker", "RuntimeError: CUDA error at 0x7f00").for_request("req-1")
+    _, body = error_envelope(error)
+    assert body["error"]["message"] == (
+        "stage 'talker' failed for request req-1; the server log has the cause under that request id"
+    )
+    assert "CUDA" not in json.dumps(body) and "CUDA" in str(error)  # the log keeps it
 
 
 def test_error_envelope_hides_unexpected_exceptions():

@@ -4,6 +4,7 @@ import base64
 import io
 import json
 import logging
+import re
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -208,10 +209,16 @@ def test_oversized_body_is_413(tone_server):
     assert response.status_code == 413
 
 
-def test_stage_failure_is_500_and_serving_goes_on(tone_server):
+def test_stage_failure_is_500_and_serving_goes_on(tone_server, caplog):
     response = speech(tone_server, {"input": "FAIL"})
     assert response.status_code == 500
-    assert response.json()["error"]["type"] == "stage_failure"
+    error = response.json()["error"]
+    assert error["type"] == "stage_failure"
+    # the body names the stage and the request; the exception text goes to the log only
+    request_id = re.fullmatch(r"stage 'tone' failed for request (\S+); the server log .*", error["message"])[1]
+    assert "failing as asked" not in response.text and "RuntimeError" not in response.text
+    logged = [r.getMessage() for r in caplog.records if request_id in r.getMessage()]
+    assert any("tone: failing as asked" in line for line in logged), logged
     assert speech(tone_server, {"input": "ok", "response_format": "pcm"}).content == expected_pcm("ok")
 
 
