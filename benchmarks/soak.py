@@ -14,7 +14,9 @@ Pass criteria (the JSON report's ``criteria``; exit status 1 if one fails):
 - ``no_hang``: every request ended within its deadline plus a margin (client side);
 - ``no_unexplained_outcome``: every outcome is one of: complete success; 400 for the
   invalid ones; an injected failure surfaced as a 500 (or SSE error event, or a raw
-  stream cut without its clean end) naming the fault; 504 past the deadline; 503 while a
+  stream cut without its clean end) that names the stage the fault was injected at and
+  the request id, under which the coordinator's log holds the injected cause (the body
+  itself never carries it); 504 past the deadline; 503 while a
   killed stage process restarts, or at the admission bound (a client that just aborted a
   request sends the next before the server has ended the first); our own client aborts;
 - ``no_leaked_state``: afterwards no request state in any stage, process, relay, shared
@@ -39,6 +41,7 @@ import json
 import logging
 import os
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -52,7 +55,7 @@ import numpy as np
 import soundfile
 import uvicorn
 
-from omnistage.scheduling.faults import FAULTS_ENV
+from omnistage.scheduling.faults import FAULTS_ENV, parse_faults
 
 ROOT = Path(__file__).resolve().parents[1]
 SHORT_TEXTS = (
@@ -163,39 +166,75 @@ def pick_request(rng: random.Random, ref_audio: str) -> tuple[str, dict, str, bo
     return "qwen3_tts", body, mode, False
 
 
-FAULT_WORDS = ("injected", "out of memory", "stage process")
+STAGE_FAILURE = re.compile(r"stage '(?P<stage>[\w.-]+)' failed for request (?P<request_id>\S+);")
+COORDINATOR_LOG = re.compile(r"request (?P<request_id>\S+): (?P<cause>.*)", re.DOTALL)
 
 
-def classify(status: int, text: str, mode: str, expect_400: bool) -> str:
-    if expect_400:
-        return "rejected_400" if status == 400 else f"unexpected_{status}"
-    if status == 200:
-        if mode == "sse":
-            if '"speech.audio.done"' in text:
+class FailureLog(logging.Handler):
+    """The coordinator's log lines by request id: where a stage failure's cause goes (a
+    client's 500 body names only the stage and the request id)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.causes: dict[str, str] = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if match := COORDINATOR_LOG.fullmatch(record.getMessage()):
+            self.causes[match["request_id"]] = match["cause"]
+
+
+@dataclass
+class Classifier:
+    """Names an outcome from what the server exposes: the status, the error body's type
+    and message (a stage failure names its stage and request id), and the coordinator's
+    log line under that id (the cause). A failure is explained when its cause is a fault
+    injected at the stage its body names; a body that carries the cause is not."""
+
+    log: FailureLog
+    fault_stages: frozenset[str]
+
+    def __call__(self, status: int, text: str, mode: str, expect_400: bool) -> str:
+        if expect_400:
+            return "rejected_400" if status == 400 else f"unexpected_{status}"
+        if status == 200:
+            if mode != "sse" or '"speech.audio.done"' in text:
                 return "ok"
-            return (
-                "sse_error_surfaced"
-                if any(w in text for w in FAULT_WORDS) or "timeout" in text
-                else "unexpected_sse"
-            )
-        return "ok"
-    if status == 500:
-        return "failed_500_surfaced" if any(w in text for w in FAULT_WORDS) else "unexpected_500"
-    if status == 504:
-        return "timeout_504"
-    if status == 503:
-        if "concurrent requests" in text:  # admission bound: an aborted request still ending
-            return "queue_full_503"
-        return (
-            "unavailable_503"
-            if "stage process" in text or "restart" in text
-            else f"unavailable_503_other:{text[:80]}"
-        )
-    return f"unexpected_{status}"
+            event = next((line[6:] for line in text.splitlines() if line.startswith("data: ") and '"type":"error"' in line), None)
+            if event is None:
+                return "unexpected_sse_without_error_event"
+            error = json.loads(event)["error"]
+            return "sse_error_surfaced" if self.explained(error) else f"unexpected_sse_{error['type']}"
+        try:
+            error = json.loads(text)["error"]
+        except (ValueError, KeyError, TypeError):
+            return f"unexpected_{status}_body"
+        if status == 500:
+            return "failed_500_surfaced" if self.explained(error) else f"unexpected_500_{error['type']}"
+        if status == 504 and error["type"] == "timeout":
+            return "timeout_504"
+        if status == 503 and error["type"] == "queue_full":
+            return "queue_full_503"  # admission bound: an aborted request still ending
+        if status == 503 and error["type"] == "service_unavailable" and "stage process" in error["message"]:
+            return "unavailable_503"  # a killed stage process restarts
+        return f"unexpected_{status}_{error['type']}:{error['message'][:80]}"
+
+    def explained(self, error: dict) -> bool:
+        """Whether a failed request's error body (an SSE error event's too) is one the run
+        caused: a deadline, a stage process that was killed, or a stage failure whose logged
+        cause is an injected fault, told without that cause."""
+        if error["type"] == "timeout":
+            return True
+        if error["type"] == "service_unavailable":
+            return "stage process" in error["message"]
+        match = STAGE_FAILURE.match(error["message"])
+        if error["type"] != "stage_failure" or match is None or match["stage"] not in self.fault_stages:
+            return False
+        cause = self.log.causes.get(match["request_id"], "")
+        return "injected" in cause and cause not in error["message"] and "injected" not in error["message"]
 
 
-async def one_request(client: httpx.AsyncClient, servers: dict[str, Server], job, abort_after: float | None,
-                      limit_s: float) -> str:  # fmt: skip
+async def one_request(client: httpx.AsyncClient, servers: dict[str, Server], classify: Classifier, job,
+                      abort_after: float | None, limit_s: float) -> str:  # fmt: skip
     name, body, mode, expect_400 = job
     url = f"{servers[name].base_url}/v1/audio/speech"
 
@@ -246,7 +285,7 @@ def tree_rss_mib() -> dict[str, float]:
 
 
 async def drive(
-    servers: dict[str, Server], args, ref_audio: str, start: int, count: int
+    servers: dict[str, Server], classify: Classifier, args, ref_audio: str, start: int, count: int
 ) -> Counter:
     rng = random.Random(args.seed * 7919 + start)
     outcomes: Counter = Counter()
@@ -261,7 +300,7 @@ async def drive(
 
         async def guarded(job, abort_after) -> None:
             async with gate:
-                outcomes[await one_request(client, servers, job, abort_after, limit_s)] += 1
+                outcomes[await one_request(client, servers, classify, job, abort_after, limit_s)] += 1
 
         jobs = []
         for _ in range(count):
@@ -337,6 +376,9 @@ def main() -> None:
     faults_logger = logging.getLogger("omnistage.scheduling.faults")
     faults_logger.addHandler(CountFaults())
     faults_logger.setLevel(logging.WARNING)
+    failures = FailureLog()
+    logging.getLogger("omnistage.pipeline.coordinator").addHandler(failures)
+    classify = Classifier(failures, frozenset(f.stage for f in parse_faults(os.environ[FAULTS_ENV])))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="omnistage-soak-") as tmp:
         piper, qwen = build_configs(args.timeout_s, Path(tmp))
@@ -346,12 +388,12 @@ def main() -> None:
         }
         setup_s = time.perf_counter() - started
         ref_audio = reference_clip()
-        outcomes = asyncio.run(drive(servers, args, ref_audio, 0, args.warmup))
+        outcomes = asyncio.run(drive(servers, classify, args, ref_audio, 0, args.warmup))
         rss_warm_by_process = tree_rss_mib()
         rss_warm = sum(rss_warm_by_process.values())
         run_started = time.perf_counter()
         outcomes += asyncio.run(
-            drive(servers, args, ref_audio, args.warmup, args.requests - args.warmup)
+            drive(servers, classify, args, ref_audio, args.warmup, args.requests - args.warmup)
         )
         run_s = time.perf_counter() - run_started
         healthy = {name: wait_healthy(s, 120) for name, s in servers.items()}
@@ -368,7 +410,7 @@ def main() -> None:
     unexplained = {
         k: v
         for k, v in outcomes.items()
-        if k.startswith(("unexpected", "hang", "unavailable_503_other"))
+        if k.startswith(("unexpected", "hang"))
     }
     criteria = {
         "no_hang": outcomes["hang"] == 0,

@@ -94,7 +94,10 @@ async def test_large_tensors_cross_processes_through_shared_memory():
 async def test_killed_stage_process_fails_its_requests_in_bounded_time():
     async with linear_pipeline("multi_process", process_death_timeout_s=1.0) as pipeline:
         handle = pipeline.submit(toy.ToyRequest("slow", delay_s=30.0))
-        await asyncio.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while not any(k.startswith("engine.") for k in await pipeline.live_state()):  # it reached the engine
+            assert time.monotonic() < deadline, "the request never reached the engine process"
+            await asyncio.sleep(0.01)
         pipeline.processes["engine"].kill()
         start = time.monotonic()
         with pytest.raises(PipelineUnhealthyError, match="engine"):
