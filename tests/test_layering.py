@@ -1,5 +1,6 @@
 """The package layers import downward only (architecture: core <- engine/scheduling/pipeline
-<- serve/cli <- models), and no model package imports another."""
+<- serve/cli <- models), no model package imports another, and the framework names no
+model package at all (the registry finds models by architecture)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ ROOT = Path(omnistage.__file__).parent
 # Rank of each top-level package: a module may import its own package and lower ranks only.
 LAYERS: dict[str, int] = {
     "core": 0,
+    "checkpoint": 1,
     "config": 1,
     "engine": 2,
     "scheduling": 3,
@@ -20,9 +22,10 @@ LAYERS: dict[str, int] = {
     "serve": 5,
     "bench": 5,
     "cli": 6,
+    "testing": 6,
     "models": 7,
-    "testing": 8,
 }
+MODEL_PACKAGES = sorted(p.name for p in (ROOT / "models").iterdir() if (p / "__init__.py").is_file())
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -81,3 +84,31 @@ def test_model_packages_do_not_import_each_other():
             if names[1] == "models" and len(names) > 2 and names[2] != parts[1]:
                 crossing.append(f"{path.relative_to(ROOT.parent)}:{line} imports {module}")
     assert not crossing, "\n".join(crossing)
+
+
+def _named_model_packages(path: Path) -> list[str]:
+    """``<line>: omnistage.models.<name>`` for each import of a model package in ``path`` and
+    each string (an import path handed to importlib, a docstring) naming one."""
+    texts = _imports(path) + [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if isinstance(node, ast.Constant) and isinstance(node.value, str)
+    ]
+    return [
+        f"{line}: omnistage.models.{name}"
+        for line, text in texts
+        for name in MODEL_PACKAGES
+        if f"omnistage.models.{name}" in text or f"omnistage/models/{name}" in text
+    ]
+
+
+def test_the_framework_names_no_model_package():
+    """A new model family touches nothing outside its package: no framework module imports
+    a model package or names one in a string."""
+    named = [
+        f"{path.relative_to(ROOT.parent)}:{hit}"
+        for path, parts in _modules()
+        if parts[0] != "models"
+        for hit in _named_model_packages(path)
+    ]
+    assert not named, "framework modules name model packages:\n" + "\n".join(named)

@@ -2,8 +2,8 @@
 the unbatched reference generation loop that is the engine's oracle.
 
 :class:`ToyTalker` implements :class:`~omnistage.engine.model_runner.ARModel` with the real
-talker's modules (:mod:`omnistage.models.qwen3_tts.modeling.talker`, projections fused as the
-engine runs them): a Qwen3 :class:`Decoder` calling the attention contract, a code-0 head,
+talker's modules (:mod:`omnistage.engine.layers`, projections fused as the engine runs
+them): a Qwen3 :class:`Decoder` calling the attention contract, a code-0 head,
 and a :class:`CodePredictor` (its own Qwen3 layers and a
 :class:`~omnistage.engine.attention.DenseKVCache` per frame: prefill of [talker hidden,
 C(code 0)], then G-2 single-token steps); the feedback embedding is the sum of the G

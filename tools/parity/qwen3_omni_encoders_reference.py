@@ -42,13 +42,13 @@ from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as h
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 from transformers.models.qwen3_omni_moe import processing_qwen3_omni_moe as hf_processing
 
+from omnistage.models.qwen3_omni import parity_inputs
 from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoder, AudioEncoderConfig
 from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav, Code2WavConfig
 from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS, random_state_dict
 from omnistage.models.qwen3_omni.modeling.vision_encoder import VisionEncoder, VisionEncoderConfig
 from omnistage.models.qwen3_omni.processing import CHAT_TEMPLATE, Qwen3OmniProcessor
-from omnistage.testing import qwen3_omni_inputs as parity_inputs
-from omnistage.testing.qwen3_omni_tokenizer import write_text_tokenizer
+from omnistage.models.qwen3_omni.random_text_tokenizer import write_text_tokenizer
 
 FIXTURES = Path(__file__).resolve().parents[2] / "tests/models/qwen3_omni/fixtures"
 WEIGHT_SEED = 0

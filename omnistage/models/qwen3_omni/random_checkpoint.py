@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import save_file
 
+from omnistage.checkpoint.safetensors_files import SHARD_BYTES, write_safetensors
 from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.modeling.model import (
     PARTS,
@@ -58,7 +57,6 @@ __all__ = [
 
 Size = Literal["tiny", "30b-a3b"]
 SIZES: tuple[str, ...] = ("tiny", "30b-a3b")
-SHARD_BYTES = 2 * 1024**3
 RANDOM_CHECKPOINT = RandomCheckpoint(
     writer="omnistage.models.qwen3_omni.random_checkpoint:write_random_checkpoint", sizes=SIZES
 )
@@ -198,20 +196,6 @@ def _seeded_tensors(raw: dict, seed: int) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _shards(shapes: dict[str, torch.Size], dtype: torch.dtype) -> list[list[str]]:
-    """Names in order, cut into shards of at most :data:`SHARD_BYTES` (a bigger tensor alone)."""
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * dtype.itemsize
-        if shards[-1] and size + nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += nbytes
-    return shards
-
-
 def write_config(out_dir: str | Path, size: Size) -> Path:
     """Only config.json (what ``--load-format dummy`` needs). Returns ``out_dir`` as a Path."""
     out = Path(out_dir)
@@ -245,27 +229,10 @@ def write_random_checkpoint(
     raw = build_config_dict(size)
     dtype = _dtype(size)
     shapes = checkpoint_tensor_shapes(raw)
-    shards = _shards(shapes, dtype)
-    files = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]  # fmt: skip
     source = random_source(seed, device)
     seeded = _seeded_tensors(raw, seed)
-    weight_map = {}
-    for file, names in zip(files, shards, strict=True):
-        tensors = {
-            name: (seeded[name] if name in seeded else source(name, shapes[name]))
-            .to(dtype)
-            .cpu()
-            for name in names
-        }
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        del tensors
-        weight_map.update(dict.fromkeys(names, file))
-    if len(files) > 1:
-        total = sum(math.prod(s) * dtype.itemsize for s in shapes.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(
-            json.dumps(index, indent=2), encoding="utf-8"
-        )
+    # SHARD_BYTES read here, at call time: the sharding test shrinks this module's name
+    write_safetensors(
+        out, shapes, dtype, lambda name: seeded[name] if name in seeded else source(name, shapes[name]), SHARD_BYTES
+    )
     return out

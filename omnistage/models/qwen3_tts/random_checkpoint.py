@@ -23,17 +23,16 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors.torch import save_file
 
+from omnistage.checkpoint.safetensors_files import write_safetensors
+from omnistage.checkpoint.text_tokenizer import base_vocab_size, write_text_tokenizer
 from omnistage.models.qwen3_tts.modeling.config import Qwen3TTSConfig
 from omnistage.models.qwen3_tts.modeling.model import Qwen3TTSModel
-from omnistage.models.qwen3_tts.random_text_tokenizer import base_vocab_size, write_text_tokenizer
 
 __all__ = ["SIZES", "TYPES", "build_config_dict", "write_model_files", "write_random_checkpoint"]
 
@@ -41,7 +40,6 @@ Size = Literal["tiny", "0.6b", "1.7b"]
 ModelType = Literal["base", "custom_voice", "voice_design"]
 SIZES: tuple[str, ...] = ("tiny", "0.6b", "1.7b")
 TYPES: tuple[str, ...] = ("base", "custom_voice", "voice_design")
-SHARD_BYTES = 2 * 1024**3
 REAL_SPECIAL_START = 151643  # <|endoftext|> of the Qwen2/3 tokenizer
 
 # Real ids (digest section 1).
@@ -180,20 +178,6 @@ def _random_tensor(name: str, shape: torch.Size, seed: int, dtype: torch.dtype, 
     return x.to(dtype)
 
 
-def _shards(shapes: dict[str, torch.Size], dtype: torch.dtype) -> Iterator[list[str]]:
-    shard: list[str] = []
-    size = 0
-    for name, shape in shapes.items():
-        nbytes = math.prod(shape) * dtype.itemsize
-        if shard and size + nbytes > SHARD_BYTES:
-            yield shard
-            shard, size = [], 0
-        shard.append(name)
-        size += nbytes
-    if shard:
-        yield shard
-
-
 def write_model_files(out_dir: str | Path, size: Size, model_type: ModelType, seed: int = 0, device: str = "cpu") -> Path:
     """Everything except ``speech_tokenizer/``: configs, text tokenizer, weights.
 
@@ -214,20 +198,7 @@ def write_model_files(out_dir: str | Path, size: Size, model_type: ModelType, se
     dtype = GEOMETRIES[size].dtype
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in Qwen3TTSModel(Qwen3TTSConfig.from_dict(raw)).state_dict().items()}
-    shards = list(_shards(shapes, dtype))
-    files = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
-    ]
-    weight_map = {}
-    for file, names in zip(files, shards, strict=True):
-        tensors = {name: _random_tensor(name, shapes[name], seed, dtype, device).cpu() for name in names}
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
-        del tensors
-        weight_map.update(dict.fromkeys(names, file))
-    if len(files) > 1:
-        total = sum(math.prod(s) * dtype.itemsize for s in shapes.values())
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2), encoding="utf-8")
+    write_safetensors(out, shapes, dtype, lambda name: _random_tensor(name, shapes[name], seed, dtype, device))
     return out
 
 

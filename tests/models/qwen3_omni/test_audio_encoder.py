@@ -18,7 +18,7 @@ from omnistage.models.qwen3_omni.modeling.audio_encoder import (
     expected_weights,
     output_lengths,
 )
-from omnistage.testing.qwen3_omni_inputs import audio_features
+from omnistage.models.qwen3_omni.parity_inputs import audio_features
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from omnistage.models.qwen3_omni.modeling.code2wav import (
     leading_trim,
 )
 from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS
-from omnistage.testing.qwen3_omni_inputs import code_frames
+from omnistage.models.qwen3_omni.parity_inputs import code_frames
 
 SPF = 1920
 TRIM = 555

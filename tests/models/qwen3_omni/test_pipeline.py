@@ -34,11 +34,11 @@ from omnistage.models.qwen3_omni.payload_types import (
 )
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
+from omnistage.models.qwen3_omni.random_text_tokenizer import write_text_tokenizer
 from omnistage.models.qwen3_omni.stages import load_code2wav
 from omnistage.pipeline.pipeline import Pipeline, build_topology
 from omnistage.scheduling.ar import CodeFrames, FrameWithHidden, GenerationSummary
 from omnistage.testing.leaks import assert_no_request_state
-from omnistage.testing.qwen3_omni_tokenizer import write_text_tokenizer
 
 TOKENS, FRAMES, SPEAKER = 6, 5, "ethan"
 ROLE_IDS = {"user": 872, "assistant": 77091}

@@ -16,6 +16,7 @@ from encoder_fixtures import load_fixture
 from PIL import Image
 
 from omnistage.core.errors import RequestValidationError
+from omnistage.models.qwen3_omni.parity_inputs import chat_media
 from omnistage.models.qwen3_omni.processing import (
     ChatMessage,
     ChatPart,
@@ -25,8 +26,7 @@ from omnistage.models.qwen3_omni.processing import (
     decode_image,
     decode_video,
 )
-from omnistage.testing.qwen3_omni_inputs import chat_media
-from omnistage.testing.qwen3_omni_tokenizer import write_text_tokenizer
+from omnistage.models.qwen3_omni.random_text_tokenizer import write_text_tokenizer
 
 
 @pytest.fixture(scope="module")

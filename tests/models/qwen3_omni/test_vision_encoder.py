@@ -14,7 +14,7 @@ from omnistage.models.qwen3_omni.modeling.vision_encoder import (
     VisionEncoderConfig,
     expected_weights,
 )
-from omnistage.testing.qwen3_omni_inputs import vision_patches
+from omnistage.models.qwen3_omni.parity_inputs import vision_patches
 
 
 @pytest.fixture(scope="module")

@@ -21,12 +21,17 @@ that declares ``interleaved: false`` is refused rather than run as something els
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from omnistage.checkpoint.config_json import (
+    CheckpointConfigError,
+    load_json,
+    read_json_object,
+)
+from omnistage.checkpoint.config_json import require as _require
 from omnistage.engine.layers import CodePredictorConfig, DecoderConfig
 from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoderConfig
 from omnistage.models.qwen3_omni.modeling.code2wav import Code2WavConfig
@@ -47,34 +52,6 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
-
-
-class CheckpointConfigError(ValueError):
-    """config.json is missing or unreadable, or a field is missing, malformed or out of range;
-    the message names the file and the dotted field."""
-
-
-def _require(section: Any, key: str, where: str, kind: Callable[[Any], Any] | None = None) -> Any:
-    """``section[key]``, converted by ``kind`` when given (a bool is not an int or a float,
-    a float not an int). Raises: CheckpointConfigError naming ``where.key``."""
-    field = f"{where}.{key}" if where else key
-    if not isinstance(section, dict):
-        raise CheckpointConfigError(f"{where or 'config'} is not a JSON object")
-    if key not in section:
-        raise CheckpointConfigError(f"{field} is missing")
-    value = section[key]
-    if kind is None:
-        return value
-    if (kind in (int, float) and isinstance(value, bool)) or (
-        kind is int and isinstance(value, float)
-    ):
-        raise CheckpointConfigError(f"{field} = {value!r} is not a {kind.__name__}")
-    try:
-        return kind(value)
-    except (TypeError, ValueError):
-        raise CheckpointConfigError(
-            f"{field} = {value!r} is not a {getattr(kind, '__name__', kind)}"
-        ) from None
 
 
 def _positive(value: int | float, field: str) -> None:
@@ -579,16 +556,7 @@ def read_config_json(checkpoint_dir: str | Path) -> dict[str, Any]:
     """The raw ``<checkpoint_dir>/config.json`` object (the encoders parse their sections).
 
     Raises: CheckpointConfigError when the file is missing, unreadable or not an object."""
-    path = Path(checkpoint_dir) / CONFIG_FILE
-    if not path.is_file():
-        raise CheckpointConfigError(f"{CONFIG_FILE} is missing from {path.parent}")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointConfigError(f"{path} cannot be read as JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object")
-    return raw
+    return read_json_object(Path(checkpoint_dir) / CONFIG_FILE)
 
 
 def load_config(checkpoint_dir: str | Path) -> Qwen3OmniConfig:
@@ -596,9 +564,4 @@ def load_config(checkpoint_dir: str | Path) -> Qwen3OmniConfig:
 
     Raises: CheckpointConfigError (a ValueError) naming the file and the field;
     :meth:`Qwen3OmniConfig.from_dict` lists the checks."""
-    path = Path(checkpoint_dir) / CONFIG_FILE
-    raw = read_config_json(checkpoint_dir)
-    try:
-        return Qwen3OmniConfig.from_dict(raw)
-    except CheckpointConfigError as exc:
-        raise CheckpointConfigError(f"{path}: {exc}") from None
+    return load_json(Path(checkpoint_dir) / CONFIG_FILE, Qwen3OmniConfig.from_dict)

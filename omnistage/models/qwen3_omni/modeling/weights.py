@@ -20,7 +20,6 @@ Modules are built on the meta device and tensors assigned directly (one copy of 
 
 from __future__ import annotations
 
-import json
 import math
 import zlib
 from collections.abc import Callable
@@ -33,6 +32,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from omnistage.checkpoint.safetensors_files import CheckpointWeightsError, check_names, weight_files
 from omnistage.engine.moe import SparseMoE
 
 __all__ = [
@@ -57,53 +57,6 @@ KNOWN_PREFIXES = (
     "talker.",
     "code2wav.",
 )
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_LISTED = 20  # names shown per category in an error message
-
-
-class CheckpointWeightsError(ValueError):
-    """Weight files are missing or their tensor names/shapes do not match the model."""
-
-
-def weight_files(checkpoint_dir: Path) -> dict[str, Path]:
-    """Tensor name -> file holding it (``model.safetensors`` or the shards of
-    ``model.safetensors.index.json``).
-
-    Raises: CheckpointWeightsError when neither layout is present, the index is unreadable,
-    or a shard it names is missing."""
-    index_path = checkpoint_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise CheckpointWeightsError(f"{index_path} is not a safetensors index: {exc}") from exc
-        files = {name: checkpoint_dir / file for name, file in weight_map.items()}
-        missing = sorted({p.name for p in files.values() if not p.is_file()})
-        if missing:
-            raise CheckpointWeightsError(
-                f"{checkpoint_dir} lacks shards named in {INDEX_FILE}: {missing}"
-            )
-        return files
-    single = checkpoint_dir / SINGLE_FILE
-    if not single.is_file():
-        raise CheckpointWeightsError(f"{checkpoint_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
-def _check_names(expected: set[str], found: set[str], where: str) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if not missing and not unexpected:
-        return
-    parts = []
-    for label, names in (("missing", missing), ("unexpected", unexpected)):
-        if names:
-            more = f" (+{len(names) - _LISTED} more)" if len(names) > _LISTED else ""
-            parts.append(f"{len(names)} {label}: {', '.join(names[:_LISTED])}{more}")
-    raise CheckpointWeightsError(f"weights in {where} do not match the model: " + "; ".join(parts))
-
 
 def random_tensor(
     name: str, shape: torch.Size, seed: int, device: torch.device | str
@@ -246,11 +199,11 @@ def load_parts(
     files = weight_files(root)
     stray = sorted(n for n in files if not n.startswith(KNOWN_PREFIXES))
     if stray:
-        _check_names(set(), set(stray), str(root))
+        check_names(set(), set(stray), str(root))
     for part in parts:
         expected = checkpoint_shapes(part.module, part.prefix)
         owned = {n for n in files if n.startswith(_owned_prefixes(part.prefix))}
-        _check_names(set(expected), owned, f"{root} (part {part.prefix.rstrip('.')})")
+        check_names(set(expected), owned, f"{root} (part {part.prefix.rstrip('.')})")
     with closing(SafetensorsSource(files, device)) as source:
         for part in parts:
             fill_module(part.module, part.prefix, source, device, dtype)

@@ -15,12 +15,12 @@ does before looking them up.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
+from omnistage.checkpoint.config_json import CheckpointConfigError, load_json, require
 from omnistage.engine.layers import CodePredictorConfig, DecoderConfig
 from omnistage.engine.sampler import SamplingParams
 
@@ -50,36 +50,14 @@ MAX_NEW_TOKENS_LIMIT = 8192
 """Highest frame cap, in generation_config.json or a request: the shipped checkpoints'
 ``max_new_tokens`` (655 s of audio at 12.5 frames/s)."""
 ModelType = Literal["base", "custom_voice", "voice_design"]
-_T = TypeVar("_T")
-
-
-class CheckpointConfigError(ValueError):
-    """A checkpoint's config file is missing or unreadable, or a field is missing, malformed
-    or out of range. Raised by :func:`load_config` and :func:`load_generation_config`, the
-    message names the file and the field."""
-
-
-def _require(section: Any, key: str, where: str, kind: Callable[[Any], Any] | None = None) -> Any:
-    """``section[key]``, converted by ``kind`` when given; ``where`` is the section's dotted
-    path ("" at the top level). Raises: CheckpointConfigError naming ``where.key``."""
-    field = f"{where}.{key}" if where else key
-    if not isinstance(section, dict):
-        raise CheckpointConfigError(f"{where} is not a JSON object")
-    if key not in section:
-        raise CheckpointConfigError(f"{field} is missing")
-    if kind is None:
-        return section[key]
-    try:
-        return kind(section[key])
-    except (TypeError, ValueError):
-        raise CheckpointConfigError(f"{field} = {section[key]!r} is not a {getattr(kind, '__name__', kind)}") from None
+_SHIPPED = " (every Qwen3-TTS checkpoint ships one)"
 
 
 def _parse_decoder(section: dict[str, Any], where: str) -> DecoderConfig:
     """Raises: CheckpointConfigError on a missing field, a non-SiLU activation, sliding
     window attention, or heads that do not group (num_heads % num_kv_heads != 0)."""
     def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
-        return _require(section, key, where, kind)
+        return require(section, key, where, kind)
 
     if req("hidden_act") != "silu":
         raise CheckpointConfigError(f"{where}.hidden_act is {section['hidden_act']!r}; only 'silu' is supported")
@@ -178,7 +156,7 @@ class Qwen3TTSConfig:
         :data:`TOKENIZER_TYPE` (the 25 Hz tokenizer is another codec), or a CustomVoice
         model has no speakers."""
         def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
-            return _require(raw, key, "", kind)
+            return require(raw, key, "", kind)
 
         architectures = req("architectures")
         if not isinstance(architectures, list) or ARCHITECTURE not in architectures:
@@ -190,7 +168,7 @@ class Qwen3TTSConfig:
         if model_type not in ("base", "custom_voice", "voice_design"):
             raise CheckpointConfigError(f"tts_model_type {model_type!r} is not base, custom_voice or voice_design")
         talker_raw = req("talker_config")
-        predictor_raw = _require(talker_raw, "code_predictor_config", "talker_config")
+        predictor_raw = require(talker_raw, "code_predictor_config", "talker_config")
         talker = _parse_talker(talker_raw)
         if model_type == "custom_voice" and not talker.spk_id:
             raise CheckpointConfigError("talker_config.spk_id is empty; a custom_voice model needs speakers")
@@ -210,7 +188,7 @@ class Qwen3TTSConfig:
             talker=talker,
             code_predictor=CodePredictorConfig(
                 decoder=_parse_decoder(predictor_raw, where),
-                num_code_groups=_require(predictor_raw, "num_code_groups", where, int),
+                num_code_groups=require(predictor_raw, "num_code_groups", where, int),
             ),
             speaker_encoder=speaker,
         )
@@ -228,11 +206,11 @@ def _parse_talker(raw: dict[str, Any]) -> TalkerConfig:
     where = "talker_config"
 
     def req(key: str, kind: Callable[[Any], Any] | None = None) -> Any:
-        return _require(raw, key, where, kind)
+        return require(raw, key, where, kind)
 
     decoder = _parse_decoder(raw, where)
     rope = req("rope_scaling")
-    section = tuple(int(x) for x in _require(rope, "mrope_section", "talker_config.rope_scaling"))
+    section = tuple(int(x) for x in require(rope, "mrope_section", "talker_config.rope_scaling"))
     if sum(section) != decoder.head_dim // 2:
         raise CheckpointConfigError(f"talker mrope_section {section} does not sum to head_dim/2 = {decoder.head_dim // 2}")
     spk_id = {name.lower(): _codec_id(value, f"talker_config.spk_id.{name}") for name, value in dict(req("spk_id") or {}).items()}
@@ -269,13 +247,13 @@ def _parse_speaker_encoder(raw: dict[str, Any]) -> SpeakerEncoderConfig:
     optional = {}
     for key in ("mel_dim", "enc_attention_channels", "enc_res2net_scale", "enc_se_channels"):
         if key in raw:
-            optional[key] = _require(raw, key, where, int)
+            optional[key] = require(raw, key, where, int)
     for key in ("enc_channels", "enc_kernel_sizes", "enc_dilations"):
         if key in raw:
             optional[key] = tuple(int(x) for x in raw[key])
     config = SpeakerEncoderConfig(
-        enc_dim=_require(raw, "enc_dim", where, int),
-        sample_rate=_require(raw, "sample_rate", where, int),
+        enc_dim=require(raw, "enc_dim", where, int),
+        sample_rate=require(raw, "sample_rate", where, int),
         **optional,
     )
     if not len(config.enc_channels) == len(config.enc_kernel_sizes) == len(config.enc_dilations):
@@ -319,7 +297,7 @@ class GenerationConfig:
         """Raises: CheckpointConfigError naming the first key that is missing, malformed or
         out of range (so a bad default fails at load, not in every request that uses it)."""
         def req(key: str, kind: Callable[[Any], Any]) -> Any:
-            return _require(raw, key, "", kind)
+            return require(raw, key, "", kind)
 
         config = cls(
             do_sample=req("do_sample", bool),
@@ -344,37 +322,17 @@ class GenerationConfig:
         return config
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise CheckpointConfigError(f"{path.name} is missing from {path.parent} (every Qwen3-TTS checkpoint ships one)")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointConfigError(f"{path} cannot be read as JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointConfigError(f"{path} holds a JSON {type(raw).__name__}, not an object")
-    return raw
-
-
-def _load(path: Path, parse: Callable[[dict[str, Any]], _T]) -> _T:
-    raw = _read_json(path)
-    try:
-        return parse(raw)
-    except CheckpointConfigError as exc:
-        raise CheckpointConfigError(f"{path}: {exc}") from None
-
-
 def load_config(checkpoint_dir: str | Path) -> Qwen3TTSConfig:
     """Parse ``<checkpoint_dir>/config.json``.
 
     Raises: CheckpointConfigError (a ValueError) naming the file and the field:
     :meth:`Qwen3TTSConfig.from_dict` lists the checks.
     """
-    return _load(Path(checkpoint_dir) / CONFIG_FILE, Qwen3TTSConfig.from_dict)
+    return load_json(Path(checkpoint_dir) / CONFIG_FILE, Qwen3TTSConfig.from_dict, _SHIPPED)
 
 
 def load_generation_config(checkpoint_dir: str | Path) -> GenerationConfig:
     """Parse ``<checkpoint_dir>/generation_config.json`` (mandatory, as in the reference
     loader). Raises: CheckpointConfigError naming the file and the key that is missing,
     malformed or out of range (:class:`GenerationConfig`)."""
-    return _load(Path(checkpoint_dir) / GENERATION_CONFIG_FILE, GenerationConfig.from_dict)
+    return load_json(Path(checkpoint_dir) / GENERATION_CONFIG_FILE, GenerationConfig.from_dict, _SHIPPED)

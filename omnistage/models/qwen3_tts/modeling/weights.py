@@ -9,7 +9,6 @@ device and the tensors assigned directly (no random init, one copy of the weight
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 from safetensors import safe_open
 from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer
 
+from omnistage.checkpoint.safetensors_files import CheckpointWeightsError, check_names, weight_files
 from omnistage.models.qwen3_tts.modeling.config import (
     GenerationConfig,
     Qwen3TTSConfig,
@@ -26,15 +26,6 @@ from omnistage.models.qwen3_tts.modeling.config import (
 from omnistage.models.qwen3_tts.modeling.model import Qwen3TTSModel
 
 __all__ = ["CheckpointWeightsError", "LoadedCheckpoint", "default_dtype", "load_checkpoint", "weight_files"]
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
-_LISTED = 20  # names shown per category in an error message
-
-
-class CheckpointWeightsError(ValueError):
-    """Weight files are missing or their tensor names/shapes do not match the model."""
-
 
 @dataclass
 class LoadedCheckpoint:
@@ -49,42 +40,6 @@ class LoadedCheckpoint:
 def default_dtype(device: torch.device | str) -> torch.dtype:
     """bf16 on CUDA (the shipped checkpoints' dtype), fp32 elsewhere."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
-def weight_files(checkpoint_dir: Path) -> dict[str, Path]:
-    """Tensor name -> file holding it.
-
-    Raises: CheckpointWeightsError when neither layout is present, the index is unreadable,
-    or a shard it names is missing.
-    """
-    index_path = checkpoint_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, json.JSONDecodeError, KeyError) as exc:
-            raise CheckpointWeightsError(f"{index_path} is not a safetensors index: {exc}") from exc
-        files = {name: checkpoint_dir / file for name, file in weight_map.items()}
-        missing = sorted({str(p.name) for p in files.values() if not p.is_file()})
-        if missing:
-            raise CheckpointWeightsError(f"{checkpoint_dir} lacks shards named in {INDEX_FILE}: {missing}")
-        return files
-    single = checkpoint_dir / SINGLE_FILE
-    if not single.is_file():
-        raise CheckpointWeightsError(f"{checkpoint_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
-    with safe_open(str(single), framework="pt") as f:
-        return dict.fromkeys(f.keys(), single)
-
-
-def _check_names(expected: set[str], found: set[str], where: Path) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if not missing and not unexpected:
-        return
-    parts = []
-    for label, names in (("missing", missing), ("unexpected", unexpected)):
-        if names:
-            more = f" (+{len(names) - _LISTED} more)" if len(names) > _LISTED else ""
-            parts.append(f"{len(names)} {label}: {', '.join(names[:_LISTED])}{more}")
-    raise CheckpointWeightsError(f"weights in {where} do not match the model: " + "; ".join(parts))
 
 
 def load_checkpoint(
@@ -111,7 +66,7 @@ def load_checkpoint(
         model = Qwen3TTSModel(config)
     expected = model.state_dict()
     files = weight_files(root)
-    _check_names(set(expected), set(files), root)
+    check_names(set(expected), set(files), root)
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)

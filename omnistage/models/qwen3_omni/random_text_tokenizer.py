@@ -1,7 +1,7 @@
 """A small byte-level BPE tokenizer with Qwen3-Omni's special tokens at their real ids, for
 tests and the parity script.
 
-Qwen3-TTS's writer (:mod:`omnistage.models.qwen3_tts.random_text_tokenizer`) with the
+The shared writer (:mod:`omnistage.checkpoint.text_tokenizer`) with the
 special-token table of the Qwen2.5/Qwen3 vocabularies from ``<|endoftext|>`` (151643) to
 ``<|audio_pad|>`` (151675): the ids the Qwen3-Omni config records (shared/reference/
 qwen3-omni.md, section 1), and the ``extra_special_tokens`` names transformers'
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omnistage.models.qwen3_tts.random_text_tokenizer import write_text_tokenizer as _write
+from omnistage.checkpoint.text_tokenizer import write_text_tokenizer as _write
 
 SPECIAL_START = 151643
 SPECIAL_TOKENS = {

@@ -1,4 +1,5 @@
-"""A small byte-level BPE text tokenizer in the Qwen2 file layout, for random checkpoints.
+"""A small byte-level BPE text tokenizer in the Qwen2 file layout, for random checkpoints
+of the Qwen model families (each passes its own special-token table).
 
 Writes ``vocab.json``, ``merges.txt`` and ``tokenizer_config.json`` (``Qwen2Tokenizer``)
 that both transformers 4.57 (the reference's pin) and 5.x load. The vocabulary is the 256
@@ -77,8 +78,8 @@ def write_text_tokenizer(
     Args:
         special_start: id of ``<|endoftext|>`` (>= :func:`base_vocab_size`); the tokenizer
             then has ``special_start + num_specials`` ids.
-        specials: offset -> special token, replacing the Qwen3-TTS names (e.g. Qwen3-Omni's
-            ``<|audio_pad|>`` at +32); offsets without a name are reserved tokens.
+        specials: offset -> special token, replacing the default names above (e.g. a
+            model's ``<|audio_pad|>`` at +32); offsets without a name are reserved tokens.
         num_specials: special tokens written [31].
         config_extra: entries added to ``tokenizer_config.json`` (e.g. a chat template).
 
