@@ -220,6 +220,27 @@ class AREngine:
         seq.rows_complete = True
         return True
 
+    def cap_new_tokens(self, request_id: str, max_new_tokens: int) -> bool:
+        """Lower a request's frame cap (never raise it): it ends with ``"length"`` at
+        ``max(max_new_tokens, frames launched, frames emitted + 1)`` frames, so frames
+        already launched still land and a request at its new cap takes one more step to
+        end. Its KV reservation is unchanged (freed whole when it ends).
+
+        Returns:
+            False if the request is not in the engine.
+
+        Raises:
+            ValueError: ``max_new_tokens < 1``.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        seq = self.scheduler.get(request_id)
+        if seq is None:
+            return False
+        cap = max(max_new_tokens, seq.num_scheduled, len(seq.frames) + 1)
+        seq.frame_cap = min(cap, seq.max_new_tokens)
+        return True
+
     def _store_rows(self, seq: Sequence, rows: torch.Tensor) -> None:
         rows = rows[: seq.inputs.row_capacity - seq.num_rows]
         if rows.shape[0]:

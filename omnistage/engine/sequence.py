@@ -151,6 +151,7 @@ class Sequence:
         frames: ``[1, G] int64`` frames emitted so far (host tensors).
         stop_ids: ``inputs.sampling.stop_token_ids`` as a set (host-side stop check).
         finish_reason: set once it finished.
+        frame_cap: a cap lowered while it runs (:meth:`AREngine.cap_new_tokens`), or None.
     """
 
     request_id: str
@@ -166,6 +167,7 @@ class Sequence:
     num_scheduled: int = 0
     frames: list[torch.Tensor] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    frame_cap: int | None = None
 
     def __post_init__(self) -> None:
         self.stop_ids = frozenset(self.inputs.sampling.stop_token_ids)
@@ -178,12 +180,15 @@ class Sequence:
 
     @property
     def max_new_tokens(self) -> int:
-        return self.inputs.max_new_tokens
+        """``inputs.max_new_tokens``, or the lower ``frame_cap`` set while it runs."""
+        return self.inputs.max_new_tokens if self.frame_cap is None else self.frame_cap
 
     @property
     def reserved_tokens(self) -> int:
-        """KV tokens it can ever hold: the prompt and every fed-back frame but the last."""
-        return self.prompt_len + self.max_new_tokens - 1
+        """KV tokens it can ever hold: the prompt and every fed-back frame but the last
+        (from ``inputs``: a later ``frame_cap`` does not change what was reserved)."""
+        return self.prompt_len + self.inputs.max_new_tokens - 1
+
 
     @property
     def schedulable(self) -> bool:

@@ -119,11 +119,15 @@ class RowFeed:
         start: add the request to the engine with this input (once per request).
         rows: ``[K, H]`` step rows to append (the request must have ``more_rows``).
         complete: no more rows will come.
+        max_new_tokens: lower the request's frame cap to this
+            (:meth:`~omnistage.engine.engine.AREngine.cap_new_tokens`), e.g. once its
+            whole input is known.
     """
 
     start: GenerationInput | None = None
     rows: torch.Tensor | None = None
     complete: bool = False
+    max_new_tokens: int | None = None
 
 
 class StreamInput(ABC):
@@ -268,6 +272,8 @@ class ARScheduler(Scheduler):
                 self.engine.append_step_rows(request_id, feed.rows)
             if feed.complete:
                 self.engine.complete_step_rows(request_id)
+            if feed.max_new_tokens is not None:
+                self.engine.cap_new_tokens(request_id, feed.max_new_tokens)
         except (OmnistageError, ValueError, TypeError) as exc:
             self.engine.abort(request_id)
             self._release_state(request_id)

@@ -213,3 +213,29 @@ def test_cuda_graphs_and_overlap_with_waiting_requests_equal_the_reference(monke
     full = {f"r{i}": whole(3 + i, 16, rows=5 + i, seed=20 + i, hidden=64, dtype=torch.float32,
                            sampling=sampled if i % 2 else GREEDY) for i in range(6)}
     assert_random_gaps_equal_all_at_once(model, engine, full, {"r0": 0, "r1": 1, "r2": 2, "r3": 0})
+
+
+def run_capped(inputs, lowered_at: int, cap: int) -> tuple[list[torch.Tensor], str]:
+    """Run ``inputs`` alone, lowering its cap to ``cap`` once it made ``lowered_at`` frames."""
+    engine, results, frames, lowered = engine_for(), {}, {}, []
+
+    def feed(step):
+        if not lowered and len(frames.get("r", [])) == lowered_at:
+            lowered.append(engine.cap_new_tokens("r", cap))
+
+    engine.add_request("r", inputs)
+    drain(engine, results, frames, feed)
+    assert lowered == [True] and engine.cap_new_tokens("r", 3) is False  # it ended: gone
+    assert_nothing_held(engine)
+    return frames["r"], results["r"].finish_reason
+
+
+def test_a_cap_lowered_while_running_ends_the_request_there_with_length():
+    """``cap_new_tokens`` after some frames: the request ends at the new cap with the first
+    frames of the uncapped run; a cap below what it made ends it after one more frame."""
+    inputs = whole(5, 40, 3, seed=11)
+    uncapped = reference_generate(MULTI, inputs).codes
+    for lowered_at, cap, expected in ((3, 10, 10), (6, 2, 7)):
+        frames, reason = run_capped(inputs, lowered_at, cap)
+        assert reason == "length"
+        torch.testing.assert_close(torch.cat(frames), uncapped[:expected], rtol=0, atol=0)
