@@ -19,12 +19,13 @@ from omnistage.config.overrides import (
     parse_cli_overrides,
     resolve_config,
 )
-from omnistage.serve.model import SpeechModelConfig
+from omnistage.serve.model import ModelConfig
 from omnistage.serve.registry import (
     EXTRA_MODELS_ENV,
     ModelRegistry,
     RegistryError,
     UnknownVariantError,
+    UnsupportedLoadFormatError,
 )
 
 __all__ = ["EXTRA_MODELS_ENV", "ModelArgs", "list_models", "load_registry", "resolve_model"]
@@ -64,6 +65,15 @@ class ModelArgs:
     variant: Annotated[
         str | None, typer.Option(help="Named variant of the model.", show_default=False)
     ] = None
+    load_format: Annotated[
+        str | None,
+        typer.Option(
+            help="How weights are made: 'dummy' builds random weights on the device from "
+            "the checkpoint's config.json alone (the vLLM/SGLang convention), for models "
+            "that offer it \\[default: load the checkpoint's weights].",
+            show_default=False,
+        ),
+    ] = None
     max_concurrent_requests: Annotated[
         int | None,
         typer.Option(
@@ -85,9 +95,10 @@ def resolve_model(args: ModelArgs, extra_args: list[str]) -> ResolvedConfig:
     exits with status 2 and a message on any user error."""
     registry = _registry_or_exit()
     try:
-        defaults = registry.resolve(args.model_path, args.variant)
+        defaults = registry.resolve(args.model_path, args.variant, args.load_format)
     except (FileNotFoundError, ValueError) as exc:
         option = "--variant" if isinstance(exc, UnknownVariantError) else "--model-path"
+        option = "--load-format" if isinstance(exc, UnsupportedLoadFormatError) else option
         fail(f"{option}: {exc}")
     try:
         cli = parse_cli_overrides(extra_args)
@@ -117,7 +128,7 @@ def _models_table(registry: ModelRegistry) -> Table:
     return table
 
 
-def _random_offer(cls: type[SpeechModelConfig]) -> str:
+def _random_offer(cls: type[ModelConfig]) -> str:
     offer = cls.random_checkpoint
     if offer is None:
         return "-"

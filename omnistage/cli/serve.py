@@ -307,7 +307,8 @@ class ServeArgs:
 @option_group(ModelArgs, "model")
 @option_group(ServeArgs, "server")
 def serve(ctx: typer.Context, *, model: ModelArgs, server: ServeArgs) -> None:
-    """Serve a speech model behind an OpenAI-compatible API (POST /v1/audio/speech)."""
+    """Serve a speech or chat model behind an OpenAI-compatible API (POST /v1/audio/speech,
+    POST /v1/chat/completions)."""
     resolved = resolve_model(model, ctx.args)
     _check_address(server.host, server.port)
     settings = server.settings()

@@ -2,6 +2,10 @@
 
 The audio output convention of a speech model: its terminal stage streams
 :class:`AudioChunk` items to the client and finishes with an :class:`AudioResult`.
+
+The text output convention of a chat model: its text terminal stage streams
+:class:`TextDelta` items and finishes with a :class:`TextResult`; a chat model that speaks
+also has an audio terminal stage following the speech convention.
 """
 
 from __future__ import annotations
@@ -41,3 +45,31 @@ class AudioResult:
     sample_rate: int
     num_frames: int = 0
     input_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Reply text streamed by a chat model's text terminal stage: ``text`` follows the
+    text streamed before it (whole characters)."""
+
+    text: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TextResult:
+    """A chat model's text terminal stage's completion (its finish_reason travels in the
+    framework's result).
+
+    Attributes:
+        text: the whole reply (the concatenation of the streamed :class:`TextDelta` s).
+        prompt_tokens: prompt positions the model read, media placeholders included.
+        completion_tokens: reply tokens generated (a stop token excluded).
+        prompt_audio_tokens: of ``prompt_tokens``, positions holding audio.
+        prompt_image_tokens: of ``prompt_tokens``, positions holding images or video.
+    """
+
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    prompt_audio_tokens: int = 0
+    prompt_image_tokens: int = 0

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import logging
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -39,7 +37,6 @@ from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
 from omnistage.core.errors import (
     AuthenticationError,
@@ -48,12 +45,10 @@ from omnistage.core.errors import (
     RequestAbortedError,
     RequestValidationError,
     StageFailureError,
-    UnsupportedMediaTypeError,
 )
 from omnistage.core.messages import StreamChunk
 from omnistage.core.request import new_request_id
 from omnistage.pipeline.coordinator import PipelineResult, RequestHandle
-from omnistage.pipeline.pipeline import Pipeline
 from omnistage.pipeline.timeline import FIRST_BYTE
 from omnistage.serve.audio import (
     StreamingAudioEncoder,
@@ -62,10 +57,9 @@ from omnistage.serve.audio import (
     encode_audio,
     resample,
 )
+from omnistage.serve.chat import ChatServer, install_chat_routes
 from omnistage.serve.decoding import request_id_var
-from omnistage.serve.media import MediaPolicy
-from omnistage.serve.metrics import ServerMetrics
-from omnistage.serve.model import SpeechModelConfig
+from omnistage.serve.model import ChatModelConfig, ModelConfig, SpeechModelConfig
 from omnistage.serve.playground import mount_playground
 from omnistage.serve.protocol import (
     BatchItem,
@@ -76,7 +70,6 @@ from omnistage.serve.protocol import (
     SpeechAudioDone,
     SpeechRequest,
     SpeechUsage,
-    body_too_large,
     check_capabilities,
     error_envelope,
     model_card,
@@ -89,6 +82,17 @@ from omnistage.serve.protocol import (
     usage_of,
     validate_speech_request,
 )
+from omnistage.serve.server_core import (
+    ModelServer,
+    ServerSettings,
+    StreamCut,
+    admit,
+    count_request_end,
+    quiet_stream_cuts,
+    read_body,
+    require_json,
+    watch_disconnect,
+)
 from omnistage.serve.speech_stream import install_speech_stream_route
 from omnistage.serve.voice_library import VoiceLibrary, data_uri, key_owner
 from omnistage.serve.voices_api import install_voice_routes
@@ -96,65 +100,34 @@ from omnistage.serve.voices_api import install_voice_routes
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-DISCONNECT_POLL_S = 0.25
 #: Response header with the request's timeline so far (``name=ms;...`` after receipt; see
 #: :mod:`omnistage.pipeline.timeline`): a client can decompose its TTFA.
 TIMELINE_HEADER = "X-Timeline"
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    """Server policy.
-
-    Attributes:
-        api_keys: when any, ``/v1/*`` requires ``Authorization: Bearer <one of them>``;
-            each key owns the voices it saves.
-        media_policy: where reference audio may come from, and its caps.
-        max_body_bytes: request body cap (413 above it); the default, 15 MiB, fits the
-            largest legitimate request: 10 MiB of reference audio (the media cap) is 13.3
-            MiB as base64, plus at most 4,096 characters of text (issue 12: the cap was 32
-            MiB, and 8 parallel 30 MB bodies kept 324 MiB of RSS).
-        warmup: run the model's warm-up request before reporting ready.
-        playground: serve the web playground at ``/`` (its assets under ``/playground``;
-            both public, the page sends its key to ``/v1`` itself).
-        served_model_names: the names requests may give as ``model`` (the first is the id
-            in ``/v1/models``), replacing the model's own; empty: the model's own names.
-        data_dir: where saved voices live (:mod:`omnistage.serve.voice_library`); None:
-            no voice library.
-    """
-
-    api_keys: tuple[str, ...] = ()
-    media_policy: MediaPolicy = field(default_factory=MediaPolicy)
-    max_body_bytes: int = 15 * 1024 * 1024
-    warmup: bool = True
-    playground: bool = True
-    served_model_names: tuple[str, ...] = ()
-    data_dir: Path | None = None
-
-
-class SpeechServer:
-    """The server's state: the model, its running pipeline, metrics, readiness."""
+class SpeechServer(ModelServer):
+    """The server's state for a speech model: its capabilities, voice library and requests."""
 
     def __init__(
         self, model: SpeechModelConfig, settings: ServerSettings, on_fatal: Callable[[str], None] | None = None
     ) -> None:
-        self.model, self.settings = model, settings
+        self.model: SpeechModelConfig = model
         self.capabilities = model.capabilities()
         self.request_type = model.speech_request
         check_capabilities(self.capabilities, self.request_type)
         if settings.served_model_names:
             names = tuple(dict.fromkeys(settings.served_model_names))
             self.capabilities = self.capabilities.model_copy(update={"model_names": names})
-        self.pipeline = Pipeline(model, on_fatal=on_fatal)
-        self.metrics = ServerMetrics()
-        self.ready = False
-        self.start_error: str | None = None
-        self.created = int(time.time())
+        super().__init__(model, settings, on_fatal)
         self.library = (
             VoiceLibrary(settings.data_dir)
             if settings.data_dir is not None and self.capabilities.saved_voices
             else None
         )
+
+    @property
+    def model_name(self) -> str:
+        return self.capabilities.model_name
 
     def prepare(self, body: bytes | Mapping[str, Any], owner: str) -> tuple[SpeechRequest, Any]:
         """A speech request body -> (validated request, the model's typed request): parse,
@@ -178,48 +151,40 @@ class SpeechServer:
             return request
         return self.model.with_saved_voice(request, data_uri(voice.mime_type, self.library.audio(voice)), voice.ref_text)
 
-    async def start(self) -> None:
-        await self.pipeline.start()
-        assert self.pipeline.host is not None
-        for name, stage in self.pipeline.host.stages.items():
-            stage.scheduler.batch_observer = functools.partial(self.metrics.observe_batch, name)
-        if self.settings.warmup:
-            warmup = self.model.sample_requests()[0]
-            warmup = validate_speech_request(warmup, self.capabilities)
-            handle = self.pipeline.submit(self.model.build_request(warmup, self.settings.media_policy))
-            await handle.result()
-        self.ready = True
-        logger.info("ready: serving %s", self.capabilities.model_name)
+    def warmup_request(self) -> Any:
+        warmup = validate_speech_request(self.model.sample_requests()[0], self.capabilities)
+        return self.model.build_request(warmup, self.settings.media_policy)
 
     async def stop(self) -> None:
-        self.ready = False
-        await self.pipeline.stop()
+        await super().stop()
         if self.library is not None:
             self.library.close()
 
-    def update_stage_metrics(self) -> None:
-        """Sample queue depths of the stages in this process (for a /metrics scrape);
-        ``queued`` is the total of messages waiting in those stages' inboxes."""
-        assert self.pipeline.host is not None
-        depths = {name: stage.scheduler.queue_depth() for name, stage in self.pipeline.host.stages.items()}
-        for name, depth in depths.items():
-            self.metrics.set_stage_queue_depth(name, depth)
-        self.metrics.set_queued(sum(depths.values()))
-
 
 def create_app(
-    model: SpeechModelConfig,
+    model: ModelConfig,
     settings: ServerSettings | None = None,
     *,
     on_fatal: Callable[[str], None] | None = None,
 ) -> FastAPI:
-    """Build the FastAPI app for ``model``; the pipeline starts with the app's lifespan.
+    """Build the FastAPI app for ``model`` (a speech or a chat model: the routes of its
+    kind); the pipeline starts with the app's lifespan.
 
     ``on_fatal(reason)`` is called once the pipeline gives up (a stage process died more
     often than its restart limit): the caller should stop the server, non-zero. Until
     then ``/health`` answers 503 ``failed``.
+
+    Raises:
+        TypeError: ``model`` is of neither kind.
     """
-    server = SpeechServer(model, settings or ServerSettings(), on_fatal)
+    settings = settings or ServerSettings()
+    server: ModelServer
+    if isinstance(model, ChatModelConfig):
+        server = ChatServer(model, settings, on_fatal)
+    elif isinstance(model, SpeechModelConfig):
+        server = SpeechServer(model, settings, on_fatal)
+    else:
+        raise TypeError(f"{type(model).__name__} is neither a SpeechModelConfig nor a ChatModelConfig")
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -233,17 +198,24 @@ def create_app(
             await asyncio.gather(starting, return_exceptions=True)
             await server.stop()
 
-    _quiet_stream_cuts()
+    quiet_stream_cuts()
     app = FastAPI(title="omnistage", lifespan=lifespan)
     app.state.server = server
     _install_error_handlers(app)
-    _install_routes(app, server)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(server))])
+    if isinstance(server, ChatServer):
+        _install_common_routes(app, v1, server, server.capabilities.model_names)
+        install_chat_routes(v1, server)
+    else:
+        _install_common_routes(app, v1, server, server.capabilities.model_names)
+        _install_speech_routes(app, v1, server)
+    app.include_router(v1)
     if server.settings.playground:
         mount_playground(app)
     return app
 
 
-async def _start(server: SpeechServer) -> None:
+async def _start(server: ModelServer) -> None:
     try:
         await server.start()
     except Exception as exc:  # the server boundary: reported by /health, never swallowed
@@ -288,7 +260,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(RequestValidationError(message, param=param))
 
 
-def _require_api_key(server: SpeechServer) -> Callable[[Request], None]:
+def _require_api_key(server: ModelServer) -> Callable[[Request], None]:
     """A dependency of every ``/v1`` route: checks ``Authorization: Bearer <key>``.
 
     (A dependency, not an HTTP middleware: Starlette's middleware wrapper hides client
@@ -301,9 +273,9 @@ def _require_api_key(server: SpeechServer) -> Callable[[Request], None]:
     return check
 
 
-def _install_routes(app: FastAPI, server: SpeechServer) -> None:
-    caps = server.capabilities
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(_require_api_key(server))])
+def _install_common_routes(app: FastAPI, v1: APIRouter, server: ModelServer, model_names: tuple[str, ...]) -> None:
+    """``/health``, ``/metrics``, ``/v1/models`` and ``/v1/models/{id}`` (``model_names``:
+    the served names, the first is the id)."""
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> JSONResponse:
@@ -333,17 +305,19 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
 
     @v1.get("/models")
     async def models() -> JSONResponse:
-        return JSONResponse(model_list(caps, server.created).model_dump())
+        return JSONResponse(model_list(model_names, server.created).model_dump())
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> JSONResponse:
-        if model_id not in caps.model_names:
+        if model_id not in model_names:
             status, body = not_found_envelope(
-                f"model {model_id!r} is not served here; available models: {', '.join(caps.model_names)}"
+                f"model {model_id!r} is not served here; available models: {', '.join(model_names)}"
             )
             return JSONResponse(body, status_code=status)
         return JSONResponse(model_card(model_id, server.created).model_dump())
 
+
+def _install_speech_routes(app: FastAPI, v1: APIRouter, server: SpeechServer) -> None:
     install_voice_routes(v1, server)
     install_speech_stream_route(app, server)
 
@@ -359,13 +333,11 @@ def _install_routes(app: FastAPI, server: SpeechServer) -> None:
         """Every request of the batch at once (the engine batches them), answered in order,
         each with its own status; a client that leaves aborts them all."""
         received = time.monotonic()
-        _require_json(request)
-        bodies = parse_batch(await _read_body(request, server.settings.max_body_bytes))
+        require_json(request)
+        bodies = parse_batch(await read_body(request, server.settings.max_body_bytes))
         items = await asyncio.gather(*(_batch_item(server, request, body, received) for body in bodies))
         data = [item.model_copy(update={"index": i}) for i, item in enumerate(items)]
         return JSONResponse(BatchResponse(data=data).model_dump(mode="json", exclude_none=True))
-
-    app.include_router(v1)
 
 
 async def _open_call(
@@ -379,25 +351,19 @@ async def _open_call(
     """
     request_id = new_request_id()
     request_id_var.set(request_id)  # for the decoder pool's log lines (threads copy it)
-    try:
-        if not server.ready:
-            raise PipelineUnhealthyError(server.start_error or "the server is starting; see GET /health")
+
+    async def prepare_and_submit() -> _SpeechCall:
+        nonlocal body
         if body is None:
-            _require_json(request)
-            body = await _read_body(request, server.settings.max_body_bytes)
+            require_json(request)
+            body = await read_body(request, server.settings.max_body_bytes)
         speech_request, model_request = await run_in_threadpool(server.prepare, body, request.state.owner)
         handle = server.pipeline.submit(
             model_request, request_id, collect=not speech_request.streaming, received_at=received
         )
-    except OmnistageError as exc:
-        server.metrics.request_rejected(exc.http_status)
-        raise
-    except Exception:  # a bug before admission: logged, counted, a 500 envelope
-        logger.exception("request %s failed before admission", request_id)
-        server.metrics.request_rejected(500)
-        raise
-    server.metrics.request_started()
-    return _SpeechCall(server, request, speech_request, handle, received)
+        return _SpeechCall(server, request, speech_request, handle, received)
+
+    return await admit(server, request_id, prepare_and_submit)
 
 
 async def _batch_item(server: SpeechServer, request: Request, body: dict[str, Any], received: float) -> BatchItem:
@@ -422,34 +388,6 @@ async def _batch_item(server: SpeechServer, request: Request, body: dict[str, An
     )
 
 
-def _require_json(request: Request) -> None:
-    """JSON bodies only: besides being the API's format, this keeps a web page from making
-    a browser post a "simple" (text/plain or form) request to a local server."""
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != "application/json" and not media_type.endswith("+json"):
-        raise UnsupportedMediaTypeError(
-            f"the body must be JSON with Content-Type: application/json, got {media_type or 'none'!r}"
-        )
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The body, at most ``limit`` bytes (413 above it; a client gone mid-upload ends the
-    request quietly)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise body_too_large(limit, int(declared))
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise body_too_large(limit, size)
-            chunks.append(chunk)
-    except ClientDisconnect as exc:
-        raise RequestAbortedError("client disconnected while sending the body") from exc
-    return b"".join(chunks)
-
-
 @dataclass(frozen=True)
 class WholeAudio:
     """A finished request's audio as one file of its ``response_format``."""
@@ -458,26 +396,6 @@ class WholeAudio:
     finish_reason: str
     usage: SpeechUsage
     headers: dict[str, str]
-
-
-class StreamCut(Exception):
-    """Raised into the ASGI server to end a streamed body on purpose without its final
-    chunk (the request failed after its headers went out). It is logged as one warning
-    line by the route; :class:`_QuietStreamCuts` keeps uvicorn from adding a traceback."""
-
-
-class _QuietStreamCuts(logging.Filter):
-    """Drops uvicorn's "Exception in ASGI application" record when the exception is a
-    deliberate :class:`StreamCut` (issue 12: every failed stream logged a traceback)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.exc_info and isinstance(record.exc_info[1], StreamCut))
-
-
-def _quiet_stream_cuts() -> None:
-    uvicorn_errors = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, _QuietStreamCuts) for f in uvicorn_errors.filters):
-        uvicorn_errors.addFilter(_QuietStreamCuts())
 
 
 class _SpeechCall:
@@ -641,14 +559,7 @@ class _SpeechCall:
     # ------------------------------------------------------------------ helpers
     async def _watch(self, awaitable: Awaitable[T]) -> T:
         """Await ``awaitable``; if the client disconnects meanwhile, abort the request."""
-        task = asyncio.ensure_future(awaitable)
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await self.request.is_disconnected():
-                self.server.pipeline.abort(self.handle.request_id)
-                return await task
+        return await watch_disconnect(awaitable, self.request, lambda: self.server.pipeline.abort(self.handle.request_id))
 
     def _first_audio(self) -> None:
         if self.first_audio_at is None:
@@ -670,13 +581,7 @@ class _SpeechCall:
             return
         self._reported = True
         latency = time.monotonic() - self.received
-        audio_s = self.samples_sent / self.sample_rate
-        if error is None:
-            self.server.metrics.request_finished(200, finish_reason, latency, audio_s)
-            return
-        status = error.http_status if isinstance(error, OmnistageError) else 500
-        reason = "abort" if isinstance(error, RequestAbortedError) else "error"
-        self.server.metrics.request_finished(status, reason, latency, audio_s)
+        count_request_end(self.server.metrics, error, finish_reason, latency, self.samples_sent / self.sample_rate)
 
     def _ignored_header(self) -> dict[str, str]:
         ignored = self.speech.ignored_fields

@@ -16,6 +16,8 @@ import msgspec
 
 __all__ = [
     "AudioDecodeJob",
+    "DecodedImage",
+    "ImageDecodeJob",
     "DecodeJob",
     "DecodeRefused",
     "DecodeReply",
@@ -50,6 +52,29 @@ class DecodedAudio(msgspec.Struct, tag="audio", frozen=True):
     sample_rate: int
 
 
+class ImageDecodeJob(msgspec.Struct, tag="image", frozen=True):
+    """Decode one image (any format Pillow reads; the first frame of an animation) to RGB.
+
+    Attributes:
+        data: the encoded file's bytes.
+        max_pixels: refuse (``too_large``) an image of more pixels than this, checked from
+            its header before the pixels are decoded (a decompression bomb stops there).
+        memory_bytes: address space the job may add to the worker's (RLIMIT_AS), bytes.
+    """
+
+    data: bytes
+    max_pixels: int
+    memory_bytes: int
+
+
+class DecodedImage(msgspec.Struct, tag="image", frozen=True):
+    """``rgb``: ``[height, width, 3]`` uint8, row-major."""
+
+    rgb: bytes
+    width: int
+    height: int
+
+
 class DecodeRefused(msgspec.Struct, tag="refused", frozen=True):
     """The worker could not decode the input (a client error): ``reason`` says why;
     ``too_large`` marks a cap (duration) rather than a malformed input."""
@@ -58,10 +83,10 @@ class DecodeRefused(msgspec.Struct, tag="refused", frozen=True):
     too_large: bool = False
 
 
-#: Every job kind (image and video jobs for chat media join this union).
-DecodeJob = AudioDecodeJob
+#: Every job kind.
+DecodeJob = AudioDecodeJob | ImageDecodeJob
 #: Every reply kind.
-DecodeReply = DecodedAudio | DecodeRefused
+DecodeReply = DecodedAudio | DecodedImage | DecodeRefused
 
 _encoder = msgspec.msgpack.Encoder()
 

@@ -18,14 +18,17 @@ import sys
 
 import av
 import numpy as np
+from PIL import Image
 
 from omnistage.serve.decode_jobs import (
     FRAME_HEADER,
     AudioDecodeJob,
     DecodedAudio,
+    DecodedImage,
     DecodeJob,
     DecodeRefused,
     DecodeReply,
+    ImageDecodeJob,
     decode_frame,
     encode_frame,
 )
@@ -83,7 +86,27 @@ def _decode_mono(container, max_duration_s: float) -> tuple[list[np.ndarray], in
     return chunks, rate
 
 
-_DECODERS = {AudioDecodeJob: decode_audio}
+def decode_image(job: ImageDecodeJob) -> DecodeReply:
+    """Decode ``job.data`` to RGB (see :class:`DecodedImage`); the pixel cap is checked on
+    the header's size before any pixel is decoded."""
+    try:
+        with Image.open(io.BytesIO(job.data)) as image:
+            width, height = image.size
+            if width * height > job.max_pixels:
+                return DecodeRefused(
+                    f"is {width}x{height} pixels; the limit is {job.max_pixels} pixels", too_large=True
+                )
+            rgb = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except MemoryError:
+        raise
+    except Exception as exc:  # untrusted bytes: any decoder failure is a client error
+        return DecodeRefused(f"{type(exc).__name__}: {exc}")
+    if rgb.size == 0:
+        return DecodeRefused("has no pixels")
+    return DecodedImage(np.ascontiguousarray(rgb).tobytes(), int(rgb.shape[1]), int(rgb.shape[0]))
+
+
+_DECODERS = {AudioDecodeJob: decode_audio, ImageDecodeJob: decode_image}
 
 
 def _address_space_bytes() -> int:

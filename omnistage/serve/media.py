@@ -63,10 +63,25 @@ import numpy as np
 import soxr
 
 from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
-from omnistage.serve.decode_jobs import AudioDecodeJob, DecodeRefused
+from omnistage.serve.decode_jobs import (
+    AudioDecodeJob,
+    DecodeJob,
+    DecodeRefused,
+    DecodeReply,
+    ImageDecodeJob,
+)
 from omnistage.serve.decoding import DecoderCrashed, DecoderTimeout, shared_pool
 
-__all__ = ["MediaPolicy", "ReferenceAudio", "load_reference_audio", "resample"]
+__all__ = [
+    "MediaPolicy",
+    "ReferenceAudio",
+    "decode_audio",
+    "decode_image",
+    "load_reference_audio",
+    "read_base64",
+    "read_media_url",
+    "resample",
+]
 
 MAX_REDIRECTS: Final = 3
 _REDIRECT_STATUS: Final = frozenset({301, 302, 303, 307, 308})
@@ -90,6 +105,8 @@ class MediaPolicy:
         decode_timeout_s: time limit of decoding one item in a decoder worker, seconds.
         decode_memory_bytes: memory one decode job may allocate in its worker, bytes
             (a 7 MB 64-channel 96 kHz WAV peaks at ~25 MiB).
+        max_image_pixels: cap on an image's pixels (width x height), read from its header
+            before decoding (32 Mi pixels: 96 MiB as RGB, within ``decode_memory_bytes``).
     """
 
     allowed_local_media_path: Path | None = None
@@ -99,6 +116,7 @@ class MediaPolicy:
     fetch_timeout_s: float = 10.0
     decode_timeout_s: float = 10.0
     decode_memory_bytes: int = 256 * 1024 * 1024
+    max_image_pixels: int = 32 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -239,20 +257,66 @@ def _is_audio_container(data: bytes) -> bool:
     return frame_sync or data[:2] == b"\x0b\x77"  # AC-3 sync word
 
 
-def _from_data_uri(text: str, policy: MediaPolicy, param: str) -> bytes:
+def _from_data_uri(
+    text: str, policy: MediaPolicy, param: str, media_types: tuple[str, ...] = _DATA_URI_TYPES
+) -> bytes:
+    kind = media_types[0].rstrip("/")
     header, comma, payload = text.partition(",")
     params = [p.strip().lower() for p in header[5:].split(";")]
     if not comma or "base64" not in params[1:]:
         raise RequestValidationError(
-            f"{param}: malformed data URI; expected data:audio/<type>;base64,<data>",
+            f"{param}: malformed data URI; expected data:{kind}/<type>;base64,<data>",
             param=param,
         )
-    if not params[0].startswith(_DATA_URI_TYPES):
+    if not params[0].startswith(media_types):
         raise RequestValidationError(
-            f"{param}: data URI media type {params[0]!r} is not audio; use audio/<type>",
+            f"{param}: data URI media type {params[0]!r} is not {kind}; use {kind}/<type>",
             param=param,
         )
     return _from_base64("".join(payload.split()), policy, param)
+
+
+def read_media_url(
+    value: str,
+    policy: MediaPolicy,
+    param: str,
+    kind: str,
+    *,
+    transport: httpx.BaseTransport | None = None,
+) -> bytes:
+    """The bytes a chat media URL names (blocks: network): a ``data:<kind>/...;base64,``
+    URI, an http(s) URL under the policy's domains, or a ``file://`` URI under its local
+    directory (the rules of the module docstring).
+
+    Args:
+        kind: ``"image"`` or ``"video"``: the data URI's media type family.
+
+    Raises:
+        PayloadTooLargeError: above ``policy.max_bytes``.
+        RequestValidationError: any other failure, naming ``param``.
+    """
+    text = value.strip() if isinstance(value, str) else ""
+    lower = text[:8].lower()
+    if lower.startswith("data:"):
+        return _from_data_uri(text, policy, param, (f"{kind}/", "application/octet-stream"))
+    if lower.startswith(("http://", "https://")):
+        return _fetch_url(text, policy, param, transport)
+    if lower.startswith("file://"):
+        return _read_local(_file_uri_path(text, param), policy, param)
+    raise RequestValidationError(
+        f"{param} must be a data URI (data:{kind}/<type>;base64,<data>) or an http(s) URL",
+        param=param,
+    )
+
+
+def read_base64(value: str, policy: MediaPolicy, param: str) -> bytes:
+    """Standard padded base64 (whitespace ignored) -> bytes, the size cap enforced.
+
+    Raises:
+        PayloadTooLargeError: above ``policy.max_bytes``.
+        RequestValidationError: not valid base64, naming ``param``.
+    """
+    return _from_base64("".join(value.split()), policy, param)
 
 
 def _from_base64(compact: str, policy: MediaPolicy, param: str) -> bytes:
@@ -504,34 +568,63 @@ def _fetch_timeout(policy: MediaPolicy, param: str) -> RequestValidationError:
 # ----------------------------------------------------------------------------- decoding
 
 
-def decode_audio(data: bytes, policy: MediaPolicy, param: str) -> ReferenceAudio:
+def decode_audio(
+    data: bytes, policy: MediaPolicy, param: str, max_duration_s: float | None = None
+) -> ReferenceAudio:
     """Decode the first audio stream of any FFmpeg-readable bytes (an audio file, or a
     video's audio track) to mono float32 at its own rate, enforcing the duration cap, in a
     decoder worker process (:mod:`omnistage.serve.decoding`).
 
+    Args:
+        max_duration_s: the duration cap, seconds (None: ``policy.max_duration_s``).
+
     Raises:
-        PayloadTooLargeError: longer than ``policy.max_duration_s``.
+        PayloadTooLargeError: longer than the duration cap.
         RequestValidationError: no audio stream, no samples, undecodable, or the decoder
             crashed or ran past ``policy.decode_timeout_s``, naming ``param``.
     """
-    job = AudioDecodeJob(data, policy.max_duration_s, policy.decode_memory_bytes)
-    try:
-        reply = shared_pool().run(job, policy.decode_timeout_s)
-    except DecoderTimeout:
-        raise _undecodable(param, f"decoding took longer than {policy.decode_timeout_s:g} s") from None
-    except DecoderCrashed as exc:
-        raise _undecodable(param, f"the decoder process crashed: {exc}") from None
-    if isinstance(reply, DecodeRefused):
-        if reply.too_large:
-            raise PayloadTooLargeError(f"{param} {reply.reason}", param=param)
-        raise _undecodable(param, reply.reason)
+    job = AudioDecodeJob(data, policy.max_duration_s if max_duration_s is None else max_duration_s,
+                         policy.decode_memory_bytes)  # fmt: skip
+    reply = _run_job(job, policy, param, _AUDIO_HINT)
     samples = np.frombuffer(reply.samples, dtype="<f4").astype(np.float32)
     return ReferenceAudio(samples, reply.sample_rate)
 
 
-def _undecodable(param: str, why: str) -> RequestValidationError:
-    return RequestValidationError(
-        f"{param} could not be decoded as audio ({why}); send wav, flac, mp3, ogg/opus, "
-        "m4a or another common audio format",
-        param=param,
-    )
+def decode_image(data: bytes, policy: MediaPolicy, param: str) -> np.ndarray:
+    """Decode image bytes (any format Pillow reads) to RGB in a decoder worker process.
+
+    Returns:
+        ``[H, W, 3]`` uint8.
+
+    Raises:
+        PayloadTooLargeError: more than ``policy.max_image_pixels`` pixels.
+        RequestValidationError: undecodable, or the decoder crashed or ran past
+            ``policy.decode_timeout_s``, naming ``param``.
+    """
+    job = ImageDecodeJob(data, policy.max_image_pixels, policy.decode_memory_bytes)
+    reply = _run_job(job, policy, param, _IMAGE_HINT)
+    return np.frombuffer(reply.rgb, dtype=np.uint8).reshape(reply.height, reply.width, 3)
+
+
+_AUDIO_HINT = ("audio", "send wav, flac, mp3, ogg/opus, m4a or another common audio format")
+_IMAGE_HINT = ("an image", "send png, jpeg, webp, gif or another common image format")
+
+
+def _run_job(job: DecodeJob, policy: MediaPolicy, param: str, hint: tuple[str, str]) -> DecodeReply:
+    """Run ``job`` in the shared pool -> its decoded reply (never a refusal)."""
+    try:
+        reply = shared_pool().run(job, policy.decode_timeout_s)
+    except DecoderTimeout:
+        raise _undecodable(param, f"decoding took longer than {policy.decode_timeout_s:g} s", hint) from None
+    except DecoderCrashed as exc:
+        raise _undecodable(param, f"the decoder process crashed: {exc}", hint) from None
+    if isinstance(reply, DecodeRefused):
+        if reply.too_large:
+            raise PayloadTooLargeError(f"{param} {reply.reason}", param=param)
+        raise _undecodable(param, reply.reason, hint)
+    return reply
+
+
+def _undecodable(param: str, why: str, hint: tuple[str, str] = _AUDIO_HINT) -> RequestValidationError:
+    what, formats = hint
+    return RequestValidationError(f"{param} could not be decoded as {what} ({why}); {formats}", param=param)

@@ -1,18 +1,30 @@
 """The contract between the framework and a model package.
 
 A model package ``omnistage/models/<name>/config.py`` (or one named in
-``OMNISTAGE_EXTRA_MODELS``) exposes ``EntryClass`` (a :class:`SpeechModelConfig`
-subclass) and optionally ``Variants`` (``{name: SpeechModelConfig subclass}``). The
+``OMNISTAGE_EXTRA_MODELS``) exposes ``EntryClass`` (a :class:`ModelConfig` subclass of one
+of two kinds: :class:`SpeechModelConfig`, served at ``/v1/audio/speech``, or
+:class:`ChatModelConfig`, served at ``/v1/chat/completions``) and optionally ``Variants``
+(``{name: subclass}``). The
 framework never imports a model by name: :mod:`omnistage.serve.registry` discovers them,
 and the server, the CLI and the docs derive what they show from what ``EntryClass``
-declares: its request schema per endpoint (``speech_request`` for ``/v1/audio/speech``),
+declares: its request schema per endpoint (``speech_request`` for ``/v1/audio/speech``,
+``chat_request`` for ``/v1/chat/completions``),
 its voices and capabilities, its pipeline (``for_model_path``), its sample requests, and
 its random-checkpoint writer (``random_checkpoint``).
 
 Output convention for speech: audio terminal stages stream
 :class:`omnistage.core.payloads.AudioChunk` items (mono float32 PCM at
 ``capabilities().sample_rate``) and finish with an
-:class:`omnistage.core.payloads.AudioResult`.
+:class:`omnistage.core.payloads.AudioResult`. For chat: the text terminal stage streams
+:class:`omnistage.core.payloads.TextDelta` items and finishes with a
+:class:`omnistage.core.payloads.TextResult`; a reply with audio adds an audio terminal
+stage of the speech convention.
+
+Load formats: a model that can build random weights on the device from its config alone
+(``omnistage serve --load-format dummy``, the vLLM/SGLang convention) lists ``"dummy"`` in
+``load_formats``; its ``for_model_path`` then takes ``load_format=`` (the registry passes it
+only when the user asks). Any other model refuses the option with an error naming the
+formats it loads.
 """
 
 from __future__ import annotations
@@ -22,6 +34,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Self
 
 from omnistage.config.pipeline import PipelineConfig
+from omnistage.serve.chat_media import ChatTurn
+from omnistage.serve.chat_protocol import ChatCapabilities, ChatCompletionRequest
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.protocol import SpeechCapabilities, SpeechRequest
 
@@ -45,8 +59,8 @@ class RandomCheckpoint:
     types: tuple[str, ...] = ()
 
 
-class SpeechModelConfig(PipelineConfig):
-    """Base of a speech model's ``EntryClass``.
+class ModelConfig(PipelineConfig):
+    """Base of every model's ``EntryClass`` (what both kinds declare).
 
     Class attributes:
         architecture: matched against the checkpoint's ``config.json`` ``architectures``.
@@ -54,18 +68,17 @@ class SpeechModelConfig(PipelineConfig):
         embedded_models: names served without a checkpoint path (e.g. a bundled voice);
             the first one of the registry's default model is what ``omnistage serve``
             without ``--model-path`` serves.
-        speech_request: the model's ``/v1/audio/speech`` schema: :class:`SpeechRequest`
-            or a subclass adding the model's own fields (pydantic types and ranges them;
-            an unknown field is a 400 listing them; ``/v1/audio/voices`` shows them).
         random_checkpoint: its random-checkpoint writer, or None.
+        load_formats: the ``--load-format`` values it takes besides its default (module
+            docstring); empty: the option is refused.
     """
 
     architecture: ClassVar[str]
     aliases: ClassVar[tuple[str, ...]] = ()
     embedded_models: ClassVar[tuple[str, ...]] = ()
     is_default: ClassVar[bool] = False
-    speech_request: ClassVar[type[SpeechRequest]] = SpeechRequest
     random_checkpoint: ClassVar[RandomCheckpoint | None] = None
+    load_formats: ClassVar[tuple[str, ...]] = ()
 
     @classmethod
     def claims(cls, path: Path) -> bool:
@@ -75,12 +88,52 @@ class SpeechModelConfig(PipelineConfig):
 
     @classmethod
     def for_model_path(cls, model_path: str) -> Self:
-        """The default pipeline for the checkpoint (or embedded name) ``model_path``.
+        """The default pipeline for the checkpoint (or embedded name) ``model_path``; a
+        model with ``load_formats`` also takes ``load_format=`` (one of them).
 
         Raises:
             FileNotFoundError / ValueError: the checkpoint is missing or malformed.
         """
         raise NotImplementedError
+
+
+class ChatModelConfig(ModelConfig):
+    """Base of a chat model's ``EntryClass`` (``POST /v1/chat/completions``).
+
+    Class attributes:
+        chat_request: the model's schema: :class:`ChatCompletionRequest` or a subclass
+            adding its own fields (an unknown field is a 400 listing them).
+    """
+
+    chat_request: ClassVar[type[ChatCompletionRequest]] = ChatCompletionRequest
+
+    def capabilities(self) -> ChatCapabilities:
+        """What this checkpoint accepts: input kinds, speakers, formats, limits."""
+        raise NotImplementedError
+
+    def build_request(self, request: ChatCompletionRequest, turns: tuple[ChatTurn, ...]) -> Any:
+        """Turn a validated request (an instance of ``chat_request``) and its messages
+        with their media decoded into the pipeline's typed request; any remaining bad
+        input raises :class:`~omnistage.core.errors.RequestValidationError` naming the
+        field, before model work. Called on a worker thread (it may block)."""
+        raise NotImplementedError
+
+    def sample_requests(self) -> list[ChatCompletionRequest]:
+        """Small valid requests (at least one): the server runs the first once before
+        reporting ready."""
+        return [self.chat_request(messages=[{"role": "user", "content": "Hello."}], max_tokens=4)]
+
+
+class SpeechModelConfig(ModelConfig):
+    """Base of a speech model's ``EntryClass``.
+
+    Class attributes:
+        speech_request: the model's ``/v1/audio/speech`` schema: :class:`SpeechRequest`
+            or a subclass adding the model's own fields (pydantic types and ranges them;
+            an unknown field is a 400 listing them; ``/v1/audio/voices`` shows them).
+    """
+
+    speech_request: ClassVar[type[SpeechRequest]] = SpeechRequest
 
     def capabilities(self) -> SpeechCapabilities:
         """What this checkpoint accepts (which optional fields of ``speech_request``,

@@ -27,14 +27,14 @@ import json
 import re
 import unicodedata
 from collections.abc import Mapping
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 
@@ -64,6 +64,14 @@ FIELD_ALIASES: Mapping[str, str] = {"text": "input", "speaker": "voice"}
 
 _INT32_MAX = 2**31 - 1
 _INT63_MAX = 2**63 - 1
+
+
+def _disabled_is_zero(value: int | None) -> int | None:
+    return 0 if value == -1 else value
+
+
+#: A request's ``top_k``: -1 (vLLM's spelling of "off") is stored as 0, the engine's.
+TopK = Annotated[int | None, AfterValidator(_disabled_is_zero)]
 
 
 # --------------------------------------------------------------------------- request
@@ -112,7 +120,7 @@ class SpeechRequest(BaseModel):
     max_new_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
     temperature: float | None = Field(default=None, ge=0.0, description="0 = greedy")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(
+    top_k: TopK = Field(
         default=None, ge=-1, le=_INT32_MAX, description="0 or -1 = disabled (stored as 0)"
     )
     repetition_penalty: float | None = Field(default=None, gt=0.0)
@@ -145,11 +153,6 @@ class SpeechRequest(BaseModel):
                 )
             data[name] = value
         return data
-
-    @field_validator("top_k")
-    @classmethod
-    def _top_k_disabled_is_zero(cls, value: int | None) -> int | None:
-        return 0 if value == -1 else value
 
     @property
     def streaming(self) -> bool:
@@ -618,9 +621,9 @@ def model_card(name: str, created: int, owned_by: str = "omnistage") -> ModelCar
     return ModelCard(id=name, created=created, owned_by=owned_by)
 
 
-def model_list(caps: SpeechCapabilities, created: int, owned_by: str = "omnistage") -> ModelList:
-    """One card per served name of ``caps`` (primary name first); ``created`` in Unix s."""
-    cards = [model_card(name, created, owned_by) for name in caps.model_names]
+def model_list(model_names: tuple[str, ...], created: int, owned_by: str = "omnistage") -> ModelList:
+    """One card per served name (primary name first); ``created`` in Unix s."""
+    cards = [model_card(name, created, owned_by) for name in model_names]
     return ModelList(data=cards)
 
 

@@ -1,7 +1,7 @@
 """Model registry: discovers model packages and picks one for a ``--model-path``.
 
 Every package under ``omnistage.models`` whose ``config`` module exposes ``EntryClass``
-(a :class:`SpeechModelConfig` subclass) is registered under its ``architecture`` and
+(a :class:`~omnistage.serve.model.ModelConfig` subclass: a speech or a chat model) is registered under its ``architecture`` and
 ``aliases``; ``Variants`` adds named variants. A duplicate architecture is an error.
 
 Models outside ``omnistage.models``: ``OMNISTAGE_EXTRA_MODELS`` holds comma-separated
@@ -20,7 +20,7 @@ import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omnistage.serve.model import SpeechModelConfig
+from omnistage.serve.model import ChatModelConfig, ModelConfig, SpeechModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +35,14 @@ class UnknownVariantError(RegistryError):
     """The model exists but has no variant of that name."""
 
 
+class UnsupportedLoadFormatError(RegistryError):
+    """The model does not take the requested load format."""
+
+
 @dataclass
 class ModelEntry:
-    entry: type[SpeechModelConfig]
-    variants: dict[str, type[SpeechModelConfig]] = field(default_factory=dict)
+    entry: type[ModelConfig]
+    variants: dict[str, type[ModelConfig]] = field(default_factory=dict)
 
 
 class ModelRegistry:
@@ -98,7 +102,7 @@ class ModelRegistry:
             registry.register(_import_model_class(dotted))
         return registry
 
-    def register(self, entry: type[SpeechModelConfig], variants: dict[str, type[SpeechModelConfig]] | None = None) -> None:
+    def register(self, entry: type[ModelConfig], variants: dict[str, type[ModelConfig]] | None = None) -> None:
         """Raises: RegistryError on a duplicate architecture, alias or embedded name, or a
         second default model."""
         if entry.is_default:
@@ -120,11 +124,17 @@ class ModelRegistry:
     def known(self) -> list[str]:
         return sorted(self._names)
 
-    def resolve(self, model_path: str | None, variant: str | None = None) -> SpeechModelConfig:
+    def resolve(
+        self, model_path: str | None, variant: str | None = None, load_format: str | None = None
+    ) -> ModelConfig:
         """The default pipeline config for ``model_path`` (None: the default embedded model).
+
+        Args:
+            load_format: passed to the model's ``for_model_path`` (None: its default).
 
         Raises:
             RegistryError: unknown architecture/name/variant (listing the known ones).
+            UnsupportedLoadFormatError: the model does not take ``load_format``.
             FileNotFoundError: the path does not exist.
         """
         entry = self._entry_for(model_path)
@@ -139,7 +149,14 @@ class ModelRegistry:
             if not cls.embedded_models:
                 raise RegistryError(f"{cls.architecture} embeds no model: pass a checkpoint path")
             model_path = cls.embedded_models[0]
-        return cls.for_model_path(model_path)
+        if load_format is None:
+            return cls.for_model_path(model_path)
+        if load_format not in cls.load_formats:
+            raise UnsupportedLoadFormatError(
+                f"{cls.architecture} does not take load format {load_format!r}; it loads its "
+                f"checkpoint only{' or: ' + ', '.join(cls.load_formats) if cls.load_formats else ''}"
+            )
+        return cls.for_model_path(model_path, load_format=load_format)
 
     def _entry_for(self, model_path: str | None) -> ModelEntry:
         if model_path is None:
@@ -176,7 +193,7 @@ class ModelRegistry:
         return " (unavailable model packages: " + "; ".join(f"{k} {v}" for k, v in sorted(self.unavailable.items())) + ")"
 
 
-def _import_model_class(dotted: str) -> type[SpeechModelConfig]:
+def _import_model_class(dotted: str) -> type[ModelConfig]:
     module_name, _, attr = dotted.partition(":")
     where = f"{EXTRA_MODELS_ENV} entry {dotted!r}"
     if not module_name or not attr:
@@ -187,6 +204,6 @@ def _import_model_class(dotted: str) -> type[SpeechModelConfig]:
         raise RegistryError(f"{where}: cannot import {module_name!r}: {exc}") from None
     except AttributeError:
         raise RegistryError(f"{where}: module {module_name!r} has no {attr!r}") from None
-    if not (isinstance(cls, type) and issubclass(cls, SpeechModelConfig)):
-        raise RegistryError(f"{where} is not a SpeechModelConfig subclass")
+    if not (isinstance(cls, type) and issubclass(cls, SpeechModelConfig | ChatModelConfig)):
+        raise RegistryError(f"{where} is not a SpeechModelConfig subclass (nor a ChatModelConfig one)")
     return cls

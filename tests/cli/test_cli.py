@@ -130,6 +130,11 @@ def test_unknown_model_path_exits_2_for_config_and_serve(tmp_path: Path):
     assert_usage_error(resolve("--variant", "big"), "--variant", "no variant 'big'")
 
 
+def test_load_format_a_model_does_not_offer_is_a_usage_error():
+    result = invoke("serve", "--model-path", "tone-test", "--load-format", "dummy")
+    assert_usage_error(result, "--load-format", "ToneGenerator does not take load format 'dummy'")
+
+
 def test_serve_rejects_bad_options_before_loading():
     assert_usage_error(
         invoke("serve", "--model-path", "tone-test", "--tone.devic", "x"), "did you mean"

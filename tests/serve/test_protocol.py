@@ -506,7 +506,7 @@ def test_voices_response():
 
 
 def test_model_list_openai_shape():
-    body = model_list(QWEN, created=1700000000).model_dump(mode="json")
+    body = model_list(QWEN.model_names, created=1700000000).model_dump(mode="json")
     assert body == {
         "object": "list",
         "data": [

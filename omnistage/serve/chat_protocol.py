@@ -1,0 +1,591 @@
+"""OpenAI chat completions wire models (``POST /v1/chat/completions``) and the pure checks
+on them.
+
+Request flow::
+
+    req = parse_chat_request(raw_body, model.chat_request)  # JSON, types, ranges, unknown fields
+    req = validate_chat_request(req, caps)                    # what the served model accepts
+    inputs = load_chat_inputs(req, caps, media_policy)        # media decoded (serve/chat_media.py)
+    model_request = model.build_request(req, inputs)
+
+All of them raise :class:`~omnistage.core.errors.RequestValidationError` (400) or
+:class:`~omnistage.core.errors.PayloadTooLargeError` (413) whose ``param`` names the field
+(``messages.0.content.1.image_url.url``, ``audio.voice``), before any model work.
+
+The schema is OpenAI's (the ``openai`` SDK's ``ChatCompletionCreateParams``) for what it
+serves, composed with a model's own fields: a chat model's ``EntryClass.chat_request`` is
+:class:`ChatCompletionRequest` or a subclass adding fields; a field no class declares is a
+400 listing the model's own fields. Which optional fields a model takes is
+``ChatCapabilities.supported_fields``.
+
+Content parts (``messages[i].content`` is a string or a list of parts):
+
+- ``{"type": "text", "text": ...}``;
+- ``{"type": "image_url", "image_url": {"url": ...}}``: a ``data:image/...;base64,`` URI,
+  or an http(s) URL under the server's media policy (``--allowed-media-domain``);
+- ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav" | "mp3" |
+  ...}}`` (OpenAI's shape; the data is the whole file in standard base64);
+- ``{"type": "video_url", "video_url": {"url": ...}}``: vLLM's and SGLang's shape for a
+  video (OpenAI has none); a ``data:video/...;base64,`` URI or an allowed http(s) URL.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, get_args
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from omnistage.core.errors import RequestValidationError
+from omnistage.serve.protocol import TopK, _decode_json_object, check_text, choice
+
+ChatAudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16"]
+CHAT_AUDIO_FORMATS: frozenset[str] = frozenset(get_args(ChatAudioFormat))
+Modality = Literal["text", "audio"]
+InputModality = Literal["text", "image", "audio", "video"]
+#: ``response_format`` spelling of :mod:`omnistage.serve.audio` for each chat audio format.
+ENCODER_FORMAT: Mapping[str, str] = {"pcm16": "pcm", **{f: f for f in CHAT_AUDIO_FORMATS - {"pcm16"}}}
+#: OpenAI's ``pcm16`` is 24 kHz signed 16-bit little-endian mono.
+PCM16_SAMPLE_RATE = 24_000
+
+_INT32_MAX = 2**31 - 1
+_INT63_MAX = 2**63 - 1
+
+
+# --------------------------------------------------------------------------- request
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = Field(default=None, description="accepted, not used")
+
+
+class ImagePart(_Strict):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(_Strict):
+    data: str = Field(description="the whole audio file, standard base64")
+    format: str = Field(description='its container, e.g. "wav" or "mp3" (any FFmpeg reads)')
+
+
+class AudioPart(_Strict):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class VideoURL(_Strict):
+    url: str
+
+
+class VideoPart(_Strict):
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart, Field(discriminator="type")]
+PART_TYPES = ("text", "image_url", "input_audio", "video_url")
+
+
+class ChatMessageIn(_Strict):
+    """One message. ``developer`` is OpenAI's newer name for ``system`` and is read as it.
+    ``content``: a string or a list of parts (a string is one text part)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: list[ContentPart]
+    name: str | None = Field(default=None, description="accepted, not used")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _string_content(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and isinstance(data.get("content"), str):
+            return {**data, "content": [{"type": "text", "text": data["content"]}]}
+        return data
+
+    @property
+    def turn_role(self) -> Literal["system", "user", "assistant"]:
+        return "system" if self.role == "developer" else self.role
+
+
+class AudioOutput(_Strict):
+    """``audio``: the reply's voice and format (``modalities`` must hold ``"audio"``)."""
+
+    voice: str
+    format: ChatAudioFormat
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(_Strict):
+    """Body of ``POST /v1/chat/completions``: OpenAI's fields this server serves, and the
+    framework's ``top_k``; a model's subclass adds its own (module docstring). Unknown
+    fields are rejected. Unset sampling fields take the model's defaults.
+
+    ``max_completion_tokens`` is OpenAI's current name of ``max_tokens``; either may be
+    set (both: they must agree). ``stop`` is parsed and refused (400): stop sequences are
+    not implemented.
+    """
+
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    modalities: list[Modality] | None = Field(
+        default=None, description='["text"] or ["text", "audio"]; null: ["text"]'
+    )
+    audio: AudioOutput | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 = greedy")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: TopK = Field(default=None, ge=-1, le=_INT32_MAX, description="0 or -1 = disabled")
+    max_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
+    seed: int | None = Field(default=None, ge=0, le=_INT63_MAX)
+    stop: str | list[str] | None = None
+    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    user: str | None = Field(default=None, description="accepted, not used")
+
+    @property
+    def audio_output(self) -> bool:
+        """The reply is spoken too (``modalities`` holds ``"audio"``)."""
+        return "audio" in (self.modalities or ())
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    @property
+    def completion_cap(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens`` (None: the model's default)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def own_chat_fields(request_type: type[ChatCompletionRequest]) -> tuple[str, ...]:
+    """The fields ``request_type`` adds to :class:`ChatCompletionRequest`."""
+    return tuple(name for name in request_type.model_fields if name not in ChatCompletionRequest.model_fields)
+
+
+#: Optional fields a model must declare in ``supported_fields`` to accept them.
+OPTIONAL_CHAT_FIELDS: frozenset[str] = frozenset({"top_k", "seed"})
+
+
+# --------------------------------------------------------------------------- capabilities
+
+
+class ChatCapabilities(BaseModel):
+    """What a served chat model accepts; immutable.
+
+    Attributes:
+        model_names: names it is served under (the first is its id in ``/v1/models``).
+        model_type: model family, e.g. ``"qwen3_omni"``.
+        input_modalities: content part kinds the pipeline takes (``text`` always).
+        audio_output: the model can speak (it has a talker); without it a request for
+            audio is a 400.
+        voices: speaker names (empty when ``audio_output`` is off); matched case-insensitively.
+        audio_formats: ``audio.format`` values of a whole (non-streamed) reply.
+        stream_audio_formats: ``audio.format`` values of a streamed reply (its deltas,
+            concatenated, are a file of that format; OpenAI streams ``pcm16``).
+        sample_rate: Hz of the model's audio (``pcm16`` is sent at 24 kHz, resampled).
+        supported_fields: optional fields it takes (:data:`OPTIONAL_CHAT_FIELDS` and its
+            own fields).
+        max_tokens_limit: the highest ``max_tokens``; default_max_tokens: when unset.
+        max_images / max_audios / max_videos: media items per request at most.
+        max_audio_seconds: duration of one input audio at most, seconds.
+        max_video_seconds: duration of one input video at most, seconds.
+        max_text_chars: characters of all text parts together at most.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_names: tuple[str, ...] = Field(min_length=1)
+    model_type: str
+    input_modalities: frozenset[InputModality] = frozenset({"text"})
+    audio_output: bool = False
+    voices: tuple[str, ...] = ()
+    audio_formats: frozenset[ChatAudioFormat] = CHAT_AUDIO_FORMATS
+    stream_audio_formats: frozenset[ChatAudioFormat] = frozenset({"pcm16"})
+    sample_rate: int = Field(default=PCM16_SAMPLE_RATE, gt=0)
+    supported_fields: frozenset[str] = frozenset()
+    max_tokens_limit: int = Field(default=4096, ge=1)
+    default_max_tokens: int = Field(default=1024, ge=1)
+    max_images: int = Field(default=8, ge=0)
+    max_audios: int = Field(default=4, ge=0)
+    max_videos: int = Field(default=1, ge=0)
+    max_audio_seconds: float = Field(default=60.0, gt=0)
+    max_video_seconds: float = Field(default=60.0, gt=0)
+    max_text_chars: int = Field(default=32_768, ge=1)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ChatCapabilities:
+        if self.audio_output and not self.voices:
+            raise ValueError("a model with audio_output declares its voices")
+        if not self.audio_output and self.voices:
+            raise ValueError("voices are declared but audio_output is off")
+        if "text" not in self.input_modalities:
+            raise ValueError("input_modalities must include text")
+        if not self.stream_audio_formats <= self.audio_formats:
+            raise ValueError("stream_audio_formats must be a subset of audio_formats")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens exceeds max_tokens_limit")
+        return self
+
+
+def check_chat_capabilities(caps: ChatCapabilities, request_type: type[ChatCompletionRequest]) -> None:
+    """Raises: ValueError: ``caps`` declares a field that is neither optional nor one of
+    ``request_type``'s own."""
+    allowed = OPTIONAL_CHAT_FIELDS | set(own_chat_fields(request_type))
+    unknown = caps.supported_fields - allowed
+    if unknown:
+        raise ValueError(f"supported_fields has {sorted(unknown)}, not fields of {request_type.__name__}")
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def parse_chat_request(
+    body: bytes | str | Mapping[str, Any], request_type: type[ChatCompletionRequest] = ChatCompletionRequest
+) -> ChatCompletionRequest:
+    """Parse a chat request body (JSON bytes/str or a decoded mapping) with ``request_type``.
+
+    Raises:
+        RequestValidationError: not a JSON object, an unknown field (``param`` = it; the
+            message lists the model's own fields), or a bad type or value (``param`` = its
+            dotted location, e.g. ``messages.0.content.1.image_url.url``).
+    """
+    data = _decode_json_object(body)
+    for key in data:
+        if key not in request_type.model_fields:
+            own = own_chat_fields(request_type)
+            hint = f" (this model's own fields: {', '.join(own)})" if own else ""
+            raise RequestValidationError(f"unknown field {str(key)!r}{hint}", param=str(key))
+    try:
+        return request_type.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+
+
+def _validation_error(exc: ValidationError) -> RequestValidationError:
+    """The first error, located by field names and indexes: the union and discriminator
+    segments pydantic inserts (``str``, ``list[...]``, the part's type tag) are dropped."""
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0]
+    loc: list[str] = []
+    raw = list(first["loc"])
+    for i, part in enumerate(raw):
+        if isinstance(part, str) and ("[" in part or part in ("str", "list")):
+            continue
+        previous = raw[i - 1] if i else None
+        if part in PART_TYPES and isinstance(previous, int) and i >= 2 and raw[i - 2] == "content":
+            continue  # the discriminator's tag segment
+        loc.append(str(part))
+    param = ".".join(loc) or None
+    if first["type"] == "union_tag_invalid":
+        msg = f"unknown content part type; the types are: {', '.join(PART_TYPES)}"
+    else:
+        msg = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+    return RequestValidationError(f"{param}: {msg}" if param else msg, param=param)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate_chat_request(req: ChatCompletionRequest, caps: ChatCapabilities) -> ChatCompletionRequest:
+    """Check ``req`` against what the served model accepts. Pure: no I/O.
+
+    Returns:
+        ``req`` with ``audio.voice`` in the spelling ``caps`` declares.
+
+    Raises:
+        RequestValidationError: naming the field, when: ``model`` is not served here;
+            ``modalities`` is not ``["text"]`` or ``["text", "audio"]``; audio is asked
+            of a model without ``audio_output`` (``modalities``), without ``audio``, or
+            ``audio`` is given without it; the voice or format is not available (the
+            message lists them); an optional field is not supported; ``max_tokens`` and
+            ``max_completion_tokens`` disagree or exceed the limit; ``stop`` is set; a content kind is not
+            among ``input_modalities``, or there are more media items than allowed; the
+            text is too long; the last message is the assistant's.
+    """
+    if req.model and req.model not in caps.model_names:
+        raise RequestValidationError(
+            f"model {req.model!r} is not served here; available models: {', '.join(caps.model_names)}",
+            param="model",
+        )
+    _check_modalities(req, caps)
+    _check_optional_fields(req, caps)
+    _check_limits(req, caps)
+    _check_content(req, caps)
+    if req.audio is not None:
+        voice = choice("audio.voice", req.audio.voice, caps.voices, ignore_case=True, plural="voices")
+        if voice != req.audio.voice:
+            req = req.model_copy(update={"audio": req.audio.model_copy(update={"voice": voice})})
+    return req
+
+
+def _check_modalities(req: ChatCompletionRequest, caps: ChatCapabilities) -> None:
+    modalities = req.modalities or ["text"]
+    if modalities not in (["text"], ["text", "audio"], ["audio", "text"]):
+        raise RequestValidationError(
+            'modalities must be ["text"] or ["text", "audio"]', param="modalities"
+        )
+    if req.audio_output and not caps.audio_output:
+        raise RequestValidationError(
+            f"model {caps.model_name!r} does not speak: it has no audio output; ask for "
+            'modalities ["text"]',
+            param="modalities",
+        )
+    if req.audio_output and req.audio is None:
+        raise RequestValidationError(
+            'modalities ["text", "audio"] needs audio: {"voice": ..., "format": ...}', param="audio"
+        )
+    if req.audio is not None and not req.audio_output:
+        raise RequestValidationError('audio is given but modalities does not hold "audio"', param="audio")
+    if req.audio is None:
+        return
+    allowed = caps.stream_audio_formats if req.stream else caps.audio_formats
+    if req.audio.format not in allowed:
+        mode = "streamed" if req.stream else "whole"
+        raise RequestValidationError(
+            f"audio.format {req.audio.format!r} is not available for a {mode} reply; "
+            f"available: {', '.join(sorted(allowed))}",
+            param="audio.format",
+        )
+
+
+def _check_optional_fields(req: ChatCompletionRequest, caps: ChatCapabilities) -> None:
+    optional = OPTIONAL_CHAT_FIELDS | set(own_chat_fields(type(req)))
+    for name in sorted(optional):
+        info = type(req).model_fields[name]
+        value = getattr(req, name)
+        if value is None or value == info.get_default(call_default_factory=True):
+            continue
+        if name not in caps.supported_fields:
+            raise RequestValidationError(
+                f"field {name!r} is not supported by model {caps.model_name!r}; its optional "
+                f"fields: {', '.join(sorted(caps.supported_fields)) or 'none'}",
+                param=name,
+            )
+
+
+def _check_limits(req: ChatCompletionRequest, caps: ChatCapabilities) -> None:
+    if (
+        req.max_tokens is not None
+        and req.max_completion_tokens is not None
+        and req.max_tokens != req.max_completion_tokens
+    ):
+        raise RequestValidationError(
+            "max_tokens and max_completion_tokens are both set, differently; set one",
+            param="max_completion_tokens",
+        )
+    cap = req.completion_cap
+    if cap is not None and cap > caps.max_tokens_limit:
+        name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        raise RequestValidationError(f"{name} {cap} exceeds this model's limit of {caps.max_tokens_limit}", param=name)
+    if req.stop_sequences:
+        raise RequestValidationError(
+            "stop sequences are not supported by this server; the reply ends at the model's "
+            "end of turn or at max_tokens",
+            param="stop",
+        )
+
+
+_KIND = {"text": "text", "image_url": "image", "input_audio": "audio", "video_url": "video"}
+
+
+def _check_content(req: ChatCompletionRequest, caps: ChatCapabilities) -> None:
+    counts = {"image": 0, "audio": 0, "video": 0}
+    limits = {"image": caps.max_images, "audio": caps.max_audios, "video": caps.max_videos}
+    chars = 0
+    for m, message in enumerate(req.messages):
+        if message.turn_role != "user" and any(part.type != "text" for part in message.content):
+            raise RequestValidationError(
+                f"messages.{m}: only user messages may hold media", param=f"messages.{m}.content"
+            )
+        for p, part in enumerate(message.content):
+            param = f"messages.{m}.content.{p}"
+            kind = _KIND[part.type]
+            if kind not in caps.input_modalities:
+                raise RequestValidationError(
+                    f"{param}: model {caps.model_name!r} does not take {kind} input; it takes: "
+                    f"{', '.join(sorted(caps.input_modalities))}",
+                    param=param,
+                )
+            if kind == "text":
+                check_text(f"{param}.text", part.text, caps.max_text_chars)
+                chars += len(part.text)
+                continue
+            counts[kind] += 1
+            if counts[kind] > limits[kind]:
+                raise RequestValidationError(
+                    f"{param}: more than {limits[kind]} {kind} item(s) in one request", param=param
+                )
+    if chars > caps.max_text_chars:
+        raise RequestValidationError(
+            f"messages hold {chars} characters of text; the maximum is {caps.max_text_chars}",
+            param="messages",
+        )
+    if req.messages[-1].turn_role == "assistant":
+        raise RequestValidationError(
+            "the last message is the assistant's; continuing a reply is not supported",
+            param=f"messages.{len(req.messages) - 1}.role",
+        )
+
+
+# --------------------------------------------------------------------------- responses
+
+
+class ReplyAudio(BaseModel):
+    """``message.audio`` of a whole reply: ``data`` is the whole file (base64) of the
+    requested format; ``transcript`` the reply text; ``expires_at`` Unix s (the audio is
+    not kept: the id cannot be sent back in a later turn)."""
+
+    id: str
+    data: str
+    expires_at: int
+    transcript: str
+
+
+class ReplyMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    audio: ReplyAudio | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ReplyMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+class PromptTokensDetails(BaseModel):
+    text_tokens: int = 0
+    audio_tokens: int = 0
+    image_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class CompletionTokensDetails(BaseModel):
+    """``audio_tokens``: the model's audio frames (Qwen3-Omni: 12.5 Hz talker frames)."""
+
+    text_tokens: int = 0
+    audio_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+class ChatUsage(BaseModel):
+    """``completion_tokens`` counts text and audio tokens (OpenAI's convention)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: ChatUsage
+
+
+class DeltaAudio(BaseModel):
+    """``delta.audio``: ``data`` the next bytes of the format (base64); the last audio
+    delta has ``expires_at`` and the whole reply's ``transcript`` (the text itself streams
+    in ``delta.content``)."""
+
+    id: str
+    data: str | None = None
+    transcript: str | None = None
+    expires_at: int | None = None
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    audio: DeltaAudio | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: ChatUsage | None = None
+
+
+def sse_data(obj: BaseModel | Mapping[str, Any]) -> bytes:
+    """One OpenAI stream event: ``b"data: <compact json>\\n\\n"`` (None fields dropped)."""
+    if isinstance(obj, BaseModel):
+        text = obj.model_dump_json(exclude_none=True)
+    else:
+        text = json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class ChatVoicesResponse(BaseModel):
+    """``GET /v1/audio/voices`` of a chat model: its speakers and reply formats."""
+
+    model: str
+    model_type: str
+    voices: list[str]
+    audio_output: bool
+    audio_formats: list[str]
+    stream_audio_formats: list[str]
+    sample_rate: int = Field(description="Hz")
+    input_modalities: list[str]
+    supported_fields: list[str]
+    fields: dict[str, dict[str, Any]]
+
+
+def chat_voices_response(caps: ChatCapabilities, request_type: type[ChatCompletionRequest]) -> ChatVoicesResponse:
+    schema = request_type.model_json_schema()
+    return ChatVoicesResponse(
+        model=caps.model_name,
+        model_type=caps.model_type,
+        voices=list(caps.voices),
+        audio_output=caps.audio_output,
+        audio_formats=sorted(caps.audio_formats) if caps.audio_output else [],
+        stream_audio_formats=sorted(caps.stream_audio_formats) if caps.audio_output else [],
+        sample_rate=caps.sample_rate,
+        input_modalities=sorted(caps.input_modalities),
+        supported_fields=sorted(caps.supported_fields),
+        fields={name: prop for name, prop in schema["properties"].items() if name in caps.supported_fields},
+    )

@@ -1,0 +1,99 @@
+"""The chat contract's pure checks and media loading, model-free: what a chat model's
+capabilities refuse (audio from a model without a talker, too many images, image kinds),
+and chat media decoded in the decoder worker pool (images to RGB, bad data URIs)."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.serve.chat_media import ChatImage, ChatText, load_chat_inputs
+from omnistage.serve.chat_protocol import (
+    ChatCapabilities,
+    parse_chat_request,
+    validate_chat_request,
+)
+from omnistage.serve.media import MediaPolicy
+
+TEXT_ONLY = ChatCapabilities(model_names=("toy",), model_type="toy")
+SEEING = ChatCapabilities(model_names=("toy",), model_type="toy", input_modalities=frozenset({"text", "image"}), max_images=2)
+
+
+def png_uri(width: int = 6, height: int = 4) -> str:
+    pixels = np.arange(width * height * 3, dtype=np.uint8).reshape(height, width, 3)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def image_message(*urls: str) -> dict:
+    return {"role": "user", "content": [{"type": "text", "text": "Look."}] + [
+        {"type": "image_url", "image_url": {"url": url}} for url in urls
+    ]}  # fmt: skip
+
+
+def refused(body: dict, caps: ChatCapabilities, policy: MediaPolicy = MediaPolicy()) -> RequestValidationError:
+    with pytest.raises(RequestValidationError) as excinfo:
+        req = validate_chat_request(parse_chat_request(body), caps)
+        load_chat_inputs(req, caps, policy)
+    return excinfo.value
+
+
+def test_audio_from_a_model_without_a_talker_is_refused_naming_modalities() -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
+            "audio": {"voice": "x", "format": "wav"}}  # fmt: skip
+    error = refused(body, TEXT_ONLY)
+    assert error.param == "modalities" and "no audio output" in str(error)
+
+
+def test_more_images_than_the_model_takes_are_refused_at_the_first_extra_one() -> None:
+    assert refused({"messages": [image_message(png_uri(), png_uri(), png_uri())]}, SEEING).param == "messages.0.content.3"
+
+
+def test_images_are_decoded_to_rgb_in_the_decoder_pool() -> None:
+    req = validate_chat_request(parse_chat_request({"messages": [image_message(png_uri(6, 4))]}), SEEING)
+    (turn,) = load_chat_inputs(req, SEEING, MediaPolicy())
+    text, image = turn.parts
+    assert isinstance(text, ChatText) and text.text == "Look."
+    assert isinstance(image, ChatImage) and image.rgb.shape == (4, 6, 3)
+    np.testing.assert_array_equal(image.rgb.reshape(-1), np.arange(72, dtype=np.uint8))
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("data:image/png;base64,@@@@", "not valid base64"),
+        ("data:audio/wav;base64,AAAA", "is not image"),
+        ("data:image/png,AAAA", "malformed data URI"),
+        ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded as an image"),
+        ("https://example.com/cat.png", "URL fetch is disabled"),
+        ("/etc/passwd", "must be a data URI"),
+    ],
+)
+def test_bad_image_urls_are_refused_naming_the_url(url: str, message: str) -> None:
+    error = refused({"messages": [image_message(url)]}, SEEING)
+    assert error.param == "messages.0.content.1.image_url.url" and message in str(error)
+
+
+def test_an_image_above_the_pixel_cap_is_too_large() -> None:
+    with pytest.raises(PayloadTooLargeError) as excinfo:
+        req = validate_chat_request(parse_chat_request({"messages": [image_message(png_uri(64, 64))]}), SEEING)
+        load_chat_inputs(req, SEEING, MediaPolicy(max_image_pixels=1000))
+    assert excinfo.value.param == "messages.0.content.1.image_url.url"
+
+
+def test_image_content_a_model_does_not_take_is_refused() -> None:
+    error = refused({"messages": [image_message(png_uri())]}, TEXT_ONLY)
+    assert error.param == "messages.0.content.1" and "does not take image input" in str(error)
+
+
+def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "max_completion_tokens": 4}
+    assert refused(body, TEXT_ONLY).param == "max_completion_tokens"
+    body["max_completion_tokens"] = 3
+    assert parse_chat_request(body).completion_cap == 3
