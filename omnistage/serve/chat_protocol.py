@@ -489,7 +489,7 @@ class PromptTokensDetails(BaseModel):
 
 
 class CompletionTokensDetails(BaseModel):
-    """``audio_tokens``: the model's audio frames (Qwen3-Omni: 12.5 Hz talker frames)."""
+    """``audio_tokens``: the audio frames the model generated (its codec frames)."""
 
     text_tokens: int = 0
     audio_tokens: int = 0

@@ -1,23 +1,33 @@
-"""The Qwen3-Omni pipeline config (seed 001, text prompts; stages and hooks: :mod:`.stages`).
+"""The Qwen3-Omni pipeline (seed 001; stages and hooks: :mod:`.stages`): ``EntryClass``, a
+chat model.
 
-Not registered as a served model yet (no ``EntryClass``): the chat endpoint it needs is
-not part of the server. Build it with :meth:`Qwen3OmniPipelineConfig.for_model_path` and run
-it with :class:`~omnistage.pipeline.pipeline.Pipeline`.
+``omnistage serve --model-path DIR`` with a checkpoint in the real Hugging Face layout
+(``config.json`` ``architectures: ["Qwen3OmniMoeForConditionalGeneration"]``) serves it at
+``POST /v1/chat/completions`` (text and audio in; text, and speech in the talker's voices,
+out) on CUDA when available, else on CPU. ``--load-format dummy`` builds random weights on
+the device from ``config.json`` alone (the real size does not fit the GPU machine's disk).
 """
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
-from typing import Self
+from typing import ClassVar, Self, get_args
 
 import numpy as np
 import torch
 
-from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
+from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.models.qwen3_omni.modeling.config import load_config
 from omnistage.models.qwen3_omni.modeling.model import LoadFormat
 from omnistage.models.qwen3_omni.payload_types import OmniSampling, Qwen3OmniRequest
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart
+from omnistage.models.qwen3_omni.random_checkpoint import RANDOM_CHECKPOINT
+from omnistage.models.qwen3_omni.request_builders import Qwen3OmniChatRequest, build_chat_request
+from omnistage.models.qwen3_omni.stages import SAMPLE_RATE
+from omnistage.serve.chat_media import ChatTurn
+from omnistage.serve.chat_protocol import ChatCapabilities
+from omnistage.serve.model import ChatModelConfig
 
 _STAGES = "omnistage.models.qwen3_omni.stages"
 _TYPES = "omnistage.models.qwen3_omni.payload_types"
@@ -34,7 +44,18 @@ AUDIO_CHUNK = "omnistage.core.payloads:AudioChunk"
 AUDIO_RESULT = "omnistage.core.payloads:AudioResult"
 
 
-class Qwen3OmniPipelineConfig(PipelineConfig):
+#: The thinker's reply cap: the highest ``max_tokens`` and the default (transformers'
+#: ``thinker_max_new_tokens`` default); prompt + reply must fit the thinker stage's
+#: ``max_model_len`` (8192).
+MAX_TOKENS_LIMIT, DEFAULT_MAX_TOKENS = 4096, 1024
+
+
+class Qwen3OmniPipelineConfig(ChatModelConfig):
+    architecture = "Qwen3OmniMoeForConditionalGeneration"
+    chat_request = Qwen3OmniChatRequest
+    random_checkpoint = RANDOM_CHECKPOINT
+    load_formats: ClassVar[tuple[str, ...]] = tuple(f for f in get_args(LoadFormat) if f != "safetensors")
+
     @classmethod
     def for_model_path(
         cls, model_path: str, load_format: LoadFormat = "safetensors", talker_start_tokens: int = 2
@@ -86,6 +107,44 @@ class Qwen3OmniPipelineConfig(PipelineConfig):
                       stream_types=[CODE_FRAMES]),
             ],
         )  # fmt: skip
+
+
+    def capabilities(self) -> ChatCapabilities:
+        """Text and audio in (images and video are not in the pipeline yet); speech in the
+        talker config's speakers; the thinker's ``max_tokens`` limits."""
+        assert self.model_path is not None
+        return ChatCapabilities(
+            model_names=(Path(self.model_path).name, "qwen3-omni"), model_type="qwen3_omni",
+            input_modalities=frozenset({"text", "audio"}), audio_output=True, voices=_speakers(self.model_path),
+            sample_rate=SAMPLE_RATE, supported_fields=frozenset({"top_k", "seed", "max_audio_seconds"}),
+            max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=DEFAULT_MAX_TOKENS,
+        )  # fmt: skip
+
+    def build_request(self, request: Qwen3OmniChatRequest, turns: tuple[ChatTurn, ...]) -> Qwen3OmniRequest:
+        assert self.model_path is not None
+        return build_chat_request(request, turns, _speakers(self.model_path), DEFAULT_MAX_TOKENS)
+
+    def sample_requests(self) -> list[Qwen3OmniChatRequest]:
+        """A 4-token reply spoken in 4 frames at most (the warm-up runs every stage but the
+        audio encoder)."""
+        assert self.model_path is not None
+        speaker = _speakers(self.model_path)[0]
+        return [Qwen3OmniChatRequest(
+            messages=[{"role": "user", "content": "Hello."}], modalities=["text", "audio"],
+            audio={"voice": speaker, "format": "wav"}, max_tokens=4, max_audio_seconds=4 / 12.5,
+        )]  # fmt: skip
+
+
+@lru_cache(maxsize=8)
+def _speakers(model_path: str) -> tuple[str, ...]:
+    """The talker config's speaker names (lower case), in its order. Raises:
+    CheckpointConfigError naming the field."""
+    talker = load_config(model_path).talker
+    assert talker is not None  # for_model_path refuses a checkpoint without one
+    return tuple(talker.speaker_id)
+
+
+EntryClass = Qwen3OmniPipelineConfig
 
 
 def sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:

@@ -16,7 +16,8 @@ Edges (seed 001, text prompts):
 - ``thinker -> decode``, ``thinker -> talker`` and ``talker -> code2wav``: a
   :class:`~omnistage.scheduling.ar.GenerationSummary` (the frames were streamed);
 - ``talker ~> code2wav`` (stream): :class:`~omnistage.scheduling.ar.CodeFrames`;
-- ``decode`` (terminal): :class:`TextDelta` items, then :class:`ChatText`; ``code2wav``
+- ``decode`` (terminal): :class:`~omnistage.core.payloads.TextDelta` items, then
+  :class:`ChatText` (the framework's chat text convention); ``code2wav``
   (terminal): :class:`~omnistage.core.payloads.AudioChunk` items, then an
   :class:`~omnistage.core.payloads.AudioResult`.
 """
@@ -27,9 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.core.payloads import TextDelta, TextResult
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
 from omnistage.models.qwen3_omni.processing import ChatMessage
 from omnistage.scheduling.vocoder import VocoderSetup
+
+__all__ = ["AudioSetup", "ChatText", "OmniSampling", "Qwen3OmniRequest", "TextDelta", "ThinkerPrompt"]
 
 
 @dataclass(frozen=True)
@@ -116,24 +120,14 @@ class AudioSetup(VocoderSetup):
     max_frames: int
 
 
-@dataclass(frozen=True)
-class TextDelta:
-    """Reply text streamed by ``decode``: ``text`` follows the text streamed before it."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class ChatText:
-    """The ``decode`` stage's result (its finish_reason, the thinker's, travels in the
-    framework's result: ``"stop"`` at ``<|im_end|>``, ``"length"`` at ``max_tokens``).
+@dataclass(frozen=True, kw_only=True)
+class ChatText(TextResult):
+    """The ``decode`` stage's result, the framework's :class:`TextResult` (its
+    finish_reason, the thinker's, travels in the framework's result: ``"stop"`` at
+    ``<|im_end|>``, ``"length"`` at ``max_tokens``) with the reply's tokens.
 
     Attributes:
-        text: the reply, detokenized (special tokens skipped).
         token_ids: the reply tokens ``[G] int64`` (the stop token excluded).
-        prompt_tokens: ``L``.
     """
 
-    text: str
     token_ids: torch.Tensor
-    prompt_tokens: int

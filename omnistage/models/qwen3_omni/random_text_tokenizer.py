@@ -11,6 +11,7 @@ the processor uses ours (:data:`omnistage.models.qwen3_omni.processing.CHAT_TEMP
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from omnistage.checkpoint.text_tokenizer import write_text_tokenizer as _write
@@ -39,3 +40,20 @@ def write_text_tokenizer(out_dir: str | Path) -> None:
         num_specials=max(SPECIAL_TOKENS) + 1,
         config_extra={"extra_special_tokens": EXTRA_SPECIAL_TOKENS},
     )
+
+
+#: The role words whose ids the talker prompt reads (``talker_config``'s user/assistant ids).
+ROLE_IDS = {"user": 872, "assistant": 77091}
+
+
+def give_role_words_their_ids(directory: str | Path) -> None:
+    """Give the role words ``user`` and ``assistant`` (single BPE tokens of the test
+    tokenizer) their real ids, swapping ids with the unused tokens there: the talker prompt
+    finds the user turns and the assistant opening by these ids (merges name strings, so
+    they are unchanged)."""
+    path = Path(directory) / "vocab.json"
+    vocab = json.loads(path.read_text())
+    for word, token_id in ROLE_IDS.items():
+        unused = f"<|unused_{token_id}|>"
+        vocab[word], vocab[unused] = token_id, vocab[word]
+    path.write_text(json.dumps(vocab))

@@ -290,12 +290,10 @@ class TextDecodeScheduler(StreamingScheduler):
             if finishing:
                 assert state.payload is not None
                 summary: GenerationSummary = state.payload.data
-                self.complete(
-                    state,
-                    ChatText(
-                        text, torch.tensor(tokens, dtype=torch.int64), summary.num_prompt_tokens
-                    ),
-                )
+                ids = torch.tensor(tokens, dtype=torch.int64)
+                self.complete(state, ChatText(
+                    text=text, token_ids=ids, prompt_tokens=summary.num_prompt_tokens, completion_tokens=len(tokens),
+                ))  # fmt: skip
 
 
 def create_decode_stage(ctx: StageBuildContext) -> TextDecodeScheduler:
@@ -304,6 +302,28 @@ def create_decode_stage(ctx: StageBuildContext) -> TextDecodeScheduler:
 
 
 # --------------------------------------------------------------------------- talker
+
+
+#: The talker's cap in proportion to the reply (:func:`talker_frame_cap`).
+TALKER_LEAD_FRAMES = 25  # 2 s
+TALKER_FRAMES_PER_TOKEN = 10  # 0.8 s
+
+
+def talker_frame_cap(reply_tokens: int) -> int:
+    """Frames the talker may make for a reply of ``reply_tokens`` text tokens:
+    ``25 + 10 * reply_tokens`` (2 s, plus 0.8 s a token), applied once the thinker's stream
+    is done (until then the talker cannot run ahead of the text: it takes one reply row a
+    frame); the request's own ``max_audio_frames`` caps it further.
+
+    Why these numbers: transformers bounds the talker only by a fixed
+    ``talker_max_new_tokens`` (4096 frames, 327 s), so a reply whose talker misses EOS runs
+    for minutes. A Qwen tokenizer token is about 4 characters of English (1.5 Han
+    characters), about 0.3 s of read speech at 14 characters/s; 0.8 s a token is the
+    slow-pace margin (2.5x) of Qwen3-TTS's text-proportional cap, and the 2 s lead covers
+    the silences around a one-word reply. The cap is at least ``reply_tokens + 1``, the
+    frames that read every reply row and ``tts_eos``.
+    """
+    return TALKER_LEAD_FRAMES + TALKER_FRAMES_PER_TOKEN * reply_tokens
 
 
 class TalkerFeed(StreamInput):
@@ -364,7 +384,8 @@ class TalkerFeed(StreamInput):
         if done:
             eos = self._tts_eos()
             rows = eos if rows is None else torch.cat((rows, eos))
-        return RowFeed(start, rows, done)
+        cap = talker_frame_cap(len(self.tokens)) if done else None  # the reply is known
+        return RowFeed(start, rows, done, max_new_tokens=cap)
 
     def _start(self, length: int) -> GenerationInput:
         """The talker's request from the prompt and the first reply token's rows; the

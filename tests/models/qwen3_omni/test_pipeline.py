@@ -7,7 +7,6 @@ while the thinker streams to the talker leave no state."""
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import numpy as np
@@ -34,14 +33,16 @@ from omnistage.models.qwen3_omni.payload_types import (
 )
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
-from omnistage.models.qwen3_omni.random_text_tokenizer import write_text_tokenizer
+from omnistage.models.qwen3_omni.random_text_tokenizer import (
+    give_role_words_their_ids,
+    write_text_tokenizer,
+)
 from omnistage.models.qwen3_omni.stages import load_code2wav
 from omnistage.pipeline.pipeline import Pipeline, build_topology
 from omnistage.scheduling.ar import CodeFrames, FrameWithHidden, GenerationSummary
 from omnistage.testing.leaks import assert_no_request_state
 
 TOKENS, FRAMES, SPEAKER = 6, 5, "ethan"
-ROLE_IDS = {"user": 872, "assistant": 77091}
 MESSAGES = (
     ChatMessage("system", (ChatPart("text", text="You are brief."),)),
     ChatMessage("user", (ChatPart("text", text="Say something nice."),)),
@@ -53,21 +54,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # the pipeline draws the same weights from the config ("dummy", seed 0) as this writes
     directory = write_random_checkpoint(tmp_path_factory.mktemp("omni_pipeline"), "tiny", seed=0)
     write_text_tokenizer(directory)
-    _add_role_tokens(directory)
+    give_role_words_their_ids(directory)
     return directory
-
-
-def _add_role_tokens(directory: Path) -> None:
-    """Give the role words ``user`` and ``assistant`` (single BPE tokens of the test
-    tokenizer) their real ids, swapping ids with the unused tokens there: the talker prompt
-    finds the user turns and the assistant opening by these ids (merges name strings, so
-    they are unchanged)."""
-    path = directory / "vocab.json"
-    vocab = json.loads(path.read_text())
-    for word, token_id in ROLE_IDS.items():
-        unused = f"<|unused_{token_id}|>"
-        vocab[word], vocab[unused] = token_id, vocab[word]
-    path.write_text(json.dumps(vocab))
 
 
 def request(

@@ -1,0 +1,250 @@
+"""``POST /v1/chat/completions`` served by ``omnistage serve`` for the tiny random Qwen3-Omni
+(``--load-format dummy``), spoken to with the OpenAI SDK: text, text + audio, streamed audio
+deltas with usage, system prompts, audio input, the 4xx cases (before any stage runs),
+routing (a text-only request never reaches talker or code2wav), the talker's cap in
+proportion to the reply, and a client that leaves mid-stream (nothing left behind)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile
+from omni_fixtures import weights_digest
+from safetensors import safe_open
+
+from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
+from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
+from omnistage.models.qwen3_omni.random_text_tokenizer import (
+    give_role_words_their_ids,
+    write_text_tokenizer,
+)
+from omnistage.models.qwen3_omni.stages import talker_frame_cap
+from omnistage.serve.app import ServerSettings, create_app
+from omnistage.serve.registry import ModelRegistry
+from omnistage.testing.leaks import assert_no_request_state
+from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
+
+SAMPLES_PER_FRAME, CODE2WAV_TRIM = 1920, 555  # n frames -> n * 1920 - 555 samples at 24 kHz
+HELLO = [{"role": "user", "content": "Say something nice."}]
+SPEECH = {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}}
+CHAT_FIXTURE = Path(__file__).parent / "fixtures" / "chat_reference.safetensors"
+IM_END = 151645
+STAGES = ("preprocessing", "audio_encoder", "thinker", "decode", "talker", "code2wav")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = write_random_checkpoint(tmp_path_factory.mktemp("omni_chat"), "tiny", seed=0)
+    write_text_tokenizer(directory)
+    give_role_words_their_ids(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(checkpoint: Path) -> Iterator[RunningServer]:
+    config = ModelRegistry.discover().resolve(str(checkpoint), load_format="dummy")
+    for running in run_uvicorn(create_app(config, ServerSettings(playground=False, data_dir=None))):
+        assert wait_health(running.base_url, timeout_s=300).status_code == 200
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def batches(server: RunningServer) -> dict[str, float]:
+    """Batches each stage computed so far (the server's own metric)."""
+    registry = server.app.state.server.metrics.registry
+    return {
+        s: registry.get_sample_value("omnistage_stage_batch_size_count", {"stage": s}) or 0.0 for s in STAGES
+    }
+
+
+def assert_nothing_left(server: RunningServer) -> None:
+    pipeline = server.app.state.server.pipeline
+    asyncio.run_coroutine_threadsafe(assert_no_request_state(pipeline), pipeline.coordinator.loop).result(30)
+
+
+def wav_clip(seconds: float, rate: int = 16000) -> str:
+    """A tone with a little noise as base64 WAV (float samples: decoded exactly)."""
+    t = np.arange(int(seconds * rate)) / rate
+    noise = np.random.default_rng(0).normal(0, 0.01, t.shape)
+    buffer = io.BytesIO()
+    soundfile.write(buffer, (0.3 * np.sin(2 * np.pi * 220 * t) + noise).astype(np.float32), rate, format="WAV", subtype="FLOAT")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_models_and_voices_list_the_chat_model_and_its_speakers(server, client, checkpoint) -> None:
+    assert [m.id for m in client.models.list().data] == [checkpoint.name, "qwen3-omni"]
+    voices = httpx.get(f"{server.base_url}/v1/audio/voices").json()
+    assert voices["voices"] == ["chelsie", "ethan", "aiden"] and voices["audio_output"] is True
+    assert voices["stream_audio_formats"] == ["pcm16"] and "max_audio_seconds" in voices["fields"]
+
+
+def test_text_only_chat_never_reaches_the_talker(server, client) -> None:
+    before = batches(server)
+    reply = client.chat.completions.create(model="qwen3-omni", messages=HELLO, max_tokens=6)
+    after = batches(server)
+    choice = reply.choices[0]
+    assert choice.message.content and choice.message.audio is None
+    assert choice.finish_reason == "length"  # random weights never say <|im_end|> in 6 tokens
+    assert reply.usage.completion_tokens == reply.usage.completion_tokens_details.text_tokens == 6
+    assert reply.usage.completion_tokens_details.audio_tokens == 0
+    assert after["thinker"] > before["thinker"] and after["decode"] > before["decode"]
+    assert after["talker"] == before["talker"] and after["code2wav"] == before["code2wav"]
+    assert_nothing_left(server)
+
+
+def test_spoken_reply_is_a_wav_of_the_talker_frames_capped_by_the_reply(server, client) -> None:
+    reply = client.chat.completions.create(model="qwen3-omni", messages=HELLO, max_tokens=6, **SPEECH)
+    message, usage = reply.choices[0].message, reply.usage
+    assert message.audio.transcript == message.content and message.content
+    samples, rate = soundfile.read(io.BytesIO(base64.b64decode(message.audio.data)), dtype="float32")
+    frames = usage.completion_tokens_details.audio_tokens
+    assert rate == 24000 and len(samples) == frames * SAMPLES_PER_FRAME - CODE2WAV_TRIM
+    # the random talker never samples its EOS: it stops at the reply-proportional cap
+    assert frames == talker_frame_cap(6) and reply.choices[0].finish_reason == "length"
+    assert usage.completion_tokens == 6 + frames
+    assert_nothing_left(server)
+
+
+def test_streamed_reply_equals_the_whole_reply_and_ends_with_usage(server, client) -> None:
+    whole = client.chat.completions.create(
+        model="qwen3-omni", messages=HELLO, max_tokens=5, modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"},
+    )  # fmt: skip
+    chunks = list(client.chat.completions.create(
+        model="qwen3-omni", messages=HELLO, max_tokens=5, modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"}, stream=True, stream_options={"include_usage": True},
+    ))  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    text = "".join(d.content or "" for d in deltas)
+    audio = [d.audio.model_dump() for d in deltas if d.audio is not None]
+    pcm = b"".join(base64.b64decode(a["data"]) for a in audio if a.get("data"))
+    assert text == whole.choices[0].message.content
+    assert len([a for a in audio if a.get("data")]) >= 2  # audio streams in pieces
+    # streamed == whole: the same samples; the whole reply's code2wav decodes offline, the
+    # stream's in chunks, so a float32 rounding may flip the 16-bit value by one step
+    streamed = np.frombuffer(pcm, np.int16).astype(np.int32)
+    offline = np.frombuffer(base64.b64decode(whole.choices[0].message.audio.data), np.int16).astype(np.int32)
+    assert streamed.shape == offline.shape and np.abs(streamed - offline).max() <= 1
+    assert audio[-1]["transcript"] == text and audio[-1]["expires_at"] > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.model_dump() == whole.usage.model_dump()
+    assert_nothing_left(server)
+
+
+def test_system_prompt_and_audio_input_are_in_the_prompt(client, checkpoint) -> None:
+    system = [{"role": "system", "content": "You are brief."}, *HELLO]
+    clip = wav_clip(1.0)
+    heard = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": clip, "format": "wav"}},
+        {"type": "text", "text": "What is this?"},
+    ]}]  # fmt: skip
+    processor = Qwen3OmniProcessor.from_checkpoint(checkpoint)
+    samples = soundfile.read(io.BytesIO(base64.b64decode(clip)), dtype="float32")[0]
+    expected = {
+        "system": processor([ChatMessage("system", (ChatPart("text", text="You are brief."),)),
+                             ChatMessage("user", (ChatPart("text", text="Say something nice."),))]),
+        "audio": processor([ChatMessage("user", (ChatPart("audio", audio=samples), ChatPart("text", text="What is this?")))]),
+    }  # fmt: skip
+    for name, messages in (("system", system), ("audio", heard)):
+        reply = client.chat.completions.create(model="qwen3-omni", messages=messages, max_tokens=3)
+        assert reply.usage.prompt_tokens == expected[name].input_ids.shape[0], name
+        assert reply.choices[0].message.content
+
+
+def _error(excinfo: pytest.ExceptionInfo) -> tuple[int, str | None]:
+    exc = excinfo.value
+    return exc.status_code, exc.body["param"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "status", "param"),
+    [
+        ({"audio": {"voice": "nobody", "format": "wav"}, "modalities": ["text", "audio"]}, 400, "audio.voice"),
+        ({"audio": {"voice": "ethan", "format": "mp3"}, "modalities": ["text", "audio"], "stream": True}, 400, "audio.format"),
+        ({"audio": {"voice": "ethan", "format": "ogg"}, "modalities": ["text", "audio"]}, 400, "audio.format"),
+        ({"modalities": ["text", "audio"]}, 400, "audio"),
+        ({"modalities": ["audio"]}, 400, "modalities"),
+        ({"max_tokens": 10**6}, 400, "max_tokens"),
+        ({"stop": ["."]}, 400, "stop"),
+        ({"n": 2}, 400, "n"),
+        ({"seed": 2**40}, 400, "seed"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "!!notbase64", "format": "wav"}}]}]},
+         400, "messages.0.content.0.input_audio.data"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": base64.b64encode(b"not audio at all").decode(), "format": "wav"}}]}]},
+         400, "messages.0.content.0.input_audio.data"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav_clip(61.0, 8000), "format": "wav"}}]}]},
+         413, "messages.0.content.0.input_audio.data"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav_clip(0.01), "format": "wav"}}] * 5}]},
+         400, "messages.0.content.4"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+         400, "messages.0.content.0"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]},
+         400, "messages.0.content.0"),
+        ({"messages": [{"role": "user", "content": [{"type": "sticker"}]}]}, 400, "messages.0.content.0"),
+        ({"messages": [{"role": "assistant", "content": "Hi."}]}, 400, "messages.0.role"),
+        ({"frequency_penalty": 1.0}, 400, "frequency_penalty"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_refused_naming_the_field_before_any_stage_runs(server, client, fields, status, param) -> None:
+    body = {"model": "qwen3-omni", "messages": HELLO, "max_tokens": 2, **fields}
+    before = batches(server)
+    with pytest.raises(openai.APIStatusError) as excinfo:
+        client.chat.completions.create(**body)
+    assert _error(excinfo) == (status, param), excinfo.value.body
+    assert excinfo.value.body["type"] == "invalid_request_error"
+    assert batches(server) == before
+    assert_nothing_left(server)
+
+
+def test_a_client_leaving_while_the_thinker_streams_to_the_talker_leaves_nothing(server) -> None:
+    body = {"model": "qwen3-omni", "messages": HELLO, "max_tokens": 200, "stream": True,
+            "modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "pcm16"}}  # fmt: skip
+    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"audio"' in line and '"data"' in line:
+                break  # the talker speaks while the thinker still writes (200 tokens)
+        else:
+            pytest.fail("no audio delta came")
+        events = json.loads(line[6:])
+        assert events["choices"][0]["delta"]["audio"]["data"]
+    assert_nothing_left(server)
+    registry = server.app.state.server.metrics.registry
+    assert registry.get_sample_value("omnistage_requests_total", {"status": "499", "finish_reason": "abort"}) == 1
+
+
+def test_whole_served_request_equals_transformers_generate(client, checkpoint) -> None:
+    """The fixture of tools/parity/qwen3_omni_chat_reference.py: transformers' greedy
+    ``generate`` (thinker tokens and the talker's waveform) on the same seed-0 weights."""
+    with safe_open(str(CHAT_FIXTURE), framework="pt") as f:
+        ref = {name: f.get_tensor(name) for name in f.keys()}
+        meta = json.loads(f.metadata()["meta"])
+    assert meta["digest"] == weights_digest(checkpoint)
+    reply = client.chat.completions.create(
+        model="qwen3-omni", messages=meta["messages"], max_tokens=meta["thinker_tokens"],
+        modalities=["text", "audio"], audio={"voice": meta["speaker"], "format": "pcm16"},
+        extra_body={"max_audio_seconds": meta["talker_frames"] / 12.5},
+    )  # fmt: skip
+    tokens = ref["tokens"][ref["tokens"] != IM_END]
+    tokenizer = Qwen3OmniProcessor.from_checkpoint(checkpoint).tokenizer
+    assert reply.usage.prompt_tokens == ref["ids"].shape[0]
+    assert reply.usage.completion_tokens_details.text_tokens == tokens.shape[0]
+    assert reply.choices[0].message.content == tokenizer.decode(tokens.tolist(), skip_special_tokens=True)
+    samples = np.frombuffer(base64.b64decode(reply.choices[0].message.audio.data), np.int16) / 32767.0
+    assert reply.usage.completion_tokens_details.audio_tokens == meta["talker_frames"]
+    assert samples.shape == ref["waveform"].shape
+    np.testing.assert_allclose(samples, ref["waveform"].numpy(), rtol=0, atol=1e-4)  # 16-bit output: 3e-5 a step
