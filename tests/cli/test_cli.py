@@ -343,3 +343,23 @@ def test_serve_exits_non_zero_when_a_stage_process_dies_past_its_restart_limit()
             server.communicate()
     assert server.returncode == 1, stderr
     assert "the pipeline gave up" in stderr and "synth" in stderr
+
+
+# ----------------------------------------------------------------------------- serve options
+
+
+def test_serve_options_become_server_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from omnistage.cli.serve import ServeArgs
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    settings = ServeArgs(api_key=["k1", "k2"], served_model_name=["Qwen/Qwen3-TTS-12Hz-0.6B-Base", "tts-1"]).settings()
+    assert settings.api_keys == ("k1", "k2")
+    assert settings.served_model_names == ("Qwen/Qwen3-TTS-12Hz-0.6B-Base", "tts-1")
+    assert settings.data_dir == tmp_path / "omnistage"
+    monkeypatch.delenv("XDG_DATA_HOME")
+    assert ServeArgs().settings().data_dir == Path.home() / ".local" / "share" / "omnistage"
+    assert ServeArgs(data_dir=tmp_path / "d").settings().data_dir == tmp_path / "d"
+
+
+def test_a_blank_served_model_name_is_a_usage_error():
+    assert_usage_error(invoke("serve", "--model-path", "tone-test", "--served-model-name", " "), "--served-model-name")
