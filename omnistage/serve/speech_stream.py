@@ -10,7 +10,7 @@ Client -> server, JSON text messages::
 
 Server -> client::
 
-    {"type": "session.started", "session_id", "model", "response_format", "sample_rate"}
+    {"type": "session.started", "session_id", "model", "response_format", "sample_rate", "ignored_fields"}
     {"type": "audio.start", "segment_index", "text"}    # before a segment's audio
     <binary frames: the response_format's bytes>         # all frames of the session form one stream
     {"type": "audio.done", "segment_index", "finish_reason", "usage"}
@@ -257,6 +257,7 @@ async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) 
     await _send_json(websocket, {
         "type": "session.started", "session_id": session.session_id, "model": caps.model_name,
         "response_format": probe.response_format, "sample_rate": rate,
+        "ignored_fields": list(probe.ignored_fields),
     })  # fmt: skip
     return session
 

@@ -98,6 +98,14 @@ def test_word_by_word_gives_the_same_audio_as_the_whole_text(tone_server):
     wait_idle(tone_server)
 
 
+def test_session_started_names_the_ignored_fields(tone_server):
+    with connect(ws_url(tone_server)) as ws:
+        ws.send(json.dumps({"type": "session.config", "instructions": "calm", "sample_rate": 16000, "response_format": "wav"}))
+        started = json.loads(ws.recv(timeout=10))
+    assert started["ignored_fields"] == ["instructions"]
+    assert (started["sample_rate"], started["response_format"], started["model"]) == (16000, "wav", "tone-test")
+
+
 def test_first_audio_arrives_before_the_last_word_is_sent(tone_server):
     with session(tone_server) as ws:
         send_text(ws, "First", " sentence.", " ")

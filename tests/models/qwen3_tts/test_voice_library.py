@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import inspect
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import numpy as np
 import openai
 import pytest
 from test_pipeline_http import REF_TEXT, tone_clip, wav_data_uri
+from websockets.sync.client import connect
 
 from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
 from omnistage.models.qwen3_tts.random_checkpoint import write_random_checkpoint
@@ -230,3 +232,32 @@ def test_a_model_that_does_not_clone_has_no_library(tmp_path):
     finally:
         generator.close()
     assert not np.any([p.name == "voices.sqlite3" for p in tmp_path.iterdir()])
+
+
+def test_a_saved_voice_speaks_over_the_websocket_segment_by_segment(server):
+    """Qwen3-TTS over WebSocket: each sentence is a request of the session's fields (a
+    saved voice, a seed), the same audio word by word as at once: within 1 LSB, as the
+    vocoder's batched decode sums in another order when sentences run together."""
+    assert upload(server, "ws-voice", ref_text=REF_TEXT).status_code == 200
+    url = server.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+
+    def session(deltas: list[str]) -> tuple[bytes, list[dict]]:
+        audio, events = [], []
+        with connect(url, additional_headers=auth(ALICE)) as ws:
+            config = {"voice": "ws-voice", "seed": 7, "max_new_tokens": 4, "response_format": "pcm"}
+            ws.send(json.dumps({"type": "session.config", **config}))
+            for delta in [*deltas, None]:
+                ws.send(json.dumps({"type": "input.text", "text": delta} if delta else {"type": "input.done"}))
+            while not events or events[-1]["type"] not in ("session.done", "error"):
+                message = ws.recv(timeout=60)
+                audio.append(message) if isinstance(message, bytes) else events.append(json.loads(message))
+        return b"".join(audio), events
+
+    whole, events = session(["Hello there. How are you?"])
+    by_word, _ = session(["Hello ", "there. ", "How ", "are ", "you?"])
+    assert events[-1]["type"] == "session.done" and events[-1]["segments"] == 2, events[-1]
+    samples = [np.frombuffer(a, "<i2").astype(np.int32) for a in (whole, by_word)]
+    assert len(samples[0]) == len(samples[1]) == 2 * 4 * 1920
+    assert np.abs(samples[0] - samples[1]).max() <= 1
+    first = np.frombuffer(speak(server, voice="ws-voice", input="Hello there.", max_new_tokens=4).content, "<i2")
+    assert np.abs(samples[0][: len(first)] - first).max() <= 1
