@@ -230,3 +230,33 @@ def test_a_malformed_batch_is_400(tone_server, body, param):
 def test_batch_items_cannot_stream(tone_server):
     items = batch(tone_server, [{"input": "a", "stream": True}, {"input": "b", "stream_format": "sse"}]).json()["data"]
     assert [(item["status"], item["error"]["param"]) for item in items] == [(400, "stream"), (400, "stream")]
+
+
+# ----------------------------------------------------------------- every status in the envelope
+@pytest.mark.parametrize(
+    ("method", "path", "kwargs", "status", "error_type"),
+    [
+        ("POST", "/v1/audio/speech", {"json": {"input": "hi", "bogus": 1}}, 400, "invalid_request_error"),
+        ("POST", "/v1/audio/voices", {"data": {"name": "n"}}, 400, "invalid_request_error"),
+        ("GET", "/v1/models/nope", {}, 404, "not_found_error"),
+        ("GET", "/v1/nothing", {}, 404, "not_found_error"),
+        ("GET", "/v1/audio/speech", {}, 405, "invalid_request_error"),
+        ("POST", "/v1/audio/speech", {"json": {"input": "hi", "ref_audio": "A" * 100_000}}, 413, "invalid_request_error"),
+        ("POST", "/v1/audio/speech", {"content": b"{}", "headers": {"Content-Type": "text/plain"}}, 415, "invalid_request_error"),
+        ("POST", "/v1/audio/speech", {"json": {"input": "FAIL"}}, 500, "stage_failure"),
+    ],
+)
+def test_each_status_comes_in_the_openai_error_envelope(tone_server, method, path, kwargs, status, error_type):
+    response = httpx.request(method, f"{tone_server.base_url}{path}", timeout=30, **kwargs)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["type"]) == (status, error_type) and error["message"]
+
+
+def test_401_comes_in_the_envelope(auth_server):
+    response = httpx.get(f"{auth_server.base_url}/v1/models")
+    assert response.status_code == 401
+    assert response.json()["error"] == {
+        "message": "invalid or missing API key", "type": "authentication_error", "param": None, "code": 401,
+    }  # fmt: skip
