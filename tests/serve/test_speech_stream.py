@@ -132,6 +132,19 @@ def test_disconnect_aborts_the_session_and_leaves_no_state(tone_server):
     future.result(timeout=10)
 
 
+def test_disconnect_after_input_done_aborts_what_is_still_sending(tone_server):
+    with session(tone_server, delay_s=0.05) as ws:
+        send_text(ws, "x" * 40 + ". ", "y" * 40 + ".")
+        ws.send(json.dumps({"type": "input.done"}))
+        while not isinstance(ws.recv(timeout=10), bytes):
+            pass
+    wait_idle(tone_server, timeout=5)
+    future = asyncio.run_coroutine_threadsafe(
+        assert_no_request_state(tone_server.speech.pipeline), tone_server.speech.pipeline.coordinator.loop
+    )
+    future.result(timeout=10)
+
+
 def test_a_client_that_does_not_read_holds_back_the_next_segments(tone_server):
     """Sending many sentences without reading: at most MAX_PENDING_SEGMENTS segments wait
     behind the one being sent, so the server never runs ahead unbounded."""
