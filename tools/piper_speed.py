@@ -2,11 +2,15 @@
 mapping, length_scale / speed) against omnistage's time stretch (:mod:`omnistage.models.
 piper.modeling.speed`). Prints, per sentence and speed, duration(speed) x speed /
 duration(1): 1.0 is OpenAI's definition. Noise is 0 so both runs are deterministic.
+``--wer`` also prints pocketsphinx's corpus WER of the stretched audio per speed (needs
+``pip install -e '.[bench]'``).
 
-    python tools/piper_speed.py
+    python tools/piper_speed.py [--wer]
 """
 
 from __future__ import annotations
+
+import sys
 
 from omnistage.models.piper.modeling import (
     PiperPhonemizer,
@@ -41,6 +45,26 @@ def main() -> None:
             scaled = synthesize(ids, spec.length_scale / speed) * speed / len(normal)
             stretched = len(change_speed(normal, spec.sample_rate, speed)) * speed / len(normal)
             print(f"{sentence[:24]:24} {speed:5} {scaled:12.3f} {stretched:12.3f}")
+    if "--wer" in sys.argv:
+        print_wer(synthesizer, phonemizer, spec)
+
+
+def print_wer(synthesizer: PiperSynthesizer, phonemizer: PiperPhonemizer, spec) -> None:
+    import jiwer
+
+    from omnistage.bench.asr import PocketSphinxASR
+    from omnistage.bench.wer import normalize_for_wer
+
+    asr = PocketSphinxASR()
+    waves = [
+        synthesizer.synthesize_batch([SynthesisItem(phonemizer.phonemize(s), 0.0, spec.length_scale, 0.0, None)])[0]
+        for s in SENTENCES
+    ]
+    references = [normalize_for_wer(s) for s in SENTENCES]
+    for speed in (1.0, *SPEEDS):
+        heard = [asr.transcribe(change_speed(w, spec.sample_rate, speed), spec.sample_rate) for w in waves]
+        wer = jiwer.wer(references, [normalize_for_wer(h) for h in heard])
+        print(f"speed {speed}: pocketsphinx WER {wer:.3f}")
 
 
 if __name__ == "__main__":
