@@ -119,7 +119,10 @@ class CUDAGraphRunner:
         step()  # warm-up: Triton compiles, cuBLAS picks kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: a stage capturing a variant on first use while another stage's thread
+        # of the same process drives its own engine (the Omni thinker and talker) would
+        # otherwise make that thread's syncs fail the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             outputs = step()
         self._pool = graph.pool()
         self.graphs[(kind, size, sampling)] = (graph, outputs)

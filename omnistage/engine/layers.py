@@ -37,6 +37,7 @@ __all__ = [
     "RotaryEmbedding",
     "apply_rope",
     "fuse_linears",
+    "fuse_projections",
     "greedy_sample",
 ]
 
@@ -214,6 +215,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+def fuse_projections(module: nn.Module) -> None:
+    """:meth:`Attention.fuse` and :meth:`MLP.fuse` on every such module inside ``module``
+    (any model built from these layers): q/k/v and gate/up as one matmul each, same values.
+    Call after loading and moving the model, before capturing CUDA graphs; idempotent."""
+    for sub in module.modules():
+        if isinstance(sub, Attention | MLP):
+            sub.fuse()
+
+
 def fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Weight and bias (None without biases) of one Linear computing ``linears`` side by
     side. The originals' parameters are re-pointed to views of them, so no weight is stored
@@ -264,9 +274,7 @@ class Decoder(nn.Module):
     def fuse_projections(self) -> None:
         """Run q/k/v and gate/up as one matmul each (see :meth:`Attention.fuse`): same
         values, ~30 kernels fewer per layer. Call after loading; idempotent."""
-        for layer in self.layers:
-            layer.self_attn.fuse()
-            layer.mlp.fuse()
+        fuse_projections(self)
 
     def forward(
         self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend

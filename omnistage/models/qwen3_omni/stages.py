@@ -17,6 +17,7 @@ it never holds back the others of a batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import lru_cache
 
@@ -26,7 +27,9 @@ from transformers import PreTrainedTokenizerBase
 from omnistage.core.errors import RequestValidationError
 from omnistage.core.messages import StagePayload, StreamChunk
 from omnistage.engine.engine import AREngine, EngineConfig
-from omnistage.engine.sampler import SamplingParams
+from omnistage.engine.layers import fuse_projections
+from omnistage.engine.model_runner import StepSampling
+from omnistage.engine.sampler import SamplerFeatures, SamplingParams
 from omnistage.engine.sequence import GenerationInput
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
 from omnistage.models.qwen3_omni.engine_model import TalkerEngineModel, ThinkerEngineModel
@@ -37,6 +40,7 @@ from omnistage.models.qwen3_omni.modeling.generate import talker_sampling
 from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, LoadFormat, load_model
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout, prompt_positions
 from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
+from omnistage.models.qwen3_omni.modeling.talker import Talker
 from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
 from omnistage.models.qwen3_omni.payload_types import (
     AudioSetup,
@@ -117,9 +121,15 @@ def _model_path(ctx: StageBuildContext) -> str:
 
 @lru_cache(maxsize=2)
 def loaded_model(model_path: str, device: torch.device, load_format: LoadFormat) -> LoadedOmni:
-    """Thinker and talker, loaded once per process, device and format (the stages share them)."""
+    """Thinker and talker, loaded once per process, device and format (the stages share them),
+    with their q/k/v and gate/up projections fused (:func:`fuse_projections`: same values,
+    fewer kernels per layer)."""
     parts = ("thinker", "talker") if load_config(model_path).talker is not None else ("thinker",)
-    return load_model(model_path, device, parts=parts, load_format=load_format)
+    model = load_model(model_path, device, parts=parts, load_format=load_format)
+    for part in (model.thinker, model.talker):
+        if part is not None:
+            fuse_projections(part)
+    return model
 
 
 def thinker_sampling(sampling: OmniSampling, stop_id: int) -> SamplingParams:
@@ -207,10 +217,24 @@ def create_audio_encoder_stage(
 # --------------------------------------------------------------------------- thinker, decode
 
 
-def _engine_config(max_num_seqs: int, kv_cache_bytes: int, max_model_len: int) -> EngineConfig:
+def engine_config(
+    max_num_seqs: int, kv_cache_bytes: int, max_model_len: int, cuda_graphs: bool,
+    code0_sampling: Callable[[OmniSampling], SamplingParams],
+) -> EngineConfig:
+    """The thinker's and the talker's engine config. With ``cuda_graphs`` (used on CUDA
+    only) decode steps and prefill tails run as CUDA graphs per batch bucket (1, 2, 4, 8,
+    then every 8 up to ``max_num_seqs``), captured at start-up for the general sampler and
+    for the step sampling of greedy requests (the default) and of sampled ones without
+    top-k (``code0_sampling`` maps the client's values to code 0's params; the code
+    predictor is greedy); any other mix is captured when first used."""
+    greedy = SamplerFeatures.of([SamplingParams(temperature=0.0)])
+    variants = tuple(
+        StepSampling(SamplerFeatures.of([code0_sampling(s)]), greedy)
+        for s in (OmniSampling(), OmniSampling(temperature=1.0))
+    )
     return EngineConfig(
         kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        prefill_hold_ms=0.0, cuda_graph_batch_sizes=(),
+        prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=variants,
     )  # fmt: skip
 
 
@@ -220,18 +244,21 @@ def create_thinker_stage(
     kv_cache_bytes: int = 256 << 20,
     max_model_len: int = 8192,
     load_format: LoadFormat = "safetensors",
+    cuda_graphs: bool = True,
 ) -> ARScheduler:
     """The thinker on the AR engine; with a talker it returns the hidden states of layers
-    0 and ``accept_hidden_layer`` for audio requests (``return_hidden``)."""
+    0 and ``accept_hidden_layer`` for audio requests (``return_hidden``). ``cuda_graphs``:
+    see :func:`engine_config`."""
     model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format)
     assert model.thinker is not None
     layers = (0, model.config.talker.accept_hidden_layer) if model.config.talker is not None else ()
+    stop = model.config.im_end_id
     engine = AREngine(
         ThinkerEngineModel(model.thinker, layers),
-        _engine_config(max_num_seqs, kv_cache_bytes, max_model_len),
-    )
+        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs,
+                      lambda sampling: thinker_sampling(sampling, stop)),
+    )  # fmt: skip
     thinker = model.thinker
-    stop = model.config.im_end_id
 
     @torch.inference_mode()
     def build_input(payload: StagePayload) -> GenerationInput:
@@ -409,13 +436,9 @@ class TalkerFeed(StreamInput):
             model.talker, model.thinker.model.embed_tokens, model.config, rows, setup.speaker, setup.layout
         )  # fmt: skip
         self.started, self.embeds, self.hidden = True, [embeds[length + 1 :]], []
-        sampling = replace(
-            talker_sampling(model.talker), temperature=setup.sampling.temperature, top_p=setup.sampling.top_p,
-            top_k=setup.sampling.top_k, seed=setup.sampling.seed,
-        )  # fmt: skip
         return GenerationInput(
             # step_rows[:-1] is empty here (one reply token fed); the later rows are appended
-            prompt.prefill, sampling, setup.max_frames, step_rows=prompt.step_rows[:-1], pad_embed=prompt.tts_pad,
+            prompt.prefill, talker_code0_sampling(model.talker, setup.sampling), setup.max_frames, step_rows=prompt.step_rows[:-1], pad_embed=prompt.tts_pad,
             more_rows=True, positions=prompt.positions.positions.long(), rope_delta=int(prompt.positions.delta),
             predictor_sampling=SamplingParams(temperature=0.0),
         )  # fmt: skip
@@ -426,6 +449,15 @@ class TalkerFeed(StreamInput):
         return model.talker.text_projection(model.thinker.model.embed_tokens(ids))
 
 
+def talker_code0_sampling(talker: Talker, sampling: OmniSampling) -> SamplingParams:
+    """The talker's code-0 sampling: the client's temperature, top_p, top_k and seed over
+    the reference's settings (:func:`talker_sampling`)."""
+    return replace(
+        talker_sampling(talker), temperature=sampling.temperature, top_p=sampling.top_p,
+        top_k=sampling.top_k, seed=sampling.seed,
+    )  # fmt: skip
+
+
 def create_talker_stage(
     ctx: StageBuildContext,
     max_num_seqs: int = 16,
@@ -433,12 +465,14 @@ def create_talker_stage(
     max_model_len: int = 8192,
     talker_start_tokens: int = 2,
     load_format: LoadFormat = "safetensors",
+    cuda_graphs: bool = True,
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine, fed by the thinker's stream.
 
     Sampling: code 0 takes the client's temperature, top_p, top_k and seed over the
-    reference's settings (:func:`talker_sampling`: repetition penalty 1.05, control ids
-    suppressed, EOS stops); the code predictor is greedy.
+    reference's settings (:func:`talker_code0_sampling`: repetition penalty 1.05, control
+    ids suppressed, EOS stops); the code predictor is greedy. ``cuda_graphs``: see
+    :func:`engine_config`.
 
     Raises: ValueError: ``talker_start_tokens < 2``."""
     if talker_start_tokens < 2:
@@ -447,9 +481,12 @@ def create_talker_stage(
         )
     model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format)
     assert model.talker is not None
+    talker = model.talker
     engine = AREngine(
-        TalkerEngineModel(model.talker), _engine_config(max_num_seqs, kv_cache_bytes, max_model_len)
-    )
+        TalkerEngineModel(talker),
+        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs,
+                      lambda sampling: talker_code0_sampling(talker, sampling)),
+    )  # fmt: skip
     return ARScheduler(
         engine, stream_input=lambda request_id: TalkerFeed(model, talker_start_tokens)
     )

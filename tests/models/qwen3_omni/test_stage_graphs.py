@@ -1,0 +1,59 @@
+"""The thinker's and talker's engine configs capture, at start-up, the CUDA-graph variant of
+every default request's step (greedy, and sampled without top-k), so serving such a
+request never pauses to capture one. (Capture itself needs CUDA:
+benchmarks/qwen3_omni_gpu.py checks graph steps against eager ones there.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from omnistage.engine.model_runner import StepSampling
+from omnistage.engine.sampler import SamplingParams
+from omnistage.engine.sequence import GenerationInput, Sequence
+from omnistage.models.qwen3_omni.modeling.model import load_model
+from omnistage.models.qwen3_omni.payload_types import OmniSampling
+from omnistage.models.qwen3_omni.stages import (
+    engine_config,
+    talker_code0_sampling,
+    thinker_sampling,
+)
+
+CLIENT_SAMPLING = [
+    OmniSampling(),
+    OmniSampling(temperature=0.7, top_p=0.8, seed=3),
+    OmniSampling(temperature=1.0),
+]
+
+
+def step_sampling(code0: SamplingParams, predictor: SamplingParams | None) -> StepSampling:
+    inputs = GenerationInput(
+        torch.zeros(2, dtype=torch.int64), code0, 4, predictor_sampling=predictor
+    )
+    return StepSampling.of([Sequence("r", inputs, 0.0)])
+
+
+@pytest.mark.parametrize("sampling", CLIENT_SAMPLING)
+def test_thinker_requests_find_their_graph_variant(sampling: OmniSampling) -> None:
+    config = engine_config(4, 1 << 20, 64, True, lambda s: thinker_sampling(s, 7))
+    assert config.cuda_graph_batch_sizes is None  # the default buckets
+    assert step_sampling(thinker_sampling(sampling, 7), None) in config.graph_sampling
+
+
+@pytest.mark.parametrize("sampling", CLIENT_SAMPLING)
+def test_talker_requests_find_their_graph_variant(
+    omni_tiny_checkpoint: Path, sampling: OmniSampling
+) -> None:
+    talker = load_model(str(omni_tiny_checkpoint), torch.device("cpu"), parts=("talker",)).talker
+    assert talker is not None
+    config = engine_config(4, 1 << 20, 64, True, lambda s: talker_code0_sampling(talker, s))
+    # the talker stage's requests: code 0 from the client's values, greedy predictor
+    wanted = step_sampling(talker_code0_sampling(talker, sampling), SamplingParams(temperature=0.0))
+    assert wanted in config.graph_sampling
+
+
+def test_graphs_off_is_no_buckets() -> None:
+    config = engine_config(4, 1 << 20, 64, False, lambda s: thinker_sampling(s, 7))
+    assert config.cuda_graph_batch_sizes == ()
