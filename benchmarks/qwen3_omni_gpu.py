@@ -5,11 +5,10 @@ device from the config alone (``load_format="dummy"``: the real checkpoint, 65.7
 not fit the GPU machine's disk), fuses their projections as the pipeline does
 (``stages.loaded_model``), then runs up to three parts (``--parts``):
 
-- ``moe``: per-layer time of the routed MoE at 1, 8 and 64 tokens, on the model's own first
-  ``--moe-layers`` thinker and talker MoE layers run back to back (each its own weights, so
-  nothing stays in L2), eagerly and replayed from one CUDA graph; variants ``main`` (main's
-  grouped path at d199f76, :func:`main_grouped_moe`, the "before") and ``new`` (this tree's
-  :class:`~omnistage.engine.moe.SparseMoE`), each against the per-expert loop;
+- ``moe``: per-layer time of the routed MoE's grouped path (:class:`~omnistage.engine.moe.SparseMoE`
+  as served) at 1, 8 and 64 tokens, on the model's own first ``--moe-layers`` thinker and
+  talker MoE layers run back to back (each its own weights, so nothing stays in L2), eagerly
+  and replayed from one CUDA graph, with its difference from the per-expert loop;
 - ``check``: the thinker (``return_hidden``) and the talker (rows streamed in with
   ``append_step_rows`` after every step, as the talker stage does) on engines built with the
   pipeline's own :func:`~omnistage.models.qwen3_omni.stages.engine_config`, CUDA graphs on
@@ -33,21 +32,19 @@ a CPU dry run: ``--size tiny --device cpu``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.layers import fuse_projections
 from omnistage.engine.model_runner import StepSampling
-from omnistage.engine.moe import SparseMoE, route
+from omnistage.engine.moe import SparseMoE
 from omnistage.engine.sampler import SamplerFeatures, SamplingParams
 from omnistage.engine.sequence import GenerationInput
 from omnistage.models.qwen3_omni.engine_model import TalkerEngineModel, ThinkerEngineModel
@@ -80,37 +77,6 @@ def free(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- moe
-
-
-def main_grouped_moe(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """main's grouped path (omnistage/engine/moe.py at d199f76), the baseline: full-softmax
-    routing, argsort, counts by index_add, offsets by cumsum, unsort by index_add."""
-    weights, experts = route(x, moe.gate.weight, moe.top_k, moe.norm_topk_prob)
-    flat = experts.flatten()
-    order = flat.argsort(stable=True)
-    tokens = order // moe.top_k
-    scale = weights.flatten()[order, None]
-    counts = torch.zeros(moe.num_experts, dtype=torch.int64, device=x.device)
-    offsets = counts.index_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
-    gate, up = F.grouped_mm(x[tokens], moe.expert_gate_up, offs=offsets).chunk(2, dim=-1)
-    y = F.grouped_mm(F.silu(gate) * up, moe.expert_down, offs=offsets)
-    return torch.zeros_like(x).index_add_(0, tokens, y * scale)
-
-
-@contextlib.contextmanager
-def main_moe() -> Iterator[None]:
-    """Every :class:`SparseMoE` (the talker's shared-expert one too) runs
-    :func:`main_grouped_moe` where it would run the grouped path, while inside."""
-    forward = SparseMoE.forward
-
-    def baseline(self: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-        return main_grouped_moe(self, x) if self._use_grouped(x) else forward(self, x)
-
-    SparseMoE.forward = baseline  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        SparseMoE.forward = forward  # type: ignore[method-assign]
 
 
 def time_chain(fns: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor, graphs: bool) -> float:
@@ -153,9 +119,9 @@ def bench_moe(loaded: LoadedOmni, device: torch.device, layers: int) -> list[dic
         if not cuda:
             for moe in moes:
                 moe.impl = "grouped"  # fp32 grouped_mm on the CPU: the dry run checks the path
+        # the routed part alone (SparseMoE.forward: the talker's shared expert is left out)
         variants: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
-            "main": [lambda x, m=m: main_grouped_moe(m, x) for m in moes],
-            "new": [lambda x, m=m: SparseMoE.forward(m, x) for m in moes],
+            "grouped": [lambda x, m=m: SparseMoE.forward(m, x) for m in moes],
         }
         hidden = moes[0].gate.weight.shape[1]
         for tokens in (1, 8, 64):
@@ -418,9 +384,6 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--profile-batch", type=int, default=0,
                         help="also list the kernels of eager thinker steps at this batch size (0: no)")
-    parser.add_argument("--baseline-batches", type=int, nargs="*", default=[],
-                        help="first run the engine part at these batch sizes as main had it (main's MoE, "
-                             "projections not fused): the same-run 'before'")  # fmt: skip
     parser.add_argument("--moe-layers", type=int, default=8, help="MoE layers per part in the moe timing")
     parser.add_argument("--check-seqs", type=int, default=4, help="requests (and max_num_seqs) of the graph check")
     parser.add_argument("--size", choices=["30b-a3b", "tiny"], default="30b-a3b", help="tiny: a CPU dry run")
@@ -444,14 +407,6 @@ def main() -> None:
         args.output.write_text(json.dumps(result, indent=1))
 
     with torch.no_grad():
-        if args.baseline_batches:
-            with main_moe():
-                base = [r for bench in (bench_thinker, bench_talker) for r in bench(loaded, args.baseline_batches, device)]
-            free(device)
-            result["baseline_rows"] = base
-            for r in base:
-                print("baseline", json.dumps(r), flush=True)
-            save()
         for part in (loaded.thinker, loaded.talker):
             fuse_projections(part)  # as stages.loaded_model serves them
         if "moe" in args.parts:
@@ -492,8 +447,6 @@ def main() -> None:
               f"hidden rel diff {r['hidden_rel_diff']}, hidden on device {r['hidden_on_engine_device']}")  # fmt: skip
     if rows:
         print(f"{'part':8} {'batch':>5} {'first ms':>9} {'step ms':>8} {'GiB':>6}")
-    for r in result.get("baseline_rows", []):
-        print(f"{r['part'] + ' main':14} {r['batch']:>5} {r['first_token_ms']:>9} {r['decode_step_ms']:>8} {r['gpu_gib']:>6}")
     for r in rows:
         if "error" in r:
             print(f"{r['part']:8} {r['error'][:80]}")

@@ -13,20 +13,12 @@ per group), so no per-step transposes. Checkpoints store one tensor per expert
 copies one expert in.
 
 Two execution paths, same math:
-- ``"grouped"``: :func:`grouped_experts`, entirely on the device with a fixed number of
-  kernels whatever the routing (no host sync, no data-dependent shapes), so a decode step
-  that holds it can be captured in a CUDA graph: the assignments sorted by expert (one small
-  sort), group ends by ``searchsorted`` over the sorted expert ids, two
-  ``torch.nn.functional.grouped_mm`` calls over the jagged groups, the rows put back in
-  assignment order by one ``index_copy_``, then the ``k`` outputs of a token weighted and
-  summed (deterministic: no atomic adds). Routing takes the top ``k``
-  logits and a softmax over those alone, which equals the renormalized top-k of the full
-  softmax (the common ``exp(max)`` and denominator cancel), in 3 kernels instead of 6; without
-  ``norm_topk_prob`` it is :func:`route`. Used on CUDA for bf16 activations (the kernels'
-  supported dtype); it also runs on the CPU for fp32 when sizes are 16-byte aligned (the
-  tests compare both paths).
-- ``"loop"``: :func:`route`, then one plain matmul pair per expert that received tokens
-  (reads the counts on the host). The CPU path, and CUDA for dtypes the grouped kernel lacks.
+- ``"grouped"``: tokens sorted by expert, two ``torch.nn.functional.grouped_mm`` calls with
+  jagged offsets, unsorted by ``index_add_``. Device-only (no host sync), so it can be captured
+  in a CUDA graph. Used on CUDA for bf16 activations (the kernels' supported dtype); it also
+  runs on the CPU for fp32 when sizes are 16-byte aligned (the tests compare both paths).
+- ``"loop"``: one plain matmul pair per expert that received tokens (reads the counts on the
+  host). The CPU path, and CUDA for dtypes the grouped kernel lacks.
 """
 
 from __future__ import annotations
@@ -37,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MoEImpl", "SparseMoE", "grouped_experts", "route", "route_top_logits"]
+__all__ = ["MoEImpl", "SparseMoE", "route"]
 
 MoEImpl = Literal["auto", "grouped", "loop"]
 
@@ -55,49 +47,6 @@ def route(
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(x.dtype), experts
-
-
-def route_top_logits(
-    x: torch.Tensor, router_weight: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`route` with ``norm_topk_prob``, from the top ``k`` logits: ``softmax`` (fp32)
-    over them alone is the renormalized top-k of the full softmax. Same outputs up to
-    rounding (ties keep their order; the weights of the tied experts are equal)."""
-    top, experts = torch.topk(F.linear(x, router_weight), top_k, dim=-1)
-    return torch.softmax(top, dim=-1, dtype=torch.float32).to(x.dtype), experts
-
-
-def grouped_experts(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    experts: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-) -> torch.Tensor:
-    """The routed SwiGLU experts of ``x [N, H]`` by grouped GEMM, device-only.
-
-    Args:
-        x: ``[N, H]`` activations.
-        weights, experts: ``[N, k]`` routing weights (``x.dtype``) and expert ids (int64).
-        gate_up: ``[E, H, 2I]`` (``x @ gate_up[e]`` gives gate then up columns; any strides
-            the grouped kernel takes: row-major, or a transposed view of ``[E, 2I, H]``).
-        down: ``[E, I, H]``, likewise.
-
-    Returns:
-        ``[N, H]`` in ``x.dtype``: ``sum_j weights[:, j] * expert_{experts[:, j]}(x)``.
-    """
-    n, k = experts.shape
-    sorted_experts, order = experts.flatten().sort(stable=True)  # grouped by expert, token order kept
-    ids = torch.arange(gate_up.shape[0], device=x.device)
-    ends = torch.searchsorted(sorted_experts, ids, right=True, out_int32=True)  # end of each group
-    rows = x.index_select(0, order // k)
-    gate, up = F.grouped_mm(rows, gate_up, offs=ends).chunk(2, dim=-1)
-    y = F.grouped_mm(F.silu(gate) * up, down, offs=ends)
-    # back to assignment order (row t * k + j: token t's j-th expert), then the weighted sum
-    # (elementwise and a reduction: a version with a batched matmul [n, 1, k] @ [n, k, H]
-    # here ran 0.1 ms slower per layer than main's index_add_ at 64 tokens on an H200)
-    y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)
-    return (y * weights[:, :, None]).sum(dim=1)
 
 
 class SparseMoE(nn.Module):
@@ -169,23 +118,25 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, H]`` -> ``[N, H]`` in ``x.dtype``."""
-        if self._use_grouped(x):
-            if self.norm_topk_prob:
-                weights, experts = route_top_logits(x, self.gate.weight, self.top_k)
-            else:
-                weights, experts = route(x, self.gate.weight, self.top_k, False)
-            return grouped_experts(x, weights, experts, self.expert_gate_up, self.expert_down)
         weights, experts = route(x, self.gate.weight, self.top_k, self.norm_topk_prob)
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # assignments grouped by expert, token order kept
         tokens = order // self.top_k
         scale = weights.flatten()[order, None]
-        y = x.new_empty(order.shape[0], x.shape[1])
-        start = 0
-        for e, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
-            if count:
-                rows = slice(start, start + count)
-                gate, up = (x[tokens[rows]] @ self.expert_gate_up[e]).chunk(2, dim=-1)
-                y[rows] = (F.silu(gate) * up) @ self.expert_down[e]
-                start += count
+        if self._use_grouped(x):
+            # counts by index_add, not bincount: bincount sizes its output from the data (a host
+            # sync), which would break CUDA-graph capture
+            counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
+            offsets = counts.index_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
+            gate, up = F.grouped_mm(x[tokens], self.expert_gate_up, offs=offsets).chunk(2, dim=-1)
+            y = F.grouped_mm(F.silu(gate) * up, self.expert_down, offs=offsets)
+        else:
+            y = x.new_empty(order.shape[0], x.shape[1])
+            start = 0
+            for e, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
+                if count:
+                    rows = slice(start, start + count)
+                    gate, up = (x[tokens[rows]] @ self.expert_gate_up[e]).chunk(2, dim=-1)
+                    y[rows] = (F.silu(gate) * up) @ self.expert_down[e]
+                    start += count
         return torch.zeros_like(x).index_add_(0, tokens, y * scale)
