@@ -1,8 +1,8 @@
 """Qwen3-Omni served by omnistage: streamed chat with audio over ``POST /v1/chat/completions``.
 
 Drives a server (``--base-url``, or one this script starts from ``--model-dir`` with
-``omnistage serve`` and ``--server-arg`` knobs; for a real-dimension config with random
-weights the defaults pass ``load_format dummy`` to every stage that loads weights) with
+``omnistage serve`` and ``--server-arg`` values; the default serves random weights drawn from config.json,
+``--load-format dummy``, with the engines sized for the largest level) with
 OpenAI's chat-completions shape: ``stream: true``, ``modalities: ["text", "audio"]``,
 ``audio: {"voice", "format": "pcm16"}`` (24 kHz 16-bit mono), ``stream_options:
 {"include_usage": true}``; text arrives as ``choices[0].delta.content`` (or
@@ -53,7 +53,6 @@ from omnistage.bench.speed import Distribution
 
 PCM16_RATE = 24000
 TEXT_PROMPT = "What is the capital of France? Answer in one sentence."
-DUMMY_STAGES = ("thinker", "talker", "audio_encoder", "code2wav")
 
 
 def image_part(seed: int) -> dict:
@@ -241,21 +240,17 @@ def start_server(model_dir: Path, port: int, server_args: list[str], log: Path) 
 
 
 def default_server_args(max_num_seqs: int) -> list[str]:
-    """Random weights drawn from config.json in every stage that loads weights, and engines,
-    vocoder slots and KV pools sized for ``max_num_seqs`` concurrent streams."""
-    args = []
-    for stage in DUMMY_STAGES:
-        args += [f"--{stage}.factory.args.load_format", "dummy"]
+    """Random weights drawn from config.json (``--load-format dummy``), and engines, vocoder
+    slots and KV pools sized for ``max_num_seqs`` concurrent streams."""
+    args = ["--load-format", "dummy", "--max-concurrent-requests", str(4 * max_num_seqs)]
     for stage, kv in (("thinker", 16 << 30), ("talker", 4 << 30)):
-        args += [f"--{stage}.factory.args.max_num_seqs", str(max_num_seqs),
-                 f"--{stage}.factory.args.kv_cache_bytes", str(kv)]  # fmt: skip
-    args += [
-        "--code2wav.factory.args.num_slots",
-        str(max_num_seqs),
-        "--max-concurrent-requests",
-        str(4 * max_num_seqs),
-    ]
-    return args
+        args += [
+            f"--{stage}.factory.args.max_num_seqs",
+            str(max_num_seqs),
+            f"--{stage}.factory.args.kv_cache_bytes",
+            str(kv),
+        ]
+    return [*args, "--code2wav.factory.args.num_slots", str(max_num_seqs)]
 
 
 def reference_generate(model_dir: Path, max_tokens: int, frames: int, voice: str) -> dict:
