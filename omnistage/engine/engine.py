@@ -395,7 +395,14 @@ class AREngine:
             raise RequestValidationError("this model returns no hidden states", "return_hidden")
         if spec.position_rows != 3 and (inputs.positions is not None or inputs.rope_delta):
             raise RequestValidationError("this model takes 1-D positions: no positions or rope_delta", "positions")
+        additions = inputs.hidden_additions
+        if additions is not None and len(additions.embeds) > spec.hidden_addition_layers:
+            raise RequestValidationError(
+                f"hidden_additions cover {len(additions.embeds)} layers; this model takes them at "
+                f"{spec.hidden_addition_layers} at most", "hidden_additions",
+            )
         widths = [t.shape[-1] for t in (inputs.step_rows, inputs.pad_embed) if t is not None]
+        widths += [e.shape[-1] for e in additions.embeds] if additions is not None else []
         if inputs.prompt.dim() == 2:
             widths.append(inputs.prompt.shape[1])
         if any(w != spec.hidden_size for w in widths):

@@ -40,7 +40,7 @@ from omnistage.engine.sampler import (
     gumbel_noise,
     sample,
 )
-from omnistage.engine.sequence import Sequence
+from omnistage.engine.sequence import HiddenAdditions, Sequence
 
 SampleFn = Callable[[int, torch.Tensor], torch.Tensor]
 """``sample_fn(group_index, logits [B, V_code]) -> [B] int64``: picks code group
@@ -84,6 +84,9 @@ class ARModelSpec:
             (:meth:`ARModel.forward_with_hidden`), for requests with ``return_hidden``:
             index ``i`` is the state after the first ``i`` layers (0: the input
             embeddings), as in Hugging Face's ``hidden_states[i]``. Empty: none.
+        hidden_addition_layers: how many first layers a request's
+            :class:`~omnistage.engine.sequence.HiddenAdditions` may cover (0: the model
+            takes none; else its ``forward`` / ``forward_with_hidden`` take ``additions``).
     """
 
     num_layers: int
@@ -97,6 +100,7 @@ class ARModelSpec:
     device: torch.device
     position_rows: int = 1
     hidden_layers: tuple[int, ...] = ()
+    hidden_addition_layers: int = 0
 
 
 class ARModel(Protocol):
@@ -110,14 +114,19 @@ class ARModel(Protocol):
 
     def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """``input_embeds [N, H]``, ``positions [N] int64`` (``[3, N]`` if
-        ``spec.position_rows == 3``) -> hidden ``[N, H]`` (final norm applied). Layer ``i``
-        calls ``attn(i, q, k, v)``."""
+        ``spec.position_rows == 3``; float32 then) -> hidden ``[N, H]`` (final norm
+        applied). Layer ``i`` calls ``attn(i, q, k, v)``. A model with
+        ``spec.hidden_addition_layers`` also takes the keyword ``additions``
+        (:class:`~omnistage.engine.sequence.HiddenAdditions` over the ``N`` rows, or None),
+        given only to a prefill whose requests have any."""
 
     def forward_with_hidden(
         self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`forward` that also returns the states of ``spec.hidden_layers``,
-        ``[N, K, H]`` (K of them, in that order); needed only when there are any."""
+        ``[N, K, H]`` (K of them, in that order; a captured state is taken before that
+        layer's additions); needed only when there are any. Takes ``additions`` as
+        :meth:`forward` does."""
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[B, H]`` -> code-0 logits ``[B, vocab_size]``."""
@@ -166,8 +175,9 @@ class ModelRunner:
         device, slots = spec.device, max_num_seqs + 1
         self.scratch_slot, self.scratch_row = max_num_seqs, num_step_rows
         self.last_codes = torch.zeros(slots, spec.num_code_groups, dtype=torch.int64, device=device)
-        # per-slot rope_delta, for models with 3-row positions only (the 1-D path stays as it was)
-        self.rope_deltas = torch.zeros(slots, dtype=torch.int64, device=device) if spec.position_rows == 3 else None
+        # per-slot rope_delta (may be fractional), for models with 3-row positions only (the
+        # 1-D path stays as it was)
+        self.rope_deltas = torch.zeros(slots, dtype=torch.float32, device=device) if spec.position_rows == 3 else None
         self.step_rows = torch.zeros(num_step_rows + 1, spec.hidden_size, dtype=spec.dtype, device=device)
         self.block_tables = torch.full((slots, max_blocks_per_seq), cache.scratch_block, dtype=torch.int64, device=device)
         self.sampling = SamplingBatch.empty(slots, spec.vocab_size, device)
@@ -221,7 +231,8 @@ class ModelRunner:
         """One variable-length forward over the prompts of ``seqs`` (admitted, nothing
         scheduled yet). Returns the last hidden ``[B, H]`` and the slot ids ``[B] int64``
         (the inputs of :meth:`frame_tail`, which makes frame 0), and the states of
-        ``spec.hidden_layers`` ``[N, K, H]`` of every prompt token (None without any)."""
+        ``spec.hidden_layers`` ``[N, K, H]`` of every prompt token (None without any).
+        The requests' hidden additions are added at their rows of the batch."""
         device, size = self.spec.device, self.cache.block_size
         lengths = [s.prompt_len for s in seqs]
         positions = [t for n in lengths for t in range(n)]
@@ -233,13 +244,14 @@ class ModelRunner:
             flat = _upload(positions + kv_slots + per_seq, device)
             positions_d, kv_slots_d = flat[: 2 * n].view(2, n)
         else:
-            rows = torch.cat([_prompt_positions(s) for s in seqs], dim=1).flatten()
-            flat = _upload(torch.cat([rows, torch.tensor(kv_slots + per_seq, dtype=torch.int64)]), device)
-            positions_d, kv_slots_d = flat[: 3 * n].view(3, n), flat[3 * n : 4 * n]
+            # float32: multimodal positions may be fractional
+            positions_d = _upload(torch.cat([_prompt_positions(s) for s in seqs], dim=1), device)
+            flat = _upload(kv_slots + per_seq, device)
+            kv_slots_d = flat[:n]
         slot_ids, last = flat[flat.shape[0] - 2 * b :].view(2, b)
         embeds = torch.cat([self._prompt_embeds(s) for s in seqs])
         self.attn.prepare_prefill(kv_slots_d, lengths)
-        hidden, layers = self._forward(embeds, positions_d)
+        hidden, layers = self._forward(embeds, positions_d, _batch_additions(seqs, lengths, self.spec))
         return hidden[last], slot_ids, layers
 
     def decode(
@@ -264,10 +276,13 @@ class ModelRunner:
         hidden, layers = self._forward(fed.to(self.spec.dtype), positions)
         return self.frame_tail(hidden, slot_ids, cache, sampling), layers
 
-    def _forward(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, additions: HiddenAdditions | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        extra = {} if additions is None else {"additions": additions}
         if self.spec.hidden_layers:
-            return self.model.forward_with_hidden(embeds, positions, self.attn)
-        return self.model.forward(embeds, positions, self.attn), None
+            return self.model.forward_with_hidden(embeds, positions, self.attn, **extra)
+        return self.model.forward(embeds, positions, self.attn, **extra), None
 
     def upload_meta(self, meta: torch.Tensor) -> torch.Tensor:
         return _upload(meta, self.spec.device)
@@ -320,10 +335,29 @@ PREDICTOR_NOISE_SALT = 0x5BD1E995
 
 
 def _prompt_positions(seq: Sequence) -> torch.Tensor:
-    """``[3, L] int64`` host positions of a prompt: its request's, else ``0..L-1`` per row."""
+    """``[3, L] float32`` host positions of a prompt: its request's, else ``0..L-1`` per row."""
     if seq.inputs.positions is not None:
-        return seq.inputs.positions.to("cpu")
-    return torch.arange(seq.prompt_len).expand(3, -1)
+        return seq.inputs.positions.to("cpu", torch.float32)
+    return torch.arange(seq.prompt_len, dtype=torch.float32).expand(3, -1)
+
+
+def _batch_additions(seqs: list[Sequence], lengths: list[int], spec: ARModelSpec) -> HiddenAdditions | None:
+    """The prefill batch's :class:`HiddenAdditions`: each request's rows shifted by its
+    offset in the batch, every layer's rows stacked (zeros for a request with fewer layers),
+    on the model's device and dtype; None when no request has any."""
+    given = [(offset, s.inputs.hidden_additions) for offset, s in zip(itertools.accumulate([0, *lengths[:-1]]), seqs, strict=True)
+             if s.inputs.hidden_additions is not None]  # fmt: skip
+    if not given:
+        return None
+    layers = max(len(a.embeds) for _, a in given)
+    rows = torch.cat([a.rows + offset for offset, a in given])
+    embeds = tuple(
+        torch.cat([a.embeds[layer].to(spec.device, spec.dtype) if layer < len(a.embeds)
+                   else torch.zeros(a.rows.shape[0], spec.hidden_size, dtype=spec.dtype, device=spec.device)
+                   for _, a in given])  # fmt: skip
+        for layer in range(layers)
+    )
+    return HiddenAdditions(_upload(rows, spec.device), embeds)
 
 
 def _no_sub_codes(group: int, logits: torch.Tensor) -> torch.Tensor:
@@ -331,8 +365,8 @@ def _no_sub_codes(group: int, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """An int64 host list/tensor on ``device``; on CUDA through pinned memory, without
-    waiting (the copy is ordered before later kernels on the stream)."""
+    """A host int list (as int64) or tensor on ``device``; on CUDA through pinned memory,
+    without waiting (the copy is ordered before later kernels on the stream)."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
     if device.type != "cuda":
         return host.to(device)

@@ -19,7 +19,7 @@ import torch
 from omnistage.engine.attention import DenseKVCache
 from omnistage.engine.model_runner import PREDICTOR_NOISE_SALT, ARModel
 from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
-from omnistage.engine.sequence import GenerationInput, GenerationResult
+from omnistage.engine.sequence import GenerationInput, GenerationResult, HiddenAdditions
 
 
 @torch.no_grad()
@@ -47,7 +47,10 @@ def reference_generate(model: ARModel, inputs: GenerationInput) -> GenerationRes
         position = torch.tensor([length + k], device=spec.device)
         return position if spec.position_rows == 1 else (position + inputs.rope_delta).expand(3, -1)
 
-    hidden = model.forward(x, positions, cache)[-1:]
+    additions = inputs.hidden_additions
+    extra = {} if additions is None else {"additions": HiddenAdditions(
+        additions.rows.to(spec.device), tuple(e.to(spec.device, spec.dtype) for e in additions.embeds))}  # fmt: skip
+    hidden = model.forward(x, positions, cache, **extra)[-1:]
     frames: list[torch.Tensor] = []
     for k in range(inputs.max_new_tokens):
         code0 = sample(model.head_logits(hidden), code0_batch)

@@ -14,6 +14,10 @@ admission (:meth:`AREngine.append_step_rows`), then an end mark
 (:meth:`AREngine.complete_step_rows`); only then do frames past its last row take the
 pad row. Until row ``k`` arrived (or the rows are complete), decode step ``k + 1`` of the
 request waits: it is left out of the batch, the other requests go on.
+
+Hidden additions (:class:`HiddenAdditions`): rows a request adds to the backbone's hidden
+states at chosen prompt positions after each of its first layers, during its prefill
+(Qwen3-Omni: the vision encoder's deepstack features at the image/video tokens).
 """
 
 from __future__ import annotations
@@ -26,6 +30,21 @@ import torch
 from omnistage.core.errors import RequestValidationError
 from omnistage.core.request import FinishReason
 from omnistage.engine.sampler import SamplingParams
+
+
+@dataclass(frozen=True)
+class HiddenAdditions:
+    """Rows added to a forward's hidden states: after layer ``l`` (0-based) for ``l <
+    len(embeds)``, ``embeds[l]`` is added to the rows ``rows`` (DeepStack, Meng et al. 2024).
+
+    Attributes:
+        rows: ``[M] int64`` row indices, distinct (in a request: prompt positions
+            ``0..L-1``; the runner maps them to the batch's rows).
+        embeds: one ``[M, H]`` float tensor per layer, in layer order.
+    """
+
+    rows: torch.Tensor
+    embeds: tuple[torch.Tensor, ...]
 
 
 @dataclass(frozen=True)
@@ -52,12 +71,17 @@ class GenerationInput:
             greedy); its repetition penalty, stop ids and ``min_new_tokens`` must be off.
             It may share ``sampling.seed``: the engine draws its noise from a stream of
             its own.
-        positions: ``[3, L] int64`` multimodal RoPE positions (T, H, W) of the prompt, for
-            a model with ``spec.position_rows == 3`` (None: ``0..L-1`` on each row); a
-            host tensor (it is uploaded with the prefill's other indices).
+        positions: ``[3, L]`` int64 or float32 multimodal RoPE positions (T, H, W) of the
+            prompt, for a model with ``spec.position_rows == 3`` (None: ``0..L-1`` on each
+            row); a host tensor. Float: fractional positions (Qwen3-Omni's video T is
+            ``t * seconds_per_grid * 13``); they reach the model as float32.
         rope_delta: added to a decode step's position, which is then the cache length +
             ``rope_delta`` on all three rows (Qwen3-Omni: ``max(positions) + 1 - L``,
-            shared/reference/qwen3-omni.md section 4). Only with ``position_rows == 3``.
+            shared/reference/qwen3-omni.md section 4; may be fractional). Only with
+            ``position_rows == 3``.
+        hidden_additions: rows added to the prompt's hidden states during the prefill
+            (:class:`HiddenAdditions`, rows are prompt positions), for a model that takes
+            them (``spec.hidden_addition_layers``); None: none.
         return_hidden: the engine returns the states of the model's ``hidden_layers`` for
             every prompt and fed-back token (``StepOutput.hidden``).
     """
@@ -70,8 +94,9 @@ class GenerationInput:
     predictor_sampling: SamplingParams | None = None
     more_rows: bool = False
     positions: torch.Tensor | None = None
-    rope_delta: int = 0
+    rope_delta: float = 0
     return_hidden: bool = False
+    hidden_additions: HiddenAdditions | None = None
 
     def __post_init__(self) -> None:
         if self.prompt.dim() not in (1, 2) or self.prompt.shape[0] < 1:
@@ -81,10 +106,21 @@ class GenerationInput:
         if self.max_new_tokens < 1:
             raise RequestValidationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
         pos = self.positions
-        if pos is not None and (pos.dtype != torch.int64 or pos.shape != (3, self.prompt.shape[0])):
+        if pos is not None and (pos.dtype not in (torch.int64, torch.float32) or pos.shape != (3, self.prompt.shape[0])):
             raise RequestValidationError(
-                f"positions must be [3, {self.prompt.shape[0]}] int64, got {tuple(pos.shape)} {pos.dtype}", "positions"
+                f"positions must be [3, {self.prompt.shape[0]}] int64 or float32, got {tuple(pos.shape)} {pos.dtype}",
+                "positions",
             )
+        add = self.hidden_additions
+        if add is not None:
+            length, rows = self.prompt.shape[0], add.rows
+            if rows.dim() != 1 or rows.dtype != torch.int64 or not add.embeds:
+                raise RequestValidationError("hidden_additions: rows must be [M] int64, with >= 1 layer", "hidden_additions")
+            if any(e.shape != (rows.shape[0], e.shape[-1]) or e.dim() != 2 for e in add.embeds):
+                raise RequestValidationError(f"hidden_additions: every layer's rows must be [{rows.shape[0]}, H]", "hidden_additions")
+            if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= length or rows.unique().numel() != rows.numel()):
+                raise RequestValidationError(f"hidden_additions: rows must be distinct prompt positions in 0..{length - 1}",
+                                             "hidden_additions")
         p = self.predictor_sampling
         if p is not None and (p.repetition_penalty != 1 or p.stop_token_ids or p.min_new_tokens):
             raise RequestValidationError(

@@ -11,8 +11,9 @@ codebook embeddings plus the request's step row (shared/reference/qwen3-tts.md, 
 2-3). With ``num_code_groups=1`` it is a plain token LM; with ``mrope`` it takes
 multimodal RoPE positions ``[3, N]`` (T, H, W), interleaved over the rotary frequencies as
 in Qwen3-Omni but over every frequency (``j`` rotates by row ``j % 3``; qwen3-omni.md,
-section 4). The same classes at the real Qwen3-TTS 0.6B sizes drive
-``benchmarks/engine_gpu.py``.
+section 4; fractional positions too) and, with ``hidden_addition_layers``, hidden additions
+(:class:`~omnistage.engine.sequence.HiddenAdditions` added after its first layers). The same
+classes at the real Qwen3-TTS 0.6B sizes drive ``benchmarks/engine_gpu.py``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
 from omnistage.engine.layers import CodePredictor, CodePredictorConfig, Decoder, DecoderConfig
 from omnistage.engine.model_runner import ARModelSpec, SampleFn
+from omnistage.engine.sequence import HiddenAdditions
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class ToyARConfig:
     max_positions: int = 4096
     mrope: bool = False
     hidden_layers: tuple[int, ...] = ()
+    hidden_addition_layers: int = 0  # with mrope only
 
     @classmethod
     def qwen3_tts_0b6(cls) -> ToyARConfig:
@@ -81,37 +84,44 @@ class ToyTalker(nn.Module):
         self.spec = ARModelSpec(
             c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, c.vocab_size,
             c.num_code_groups, c.code_vocab_size, dtype, torch.device(device), position_rows=3 if c.mrope else 1,
-            hidden_layers=c.hidden_layers,
+            hidden_layers=c.hidden_layers, hidden_addition_layers=c.hidden_addition_layers,
         )
 
-    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+    def forward(self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                additions: HiddenAdditions | None = None) -> torch.Tensor:
         if not self.c.mrope:
             return self.backbone(input_embeds, positions, attn)
-        return self.forward_with_hidden(input_embeds, positions, attn)[0]
+        return self.forward_with_hidden(input_embeds, positions, attn, additions)[0]
 
     def forward_with_hidden(
-        self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+        additions: HiddenAdditions | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The backbone, and the states after the first ``i`` layers for ``i`` in
-        ``hidden_layers``, ``[N, K, H]``."""
+        ``hidden_layers``, ``[N, K, H]`` (taken before that layer's additions)."""
         cos, sin = self._rope(positions, input_embeds.dtype)
         x, states = input_embeds, {0: input_embeds}
         for i, layer in enumerate(self.backbone.layers, start=1):
             x = layer(x, cos, sin, attn)
             states[i] = x
+            if additions is not None and i <= len(additions.embeds):
+                x = x.index_add(0, additions.rows, additions.embeds[i - 1].to(x.dtype))
         kept = [states[i] for i in self.c.hidden_layers]
         return self.backbone.norm(x), torch.stack(kept, dim=1) if kept else x[:, None, :0]
 
     def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.c.mrope:
             return self.backbone.rotary(positions, dtype)
-        # per row's cos/sin [3, N, D], then frequency j (and j + D/2) from row j % 3
-        cos, sin = self.backbone.rotary(positions.flatten(), dtype)
+        # frequency j (and j + D/2) rotates by row j % 3; the angles from the positions
+        # themselves (they may be fractional), the same fp32 products as the RoPE table
         half = self.c.head_dim // 2
-        row = (torch.arange(self.c.head_dim, device=positions.device) % half) % 3
-        n = positions.shape[1]
-        rows = row.expand(1, n, -1)
-        return cos.view(3, n, -1).gather(0, rows)[0], sin.view(3, n, -1).gather(0, rows)[0]
+        inv_freq = 1.0 / (self.c.rope_theta ** (torch.arange(0, self.c.head_dim, 2, device=positions.device).float()
+                                                / self.c.head_dim))  # fmt: skip
+        row = torch.arange(half, device=positions.device) % 3
+        freqs = positions.float()[..., None] * inv_freq  # [3, N, D/2]
+        freqs = freqs.gather(0, row.expand(1, positions.shape[1], -1))[0]
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat((cos, cos), -1).to(dtype), torch.cat((-sin, sin), -1).to(dtype)
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.codec_head(hidden)

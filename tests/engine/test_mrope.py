@@ -86,10 +86,10 @@ def test_the_positions_and_the_delta_both_change_the_output():
 
 
 def test_bad_positions_are_refused():
-    with pytest.raises(RequestValidationError, match=r"positions must be \[3, 5\] int64"):
+    with pytest.raises(RequestValidationError, match=r"positions must be \[3, 5\] int64 or float32"):
         GenerationInput(torch.zeros(5, dtype=torch.int64), GREEDY, 4, positions=torch.zeros(3, 4, dtype=torch.int64))
     with pytest.raises(RequestValidationError, match="positions must be"):
-        GenerationInput(torch.zeros(5, dtype=torch.int64), GREEDY, 4, positions=torch.zeros(3, 5))
+        GenerationInput(torch.zeros(5, dtype=torch.int64), GREEDY, 4, positions=torch.zeros(3, 5, dtype=torch.float64))
     one_d = ToyTalker(ToyARConfig(num_code_groups=1), DTYPE)
     with pytest.raises(RequestValidationError, match="1-D positions"):
         engine_for(one_d).add_request("r", request(image_positions(1, (2, 2), 1)[0], 0, 6))

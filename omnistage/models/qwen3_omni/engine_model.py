@@ -5,13 +5,12 @@
   (``position_rows == 3``); with a talker downstream it returns the hidden states the
   talker's prompt needs, ``hidden_layers = (0, accept_hidden_layer)`` (the embeddings and
   the layer whose rows feed the multimodal positions; shared/reference/qwen3-omni.md §2).
-  Prompts are embeddings with the encoders' rows merged in (:meth:`Thinker.merge`).
+  Prompts are embeddings with the encoders' rows merged in (:meth:`Thinker.merge`); the
+  vision encoder's deepstack features are the request's hidden additions
+  (``GenerationInput.hidden_additions``, ``spec.hidden_addition_layers`` = the deepstack
+  levels), added after the first decoder layers at the visual positions.
 - :class:`TalkerEngineModel`: code 0 from ``codec_head``, the code predictor's 15 sub-steps,
   and the feedback embedding of the frame plus the request's next text row, as for Qwen3-TTS.
-
-Deepstack features are not part of the engine contract yet: an image or video prompt run
-through the engine lacks them (the unbatched
-:func:`~omnistage.models.qwen3_omni.modeling.generate.thinker_generate` has them).
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import torch
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
 from omnistage.engine.model_runner import ARModelSpec, SampleFn
+from omnistage.engine.sequence import HiddenAdditions
 from omnistage.models.qwen3_omni.modeling.talker import Talker
 from omnistage.models.qwen3_omni.modeling.thinker import Thinker
 
@@ -40,19 +40,27 @@ class ThinkerEngineModel:
         self.spec = ARModelSpec(
             num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
             vocab_size=c.vocab_size, num_code_groups=1, code_vocab_size=0, dtype=weight.dtype, device=weight.device,
-            position_rows=3, hidden_layers=hidden_layers,
+            position_rows=3, hidden_layers=hidden_layers, hidden_addition_layers=thinker.config.deepstack_layers,
         )  # fmt: skip
 
     def forward(
-        self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self,
+        input_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        additions: HiddenAdditions | None = None,
     ) -> torch.Tensor:
-        return self.thinker.model(input_embeds, positions, attn)
+        return self.thinker.model.decode(input_embeds, positions, attn, deepstack=additions).hidden
 
     def forward_with_hidden(
-        self, input_embeds: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self,
+        input_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        additions: HiddenAdditions | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.thinker.model.decode(
-            input_embeds, positions, attn, capture_layers=self.spec.hidden_layers
+            input_embeds, positions, attn, deepstack=additions, capture_layers=self.spec.hidden_layers
         )
         return out.hidden, torch.stack(out.captured, dim=1)
 

@@ -12,10 +12,12 @@ import torch
 from safetensors import safe_open
 
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
+from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
 
 FIXTURE = Path(__file__).parent / "fixtures" / "thinker_talker_reference.safetensors"
 SEED = 0  # the seed the fixture's checkpoint was written with
 REL_TOL = 1e-4
+CASES = ["text", "image", "audio", "video", "image_audio_video", "audio_in_video"]
 
 
 @dataclass
@@ -55,3 +57,17 @@ def layout_of(ref: ReferenceFixture, name: str) -> MultimodalLayout:
         audio_lengths=raw.get("audio_lengths", []),
         use_audio_in_video=raw.get("use_audio_in_video", False),
     )
+
+
+def encoder_rows(ref: ReferenceFixture, name: str) -> EncoderRows:
+    """The encoder rows transformers' encoders gave the case's thinker."""
+    t = {k[len(name) + 1 :]: v for k, v in ref.tensors.items() if k.startswith(f"{name}.")}
+
+    def levels(kind: str) -> tuple[torch.Tensor, ...]:
+        return tuple(
+            t[f"{kind}_deepstack.{i}"]
+            for i in range(len([k for k in t if k.startswith(f"{kind}_deepstack.")]))
+        )
+
+    return EncoderRows(audio=t.get("audio"), image=t.get("image"), image_deepstack=levels("image"),
+                       video=t.get("video"), video_deepstack=levels("video"))  # fmt: skip

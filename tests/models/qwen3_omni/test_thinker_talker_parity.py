@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from omni_fixtures import REL_TOL, ReferenceFixture, layout_of, rel_err, weights_digest
+from omni_fixtures import (
+    CASES,
+    REL_TOL,
+    ReferenceFixture,
+    encoder_rows,
+    layout_of,
+    rel_err,
+    weights_digest,
+)
 
 from omnistage.models.qwen3_omni.modeling.generate import talker_generate, thinker_generate
 from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, load_model
 from omnistage.models.qwen3_omni.modeling.mrope import prompt_positions
 from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
 from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
-
-CASES = ["text", "image", "audio", "video", "image_audio_video", "audio_in_video"]
 
 
 @pytest.fixture(scope="module")
@@ -30,19 +36,6 @@ def model(omni_tiny_checkpoint, omni_reference: ReferenceFixture) -> LoadedOmni:
             "the seed-0 tiny checkpoint differs from the fixture's; regenerate (tools/parity/qwen3_omni_reference.py)"
         )
     return load_model(omni_tiny_checkpoint)
-
-
-def encoder_rows(ref: ReferenceFixture, name: str) -> EncoderRows:
-    t = {k[len(name) + 1 :]: v for k, v in ref.tensors.items() if k.startswith(f"{name}.")}
-
-    def levels(kind: str) -> tuple[torch.Tensor, ...]:
-        return tuple(
-            t[f"{kind}_deepstack.{i}"]
-            for i in range(len([k for k in t if k.startswith(f"{kind}_deepstack.")]))
-        )
-
-    return EncoderRows(audio=t.get("audio"), image=t.get("image"), image_deepstack=levels("image"),
-                       video=t.get("video"), video_deepstack=levels("video"))  # fmt: skip
 
 
 _RUNS: dict[str, tuple] = {}  # case -> (ids, ThinkerResult): the thinker runs once per case

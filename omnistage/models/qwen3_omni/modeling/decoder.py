@@ -6,9 +6,9 @@ engine's attention contract ``attn(layer, q, k, v)``), then a feed-forward block
 layer (routed experts, the talker's shared-expert MoE, or a dense SwiGLU), then a final norm.
 Tokens are flattened over the batch: ``[N, H]`` rows with positions ``[3, N]``.
 
-Deepstack (DeepStack, Meng et al. 2024; transformers' ``_deepstack_process``): after decoder
-layer ``l < len(deepstack.embeds)``, ``deepstack.embeds[l]`` is added to the rows at
-``deepstack.rows``. A *captured* hidden state follows the reference's ``hidden_states`` tuple:
+Deepstack (DeepStack, Meng et al. 2024; transformers' ``_deepstack_process``), given as the
+engine's :class:`~omnistage.engine.sequence.HiddenAdditions`: after decoder layer ``l <
+len(deepstack.embeds)``, ``deepstack.embeds[l]`` is added to the rows at ``deepstack.rows``. A *captured* hidden state follows the reference's ``hidden_states`` tuple:
 index 0 is the input embeddings, ``k`` in 1..L-1 the output of layer ``k - 1`` before its
 deepstack addition, ``L`` the final-norm output.
 """
@@ -25,10 +25,11 @@ from torch import nn
 from omnistage.engine.attention import AttentionBackend
 from omnistage.engine.layers import MLP, Attention, DecoderConfig, RMSNorm
 from omnistage.engine.moe import SparseMoE
+from omnistage.engine.sequence import HiddenAdditions
 from omnistage.models.qwen3_omni.modeling.config import MoEDecoderConfig
 from omnistage.models.qwen3_omni.modeling.mrope import MRotaryEmbedding
 
-__all__ = ["Deepstack", "DecoderOutput", "MoEDecoder", "SharedExpertMoE", "attention_config"]
+__all__ = ["DecoderOutput", "MoEDecoder", "SharedExpertMoE", "attention_config"]
 
 
 def attention_config(config: MoEDecoderConfig) -> DecoderConfig:
@@ -105,19 +106,6 @@ class DecoderLayer(nn.Module):
 
 
 @dataclass(frozen=True)
-class Deepstack:
-    """Visual features added to the hidden states of the first layers.
-
-    Attributes:
-        rows: ``[M] int64`` indices of the visual rows among the forward's ``N`` tokens.
-        embeds: one ``[M, H]`` tensor per level; level ``l`` is added after layer ``l``.
-    """
-
-    rows: torch.Tensor
-    embeds: tuple[torch.Tensor, ...]
-
-
-@dataclass(frozen=True)
 class DecoderOutput:
     """``hidden [N, H]`` after the final norm; ``captured``: one ``[N, H]`` per requested
     ``hidden_states`` index (see the module docstring), in the order asked."""
@@ -153,7 +141,7 @@ class MoEDecoder(nn.Module):
         input_embeds: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionBackend,
-        deepstack: Deepstack | None = None,
+        deepstack: HiddenAdditions | None = None,
         capture_layers: tuple[int, ...] = (),
     ) -> DecoderOutput:
         """``input_embeds [N, H]``, ``positions [3, N]`` (or ``[N]`` for text-only rows) ->

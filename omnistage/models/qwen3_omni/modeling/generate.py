@@ -22,7 +22,7 @@ import torch
 from omnistage.engine.attention import DenseKVCache
 from omnistage.engine.layers import greedy_sample
 from omnistage.engine.sampler import SamplingBatch, SamplingParams, sample
-from omnistage.models.qwen3_omni.modeling.decoder import Deepstack
+from omnistage.engine.sequence import HiddenAdditions
 from omnistage.models.qwen3_omni.modeling.mrope import PromptPositions
 from omnistage.models.qwen3_omni.modeling.prompt import TalkerPrompt
 from omnistage.models.qwen3_omni.modeling.talker import Talker
@@ -68,7 +68,7 @@ def thinker_generate(
     max_new_tokens: int,
     eos_id: int,
     input_embeds: torch.Tensor | None = None,
-    deepstack: Deepstack | None = None,
+    deepstack: HiddenAdditions | None = None,
     capture_layer: int | None = None,
 ) -> ThinkerResult:
     """Greedy thinker generation for one prompt.

@@ -5,7 +5,7 @@ every MoE layer (no shared expert) and ``embed_tokens [vocab, H]``; the LM head 
 (``tie_word_embeddings`` false in the shipped config). Multimodal rows are merged by the
 caller: placeholder embeddings at audio/image/video token positions are replaced by the
 encoders' outputs before :meth:`ThinkerTextModel.decode`, and the vision encoder's deepstack
-features are passed as :class:`~omnistage.models.qwen3_omni.modeling.decoder.Deepstack`.
+features are passed as the engine's :class:`~omnistage.engine.sequence.HiddenAdditions`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import torch
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend
+from omnistage.engine.sequence import HiddenAdditions
 from omnistage.models.qwen3_omni.modeling.config import ThinkerConfig
-from omnistage.models.qwen3_omni.modeling.decoder import Deepstack, MoEDecoder, routed_or_dense
+from omnistage.models.qwen3_omni.modeling.decoder import MoEDecoder, routed_or_dense
 
 __all__ = ["EncoderRows", "Thinker", "ThinkerTextModel"]
 
@@ -77,7 +78,7 @@ class Thinker(nn.Module):
 
     def merge(
         self, input_ids: torch.Tensor, rows: EncoderRows
-    ) -> tuple[torch.Tensor, Deepstack | None]:
+    ) -> tuple[torch.Tensor, HiddenAdditions | None]:
         """Prompt embeddings ``[L, H]`` with the encoder rows at their placeholder tokens, and
         the deepstack features at the visual (image or video) positions, image and video rows
         interleaved in prompt order (transformers' ``Qwen3OmniMoeThinkerModel.forward``).
@@ -123,4 +124,4 @@ class Thinker(nn.Module):
             for index, feature in level:
                 out[slot[index]] = feature.to(embeds.dtype)
             joint.append(out)
-        return embeds, Deepstack(rows=rows_index, embeds=tuple(joint))
+        return embeds, HiddenAdditions(rows=rows_index, embeds=tuple(joint))
