@@ -1,5 +1,5 @@
-"""The Qwen3-Omni pipeline (seed 001; stages and hooks: :mod:`.stages`): ``EntryClass``, a
-chat model.
+"""The Qwen3-Omni pipeline (seed 001's seven stages; stages and hooks: :mod:`.stages`):
+``EntryClass``, a chat model.
 
 ``omnistage serve --model-path DIR`` with a checkpoint in the real Hugging Face layout
 (``config.json`` ``architectures: ["Qwen3OmniMoeForConditionalGeneration"]``) serves it at
@@ -16,6 +16,7 @@ from typing import ClassVar, Self, get_args
 
 import numpy as np
 import torch
+from PIL import Image
 
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.models.qwen3_omni.modeling.config import load_config
@@ -89,11 +90,12 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
                 stage("code2wav", fmt, terminal=True, can_accept_stream_before_payload=True,
                       payload_type=GENERATION_SUMMARY, accepts_stream_types=[VOCODER_SETUP, CODE_FRAMES],
                       result_type=AUDIO_RESULT, stream_types=[AUDIO_CHUNK]),
-                stage("preprocessing", next=["audio_encoder", "thinker"], route_fn=f"{_STAGES}:preprocessing_routes",
+                stage("preprocessing", next=["image_encoder", "audio_encoder", "thinker"], route_fn=f"{_STAGES}:preprocessing_routes",
                       stream_to=["talker", "code2wav"], stream_done_to_fn=f"{_STAGES}:preprocessing_streams",
                       result_type=THINKER_PROMPT, stream_types=[AUDIO_SETUP]),
+                stage("image_encoder", fmt, next="thinker", payload_type=THINKER_PROMPT, result_type=THINKER_PROMPT),
                 stage("audio_encoder", fmt, next="thinker", payload_type=THINKER_PROMPT, result_type=THINKER_PROMPT),
-                stage("thinker", fmt, wait_for=["preprocessing", "audio_encoder"], wait_for_fn=f"{_STAGES}:thinker_waits_for",
+                stage("thinker", fmt, wait_for=["preprocessing", "image_encoder", "audio_encoder"], wait_for_fn=f"{_STAGES}:thinker_waits_for",
                       merge_fn=f"{_STAGES}:thinker_merge", next=["decode", "talker"], route_fn=f"{_STAGES}:thinker_routes",
                       stream_to=["decode", "talker"], stream_done_to_fn=f"{_STAGES}:thinker_streams",
                       payload_type=THINKER_PROMPT, result_type=GENERATION_SUMMARY, stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN]),
@@ -148,11 +150,13 @@ EntryClass = Qwen3OmniPipelineConfig
 
 
 def sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:
-    """Text in, text out; text in, text + audio out; audio in, text + audio out (the
-    consistency check's cases)."""
+    """Text in, text out; text in, text + audio out; audio in, text + audio out; image and
+    audio in, text out (the consistency check's cases: no encoder, each, both)."""
     messages = (ChatMessage("user", (ChatPart("text", text="Hello."),)),)
     clip = ChatPart("audio", audio=np.zeros(16000, dtype=np.float32))
     heard = (ChatMessage("user", (clip, ChatPart("text", text="What is this?"))),)
+    picture = ChatPart("image", image=Image.new("RGB", (32, 32)))
+    both = (ChatMessage("user", (picture, clip, ChatPart("text", text="And these?"))),)
     text = Qwen3OmniRequest(
         messages, False, "ethan", OmniSampling(), max_tokens=4, max_audio_frames=4
     )
@@ -160,4 +164,5 @@ def sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:
         ("text", text),
         ("text+audio", Qwen3OmniRequest(messages, True, "ethan", OmniSampling(), 4, 4)),
         ("audio in", Qwen3OmniRequest(heard, True, "ethan", OmniSampling(), 4, 4)),
+        ("image and audio in", Qwen3OmniRequest(both, False, "ethan", OmniSampling(), 4, 4)),
     ]

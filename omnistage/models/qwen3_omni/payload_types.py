@@ -1,10 +1,11 @@
 """Typed pipeline state of the Qwen3-Omni pipeline: the request and the payload of each edge.
 
-Edges (seed 001, text prompts):
+Edges (seed 001):
 
-- ``preprocessing -> audio_encoder`` (prompts with audio) or ``preprocessing -> thinker``
-  (the others): a :class:`ThinkerPrompt`; ``audio_encoder -> thinker``: the same with its
-  ``audio_rows``;
+- ``preprocessing -> image_encoder`` (prompts with images or video), ``preprocessing ->
+  audio_encoder`` (prompts with audio, a video's included) or ``preprocessing -> thinker``
+  (text prompts): a :class:`ThinkerPrompt`; ``image_encoder -> thinker``: the same with its
+  ``vision_rows``, ``audio_encoder -> thinker`` with its ``audio_rows``;
 - ``preprocessing ~> talker, code2wav`` (stream, audio requests only): one
   :class:`AudioSetup` (a stage's item goes to all its stream targets, so the one object
   is both the talker's setup and code2wav's
@@ -30,6 +31,7 @@ import torch
 
 from omnistage.core.payloads import TextDelta, TextResult
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
+from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
 from omnistage.models.qwen3_omni.processing import ChatMessage
 from omnistage.scheduling.vocoder import VocoderSetup
 
@@ -82,21 +84,33 @@ class ThinkerPrompt:
     """The thinker's prompt before the engine.
 
     Attributes:
-        input_ids: ``[L] int64``, audio placeholders expanded.
-        positions: ``[3, L] int64`` MRoPE positions; ``rope_delta``: their decode offset.
+        input_ids: ``[L] int64``, media placeholders expanded.
+        positions: ``[3, L] float32`` MRoPE positions (a video's T may be fractional);
+            ``rope_delta``: their decode offset.
         layout: the prompt's multimodal layout (the talker's positions need it too).
-        audio_features: ``[128, sum(frames)]`` float32 log-mel frames of the prompt's audios,
-            or None; ``audio_frames``: ``[A] int64`` frames per audio.
+        audio_features: ``[128, sum(frames)]`` float32 log-mel frames of the prompt's audios
+            (a video's audio included when asked), or None; ``audio_frames``: ``[A] int64``
+            frames per audio.
         audio_rows: the audio encoder's ``[Na, H]`` rows (set by ``audio_encoder``), or None.
+        pixel_values: ``[sum(t*h*w), 1536]`` float32 image patches, or None;
+            ``image_grid_thw``: ``[I, 3] int64``.
+        pixel_values_videos: video patches, or None; ``video_grid_thw``: ``[V, 3] int64``.
+        vision_rows: the vision encoder's image / video rows and their deepstack levels (set
+            by ``image_encoder``; its ``audio`` is None), or None.
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    rope_delta: int
+    rope_delta: float
     layout: MultimodalLayout
     audio_features: torch.Tensor | None = None
     audio_frames: torch.Tensor | None = None
     audio_rows: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    vision_rows: EncoderRows | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,11 +1,13 @@
-"""Stage factories and routing hooks of the Qwen3-Omni pipeline (seed 001, text prompts).
+"""Stage factories and routing hooks of the Qwen3-Omni pipeline (seed 001).
 
-preprocessing -> thinker -> decode (text, terminal; the thinker streams its tokens to it,
-which streams text deltas); for a request with ``audio_output``
-the thinker also streams to the talker (token + hidden rows), which streams code frames to
-code2wav (audio, terminal). One predicate, :func:`wants_audio`, decides every hook:
-thinker routes, stream-done targets and the terminal set; a text-only request never
-reaches talker or code2wav.
+preprocessing -> image_encoder / audio_encoder (the prompt's images and videos / audios)
+-> thinker -> decode (text, terminal; the thinker streams its tokens to it, which streams
+text deltas); for a request with ``audio_output`` the thinker also streams to the talker
+(token + hidden rows), which streams code frames to code2wav (audio, terminal). One
+per-request decision, :func:`route` (:class:`Route`: which encoders, whether it speaks),
+decides every hook: preprocessing's targets, the thinker's fan-in waits, both stages'
+stream-done targets, the thinker's routes and the terminal set; a text-only request never
+reaches talker or code2wav, a text prompt no encoder.
 
 Partial start: the talker's request enters its engine once ``talker_start_tokens`` reply
 tokens exist (at least 2: the talker prompt ends with the first reply token, whose
@@ -18,7 +20,7 @@ it never holds back the others of a batch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -66,49 +68,75 @@ from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler
 SAMPLE_RATE = 24000
 TEXT_STAGES = ("preprocessing", "thinker", "decode")
 AUDIO_STAGES = ("talker", "code2wav")
+ENCODER_STAGES = ("image_encoder", "audio_encoder")
 
 
 # --------------------------------------------------------------------------- routing hooks
 
 
-def wants_audio(request: Qwen3OmniRequest) -> bool:
-    """The pipeline's one per-request predicate."""
-    return request.audio_output
+@dataclass(frozen=True)
+class Route:
+    """The one per-request decision every routing hook reads.
+
+    Attributes:
+        encoders: the encoder stages the prompt needs, in :data:`ENCODER_STAGES` order:
+            ``image_encoder`` for images and videos, ``audio_encoder`` for audios and the
+            audio of a video asked with it (``ChatPart.use_audio``).
+        speaks: speech is requested (``audio_output``): talker and code2wav run.
+    """
+
+    encoders: tuple[str, ...]
+    speaks: bool
 
 
-def has_audio_input(request: Qwen3OmniRequest) -> bool:
-    """The prompt holds audio: preprocessing routes it through ``audio_encoder``."""
-    return any(part.kind == "audio" for message in request.messages for part in message.parts)
+def route(request: Qwen3OmniRequest) -> Route:
+    """The request's :class:`Route`, from its content and ``audio_output`` alone."""
+    parts = [part for message in request.messages for part in message.parts]
+    needs = {
+        "image_encoder": any(p.kind in ("image", "video") for p in parts),
+        "audio_encoder": any(p.kind == "audio" or (p.kind == "video" and p.use_audio) for p in parts),
+    }
+    return Route(tuple(s for s in ENCODER_STAGES if needs[s]), request.audio_output)
 
 
 def preprocessing_routes(payload: StagePayload) -> list[str]:
-    return ["audio_encoder"] if has_audio_input(payload.request) else ["thinker"]
+    return list(route(payload.request).encoders) or ["thinker"]
 
 
 def thinker_waits_for(payload: StagePayload) -> list[str]:
-    return ["audio_encoder"] if has_audio_input(payload.request) else ["preprocessing"]
+    return list(route(payload.request).encoders) or ["preprocessing"]
 
 
 def thinker_merge(payloads: dict[str, StagePayload]) -> ThinkerPrompt:
-    """The one source this request waits for (:func:`thinker_waits_for`)."""
-    (payload,) = payloads.values()
-    return payload.data
+    """The prompt from the sources this request waits for (:func:`thinker_waits_for`):
+    preprocessing's alone, or the encoders' prompts, each with its own rows."""
+    prompts = {name: payload.data for name, payload in payloads.items()}
+    if "preprocessing" in prompts:
+        return prompts["preprocessing"]
+    audio, vision = prompts.get("audio_encoder"), prompts.get("image_encoder")
+    base = audio or vision
+    assert base is not None, f"the thinker merges its encoders' prompts, got {sorted(prompts)}"
+    return replace(
+        base, audio_features=None, pixel_values=None, pixel_values_videos=None,
+        audio_rows=audio.audio_rows if audio is not None else None,
+        vision_rows=vision.vision_rows if vision is not None else None,
+    )  # fmt: skip
 
 
 def preprocessing_streams(payload: StagePayload) -> list[str]:
-    return ["talker", "code2wav"] if wants_audio(payload.request) else []
+    return list(AUDIO_STAGES) if route(payload.request).speaks else []
 
 
 def thinker_routes(payload: StagePayload) -> list[str]:
-    return ["decode", "talker"] if wants_audio(payload.request) else ["decode"]
+    return ["decode", "talker"] if route(payload.request).speaks else ["decode"]
 
 
 def thinker_streams(payload: StagePayload) -> list[str]:
-    return ["decode", "talker"] if wants_audio(payload.request) else ["decode"]
+    return ["decode", "talker"] if route(payload.request).speaks else ["decode"]
 
 
 def terminal_stages(request: Qwen3OmniRequest) -> list[str]:
-    return ["code2wav", "decode"] if wants_audio(request) else ["decode"]
+    return ["code2wav", "decode"] if route(request).speaks else ["decode"]
 
 
 # --------------------------------------------------------------------------- shared loading
@@ -144,11 +172,13 @@ def thinker_sampling(sampling: OmniSampling, stop_id: int) -> SamplingParams:
 
 
 def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> ThreadedScheduler:
-    """Request -> :class:`ThinkerPrompt` (prompt ids with audio placeholders expanded,
-    Whisper features, MRoPE positions); for
-    an audio request it also streams the talker and code2wav their :class:`AudioSetup` at
-    once. Image and video content are refused (``RequestValidationError`` naming
-    ``messages.<i>.content.<j>``): the vision stage is not in this pipeline yet."""
+    """Request -> :class:`ThinkerPrompt` (prompt ids with media placeholders expanded,
+    Whisper features, image / video patches, MRoPE positions); for an audio request it also
+    streams the talker and code2wav their :class:`AudioSetup` at once.
+
+    Raises (per request): RequestValidationError naming ``messages.<i>.content.<j>``: the
+    videos of one prompt differ in whether their audio is asked (transformers' positions
+    take one ``use_audio_in_video`` per prompt), or the processor's media errors."""
     model_path = _model_path(ctx)
     config = load_config(model_path)
     audio_config = config.thinker.audio
@@ -156,32 +186,87 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> 
 
     def compute(payload: StagePayload) -> ThinkerPrompt:
         request: Qwen3OmniRequest = payload.request
-        for m, message in enumerate(request.messages):
-            for p, part in enumerate(message.parts):
-                if part.kind not in ("text", "audio"):  # no vision stage in this pipeline yet
-                    name = f"messages.{m}.content.{p}"
-                    raise RequestValidationError(
-                        f"{name}: only text and audio content are served, got {part.kind}",
-                        param=name,
-                    )
+        videos = [part for message in request.messages for part in message.parts if part.kind == "video"]
+        for part in videos[1:]:
+            if part.use_audio != videos[0].use_audio:
+                raise RequestValidationError(
+                    f"{part.param}: every video of a prompt is sent with its audio or none is", param=part.param
+                )
         inputs = processor(list(request.messages))
         ids = inputs.input_ids
-        audio_lengths = output_lengths(inputs.audio_frames, audio_config).tolist()
-        layout = MultimodalLayout(audio_lengths=audio_lengths)
+        layout = MultimodalLayout(
+            image_grids=[tuple(g) for g in inputs.image_grid_thw.tolist()],
+            video_grids=[tuple(g) for g in inputs.video_grid_thw.tolist()],
+            video_seconds_per_grid=inputs.video_second_per_grid.tolist(),
+            audio_lengths=output_lengths(inputs.audio_frames, audio_config).tolist(),
+            use_audio_in_video=any(inputs.use_audio_in_video),
+        )  # fmt: skip
         positions = prompt_positions(ids.tolist(), config.thinker, layout)
-        if request.audio_output:
+        if route(request).speaks:
             setup = AudioSetup(
                 prompt_ids=ids, layout=layout, speaker=request.speaker, sampling=request.sampling,
                 max_frames=request.max_audio_frames, stream=request.stream, input_tokens=int(ids.shape[0]),
             )  # fmt: skip
             scheduler.outbox.stream(payload.request_id, setup)
         return ThinkerPrompt(
-            ids, positions.positions.long(), int(positions.delta), layout,
+            ids, positions.positions, float(positions.delta), layout,
             inputs.audio_features, inputs.audio_frames if inputs.audio_features is not None else None,
+            pixel_values=inputs.pixel_values,
+            image_grid_thw=inputs.image_grid_thw if inputs.pixel_values is not None else None,
+            pixel_values_videos=inputs.pixel_values_videos,
+            video_grid_thw=inputs.video_grid_thw if inputs.pixel_values_videos is not None else None,
         )  # fmt: skip
 
     scheduler = ThreadedScheduler(compute, num_workers)
     return scheduler
+
+
+# --------------------------------------------------------------------------- image_encoder
+
+
+def create_image_encoder_stage(
+    ctx: StageBuildContext,
+    max_batch_size: int = 8,
+    max_batch_wait_ms: float = 2.0,
+    load_format: LoadFormat = "safetensors",
+) -> SimpleScheduler:
+    """The vision encoder over a batch of prompts: every image and video of the batch in one
+    call (attention stays within each frame, so an item's rows do not depend on the others)
+    -> each prompt's ``vision_rows`` (image / video rows ``[N, H]`` and their deepstack
+    levels)."""
+    model = load_model(
+        _model_path(ctx), torch.device(ctx.stage.device), parts=("visual",), load_format=load_format
+    )
+    visual = model.visual
+    assert visual is not None
+    device = next(visual.parameters()).device
+
+    @torch.inference_mode()
+    def compute(batch: list[StagePayload]) -> list[ThinkerPrompt]:
+        prompts: list[ThinkerPrompt] = [payload.data for payload in batch]
+        items = [(pixels, grid) for p in prompts for pixels, grid in
+                 ((p.pixel_values, p.image_grid_thw), (p.pixel_values_videos, p.video_grid_thw)) if pixels is not None]  # fmt: skip
+        out = visual(
+            torch.cat([pixels for pixels, _ in items]).to(device), torch.cat([grid for _, grid in items])
+        )
+        # rows per item (a prompt's images, or its videos), from the rows per grid
+        per_grid, sizes = iter(out.lengths.tolist()), []
+        for _, grid in items:
+            sizes.append(sum(next(per_grid) for _ in range(grid.shape[0])))
+        rows = iter(out.embeddings.split(sizes))
+        deepstack = iter(zip(*(level.split(sizes) for level in out.deepstack), strict=True))
+        results = []
+        for prompt in prompts:
+            found = {}
+            for kind, pixels in (("image", prompt.pixel_values), ("video", prompt.pixel_values_videos)):
+                if pixels is not None:
+                    found[kind], found[f"{kind}_deepstack"] = next(rows), tuple(next(deepstack))
+            results.append(
+                replace(prompt, pixel_values=None, pixel_values_videos=None, vision_rows=EncoderRows(**found))
+            )
+        return results
+
+    return SimpleScheduler(compute, max_batch_size, max_batch_wait_ms)
 
 
 # --------------------------------------------------------------------------- audio_encoder
@@ -264,14 +349,16 @@ def create_thinker_stage(
     def build_input(payload: StagePayload) -> GenerationInput:
         request: Qwen3OmniRequest = payload.request
         prompt: ThinkerPrompt = payload.data
-        ids = prompt.input_ids
-        if prompt.audio_rows is not None:  # token ids with the audio rows at their placeholders
-            ids, _ = thinker.merge(
-                ids.to(thinker.lm_head.weight.device), EncoderRows(audio=prompt.audio_rows)
-            )
+        ids, deepstack = prompt.input_ids, None
+        if prompt.audio_rows is not None or prompt.vision_rows is not None:
+            # embeddings with the encoders' rows at their placeholders; the deepstack
+            # features become the request's hidden additions at the visual positions
+            rows = replace(prompt.vision_rows or EncoderRows(), audio=prompt.audio_rows)
+            ids, deepstack = thinker.merge(ids.to(thinker.lm_head.weight.device), rows)
         return GenerationInput(
             ids, thinker_sampling(request.sampling, stop), request.max_tokens,
-            positions=prompt.positions, rope_delta=prompt.rope_delta, return_hidden=request.audio_output,
+            positions=prompt.positions, rope_delta=prompt.rope_delta, return_hidden=route(request).speaks,
+            hidden_additions=deepstack,
         )  # fmt: skip
 
     return ARScheduler(engine, build_input)
@@ -439,7 +526,7 @@ class TalkerFeed(StreamInput):
         return GenerationInput(
             # step_rows[:-1] is empty here (one reply token fed); the later rows are appended
             prompt.prefill, talker_code0_sampling(model.talker, setup.sampling), setup.max_frames, step_rows=prompt.step_rows[:-1], pad_embed=prompt.tts_pad,
-            more_rows=True, positions=prompt.positions.positions.long(), rope_delta=int(prompt.positions.delta),
+            more_rows=True, positions=prompt.positions.positions, rope_delta=float(prompt.positions.delta),
             predictor_sampling=SamplingParams(temperature=0.0),
         )  # fmt: skip
 

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from omnistage.core.errors import RequestAbortedError, RequestValidationError
+from omnistage.core.messages import StagePayload
 from omnistage.core.payloads import AudioChunk
 from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
 from omnistage.models.qwen3_omni.modeling.audio_encoder import output_lengths
@@ -31,7 +32,12 @@ from omnistage.models.qwen3_omni.payload_types import (
     TextDelta,
     ThinkerPrompt,
 )
-from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
+from omnistage.models.qwen3_omni.processing import (
+    ChatMessage,
+    ChatPart,
+    DecodedVideo,
+    Qwen3OmniProcessor,
+)
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
 from omnistage.models.qwen3_omni.random_text_tokenizer import (
     give_role_words_their_ids,
@@ -39,6 +45,7 @@ from omnistage.models.qwen3_omni.random_text_tokenizer import (
 )
 from omnistage.models.qwen3_omni.stages import load_code2wav
 from omnistage.pipeline.pipeline import Pipeline, build_topology
+from omnistage.pipeline.stage import build_scheduler
 from omnistage.scheduling.ar import CodeFrames, FrameWithHidden, GenerationSummary
 from omnistage.testing.leaks import assert_no_request_state
 
@@ -80,22 +87,32 @@ HEARD = (
 
 def _reference(checkpoint: Path, messages: tuple[ChatMessage, ...]) -> dict:
     """Greedy thinker tokens, talker codes and the code2wav waveform of ``messages``, from
-    the unbatched loops of modeling/generate.py on the checkpoint's safetensors."""
-    model = load_model(checkpoint, parts=("thinker", "talker", "audio_tower"))
+    the unbatched loops of modeling/generate.py on the checkpoint's safetensors (the loops
+    test_thinker_talker_parity.py holds equal to transformers)."""
+    model = load_model(checkpoint, parts=("thinker", "talker", "audio_tower", "visual"))
     cfg = model.config
     inputs = Qwen3OmniProcessor.from_checkpoint(checkpoint, cfg.thinker.audio)(list(messages))
     ids = inputs.input_ids
     layout = MultimodalLayout(
-        audio_lengths=output_lengths(inputs.audio_frames, cfg.thinker.audio).tolist()
+        image_grids=[tuple(g) for g in inputs.image_grid_thw.tolist()],
+        video_grids=[tuple(g) for g in inputs.video_grid_thw.tolist()],
+        video_seconds_per_grid=inputs.video_second_per_grid.tolist(),
+        audio_lengths=output_lengths(inputs.audio_frames, cfg.thinker.audio).tolist(),
+        use_audio_in_video=any(inputs.use_audio_in_video),
     )
     positions = prompt_positions(ids.tolist(), cfg.thinker, layout)
     with torch.no_grad():
-        audio_rows = None
+        rows = {}
         if inputs.audio_features is not None:
-            audio_rows = model.audio_tower(inputs.audio_features, inputs.audio_frames).embeddings
-        embeds, _ = model.thinker.merge(ids, EncoderRows(audio=audio_rows))
+            rows["audio"] = model.audio_tower(inputs.audio_features, inputs.audio_frames).embeddings
+        for kind, pixels, grid in (("image", inputs.pixel_values, inputs.image_grid_thw),
+                                   ("video", inputs.pixel_values_videos, inputs.video_grid_thw)):  # fmt: skip
+            if pixels is not None:
+                out = model.visual(pixels, grid)
+                rows[kind], rows[f"{kind}_deepstack"] = out.embeddings, tuple(out.deepstack)
+        embeds, deepstack = model.thinker.merge(ids, EncoderRows(**rows))
     thinker = thinker_generate(model.thinker, ids, positions, TOKENS, cfg.im_end_id, input_embeds=embeds,
-                               capture_layer=cfg.talker.accept_hidden_layer)  # fmt: skip
+                               deepstack=deepstack, capture_layer=cfg.talker.accept_hidden_layer)  # fmt: skip
     rows = ThinkerRows(ids, thinker.tokens, thinker.embeds, thinker.captured)
     with torch.no_grad():
         prompt = build_talker_prompt(
@@ -104,7 +121,8 @@ def _reference(checkpoint: Path, messages: tuple[ChatMessage, ...]) -> dict:
         codes = talker_generate(model.talker, prompt, FRAMES).codes
         audio = load_code2wav(str(checkpoint), torch.device("cpu"), "dummy")(codes[None])[0]
     tokens = thinker.tokens[:-1] if thinker.finish_reason == "stop" else thinker.tokens
-    return {"tokens": tokens, "codes": codes, "audio": audio.numpy(), "prompt_tokens": ids.shape[0]}
+    return {"tokens": tokens, "codes": codes, "audio": audio.numpy(), "prompt_tokens": ids.shape[0],
+            "fractional": bool((positions.positions != positions.positions.round()).any())}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -134,14 +152,20 @@ def _stages_that_prefilled(handle) -> set[str]:
     return {name.split(".")[0] for name, _ in handle.timeline.marks if name.endswith(".prefill")}
 
 
+def _stages_with_a_result(handle) -> set[str]:
+    return {name.split(".")[0] for name, _ in handle.timeline.marks if name.endswith(".result")}
+
+
 def test_every_edge_is_typed(checkpoint: Path) -> None:
     config = Qwen3OmniPipelineConfig.for_model_path(str(checkpoint), load_format="dummy")
     topology = build_topology(config)
     edges = {(e.source, e.target, e.kind): e.carries for e in topology.edges}
     assert edges == {
+        ("preprocessing", "image_encoder", "next"): (ThinkerPrompt,),
         ("preprocessing", "audio_encoder", "next"): (ThinkerPrompt,),
         # the thinker's fan-in: its payload is merge_fn's, checked by its annotation
         ("preprocessing", "thinker", "next"): (),
+        ("image_encoder", "thinker", "next"): (),
         ("audio_encoder", "thinker", "next"): (),
         ("preprocessing", "talker", "stream"): (AudioSetup,),
         ("preprocessing", "code2wav", "stream"): (AudioSetup,),
@@ -173,10 +197,13 @@ def test_text_only_request_never_reaches_talker_or_code2wav(pipeline, reference)
     loop.run_until_complete(assert_no_request_state(running))
 
 
-def _check_audio_request(running, loop, req: Qwen3OmniRequest, reference: dict) -> None:
+def _check_audio_request(
+    running, loop, req: Qwen3OmniRequest, reference: dict, encoders: set[str] = frozenset()
+) -> None:
     handle, chunks, result = loop.run_until_complete(_run(running, req))
     assert set(result.outputs) == {"decode", "code2wav"}
     assert _stages_that_prefilled(handle) == {"thinker", "talker"}
+    assert _stages_with_a_result(handle) & {"image_encoder", "audio_encoder"} == encoders
     text: ChatText = result.outputs["decode"]
     assert "".join(c.data.text for c in chunks if isinstance(c.data, TextDelta)) == text.text
     torch.testing.assert_close(text.token_ids, reference["tokens"], rtol=0, atol=0)
@@ -201,7 +228,7 @@ def test_audio_prompt_goes_through_the_audio_encoder_and_equals_the_reference(
 ) -> None:
     loop, running = pipeline
     _check_audio_request(
-        running, loop, request(audio=True, messages=HEARD), _reference(checkpoint, HEARD)
+        running, loop, request(audio=True, messages=HEARD), _reference(checkpoint, HEARD), {"audio_encoder"}
     )
 
 
@@ -225,13 +252,99 @@ def test_text_and_audio_requests_batched_together_equal_the_reference(pipeline, 
     loop.run_until_complete(assert_no_request_state(running))
 
 
-def test_non_text_content_is_refused_naming_the_field(pipeline) -> None:
+def _picture(seed: int, size: tuple[int, int] = (64, 48)) -> Image.Image:
+    pixels = np.random.default_rng(seed).integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _video(seed: int, with_audio: bool) -> DecodedVideo:
+    """4 frames at 3 fps: 2/3 s per temporal grid, so the video's T positions are fractional."""
+    frames = np.random.default_rng(seed).integers(0, 256, (4, 48, 64, 3), dtype=np.uint8)
+    return DecodedVideo(frames, 3.0, _clip()[:8000] if with_audio else None)
+
+
+SEEN = (ChatMessage("user", (ChatPart("image", image=_picture(1)), ChatPart("text", text="What is it?"))),)
+WATCHED = (ChatMessage("user", (ChatPart("video", video=_video(2, False)), ChatPart("text", text="And this?"))),)
+WATCHED_AND_HEARD = (
+    ChatMessage("user", (ChatPart("video", video=_video(3, True), use_audio=True), ChatPart("text", text="So?"))),
+)
+EVERYTHING = (
+    ChatMessage("system", (ChatPart("text", text="You are brief."),)),
+    ChatMessage("user", (ChatPart("image", image=_picture(4)), ChatPart("audio", audio=_clip()),
+                         ChatPart("video", video=_video(5, False)), ChatPart("text", text="All of it?"))),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("messages", "encoders"),
+    [(SEEN, {"image_encoder"}), (WATCHED, {"image_encoder"}),
+     (WATCHED_AND_HEARD, {"image_encoder", "audio_encoder"}), (EVERYTHING, {"image_encoder", "audio_encoder"})],
+    ids=["image", "video", "video with its audio", "image, audio and video"],
+)  # fmt: skip
+def test_media_prompts_go_through_their_encoders_and_equal_the_reference(
+    pipeline, checkpoint, messages, encoders
+) -> None:
+    """Images and videos through image_encoder (deepstack as the thinker's hidden additions,
+    fractional video positions), audio through audio_encoder, the thinker waiting for the
+    encoders the request needs: served greedy output equals the reference loops."""
     loop, running = pipeline
-    image_part = ChatPart("image", image=Image.new("RGB", (32, 32)))
-    bad = Qwen3OmniRequest((ChatMessage("user", (ChatPart("text", text="Hi"), image_part)),), True, SPEAKER,
-                           OmniSampling(), TOKENS, FRAMES)  # fmt: skip
+    reference = _reference(checkpoint, messages)
+    assert reference["fractional"] == any(p.kind == "video" for m in messages for p in m.parts)
+    _check_audio_request(running, loop, request(audio=True, messages=messages), reference, encoders)
+
+
+def test_media_requests_batched_in_the_encoders_equal_their_references(pipeline, checkpoint) -> None:
+    """Concurrent image and video requests (a text-only one among them) each get their own
+    output, however the stages batch them."""
+    loop, running = pipeline
+    distinct = [SEEN, WATCHED, MESSAGES, WATCHED_AND_HEARD]
+    cases = [0, 1, 2, 3, 0]
+    references = [_reference(checkpoint, m) for m in distinct]
+
+    async def together():
+        return await asyncio.gather(
+            *(_run(running, request(audio=False, messages=distinct[c])) for c in cases)
+        )
+
+    for (_, _, result), case in zip(loop.run_until_complete(together()), cases, strict=True):
+        assert set(result.outputs) == {"decode"}
+        torch.testing.assert_close(
+            result.outputs["decode"].token_ids, references[case]["tokens"], rtol=0, atol=0
+        )
+    loop.run_until_complete(assert_no_request_state(running))
+
+
+def test_the_image_encoder_encodes_a_batch_as_each_prompt_alone(checkpoint) -> None:
+    """One vision-encoder call over several prompts' images and videos gives every prompt the
+    rows (and deepstack levels) it gets alone."""
+    config = Qwen3OmniPipelineConfig.for_model_path(str(checkpoint), load_format="dummy")
+    stages = {stage.name: stage for stage in config.stages}
+    prepare = build_scheduler(config, stages["preprocessing"]).compute
+    encode = build_scheduler(config, stages["image_encoder"]).compute
+    batch = [
+        StagePayload(f"r{i}", req, prepare(StagePayload(f"r{i}", req, None)))
+        for i, req in enumerate(request(audio=False, messages=m) for m in (SEEN, EVERYTHING, WATCHED))
+    ]
+    together = encode(batch)
+    for payload, batched in zip(batch, together, strict=True):
+        (alone,) = encode([payload])
+        assert batched.pixel_values is None and batched.pixel_values_videos is None
+        for name in ("image", "video"):
+            a, b = getattr(alone.vision_rows, name), getattr(batched.vision_rows, name)
+            assert (a is None) == (b is None) == (getattr(payload.data, f"{name}_grid_thw") is None)
+            if a is not None:
+                torch.testing.assert_close(b, a)
+                levels = getattr(batched.vision_rows, f"{name}_deepstack")
+                assert len(levels) == 2
+                torch.testing.assert_close(levels, getattr(alone.vision_rows, f"{name}_deepstack"))
+
+
+def test_videos_that_differ_in_their_audio_are_refused_naming_the_field(pipeline) -> None:
+    loop, running = pipeline
+    mixed = (ChatMessage("user", (ChatPart("video", video=_video(6, True), use_audio=True, param="messages.0.content.0"),
+                                  ChatPart("video", video=_video(7, False), param="messages.0.content.1"))),)  # fmt: skip
     with pytest.raises(RequestValidationError, match=r"messages\.0\.content\.1"):
-        loop.run_until_complete(_run(running, bad))
+        loop.run_until_complete(_run(running, request(audio=True, messages=mixed)))
     loop.run_until_complete(assert_no_request_state(running))
 
 
