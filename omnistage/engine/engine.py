@@ -129,7 +129,10 @@ class AREngine:
         config: see :class:`EngineConfig`.
 
     Raises:
-        ValueError: a bad budget (see :func:`~omnistage.engine.kv_cache.kv_budget_bytes`).
+        ValueError: a bad budget (see :func:`~omnistage.engine.kv_cache.kv_budget_bytes`),
+            or a KV pool that cannot hold one request of ``max_model_len`` (so a request
+            that fits ``max_model_len`` always fits the pool: a request builder that
+            checks ``max_model_len`` need not know the pool's size).
     """
 
     def __init__(self, model: ARModel, config: EngineConfig) -> None:
@@ -138,6 +141,7 @@ class AREngine:
         self.cache = self._kv_pool(spec, config)
         self.kv_blocks = BlockManager(self.cache.num_usable_blocks, config.block_size)
         self.row_blocks = BlockManager(math.ceil(config.num_step_rows / config.block_size), config.block_size)
+        self._check_kv_pool_holds_one_request(config)
         self.scheduler = BatchScheduler(
             self.kv_blocks, self.row_blocks, config.max_num_seqs, config.max_waiting,
             config.max_prefill_tokens, config.prefill_hold_ms / 1000,
@@ -153,6 +157,14 @@ class AREngine:
         with torch.no_grad():
             self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling) if is_cuda and sizes else None
         self._in_flight: _InFlight | None = None
+
+    def _check_kv_pool_holds_one_request(self, config: EngineConfig) -> None:
+        if self.kv_blocks.blocks_needed(config.max_model_len) > self.kv_blocks.num_blocks:
+            raise ValueError(
+                f"the KV pool holds {self.kv_blocks.num_blocks * config.block_size} tokens, fewer than one "
+                f"request of max_model_len {config.max_model_len}: raise kv_cache_bytes (or "
+                "mem_fraction_static) or lower max_model_len"
+            )
 
     @staticmethod
     def _kv_pool(spec: ARModelSpec, config: EngineConfig) -> PagedKVCache:
@@ -170,8 +182,11 @@ class AREngine:
 
         Raises:
             QueueFullError: the waiting queue is full.
-            RequestValidationError: the request can never fit (model length, KV pool,
-                step-row pool) or its prompt width is not the model's hidden size.
+            RequestValidationError: the request can never fit (``max_model_len``, which
+                the KV pool always holds; the step-row pool) or its prompt width is not
+                the model's hidden size. A model's request builder checks what its
+                clients control first, before any model work (Qwen3-TTS: prompt + frames
+                and step rows against ``max_model_len``); here they guard the engine.
             ValueError: ``request_id`` is already in the engine.
         """
         seq = Sequence(request_id, inputs, time.monotonic() if now is None else now)
@@ -383,11 +398,6 @@ class AREngine:
             raise RequestValidationError(
                 f"prompt ({seq.prompt_len}) + max_new_tokens ({seq.max_new_tokens}) exceeds the engine's "
                 f"max_model_len {self.config.max_model_len}", "max_new_tokens",
-            )
-        if self.kv_blocks.blocks_needed(seq.reserved_tokens) > self.kv_blocks.num_blocks:
-            raise RequestValidationError(
-                f"the request needs {seq.reserved_tokens} KV tokens; the pool holds "
-                f"{self.kv_blocks.num_blocks * self.config.block_size}", "max_new_tokens",
             )
         if self.row_blocks.blocks_needed(inputs.num_step_rows) > self.row_blocks.num_blocks:
             raise RequestValidationError(f"{inputs.num_step_rows} step rows exceed the pool", "step_rows")

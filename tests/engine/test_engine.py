@@ -179,7 +179,8 @@ def test_abort_mid_decode_frees_blocks_at_once():
 def test_a_tiny_kv_budget_queues_requests_instead_of_failing_them():
     # one block of 16 tokens per layer pair: 2 layers x 2 kv heads x 8 dims x 8 bytes x 2 (k, v)
     block_bytes = 2 * 2 * 2 * 8 * 8 * 16
-    engine = engine_for(kv_cache_bytes=3 * block_bytes)  # 2 usable blocks (one is scratch)
+    # 2 usable blocks (one is scratch): one request of max_model_len 32 fits, two do not
+    engine = engine_for(kv_cache_bytes=3 * block_bytes, max_model_len=32)
     inputs = {f"r{i}": request(10, 12, seed=i) for i in range(3)}  # 21 tokens: 2 blocks each
     engine.add_request("r0", inputs["r0"])
     engine.add_request("r1", inputs["r1"])
@@ -192,10 +193,16 @@ def test_a_tiny_kv_budget_queues_requests_instead_of_failing_them():
     assert_nothing_held(engine)
 
 
+def test_a_kv_pool_that_cannot_hold_one_request_of_max_model_len_refuses_to_build():
+    """So a request within max_model_len always fits the pool: a request builder that
+    checks max_model_len (before any model work) has checked the pool too."""
+    block_bytes = 2 * 2 * 2 * 8 * 8 * 16
+    with pytest.raises(ValueError, match="holds 32 tokens, fewer than one request of max_model_len 33"):
+        engine_for(kv_cache_bytes=3 * block_bytes, max_model_len=33)
+    assert engine_for(kv_cache_bytes=3 * block_bytes, max_model_len=32).kv_blocks.num_blocks == 2
+
+
 def test_a_request_that_can_never_fit_is_rejected_up_front():
-    engine = engine_for(kv_cache_bytes=3 * 2 * 2 * 2 * 8 * 8 * 16)
-    with pytest.raises(RequestValidationError, match="KV tokens"):
-        engine.add_request("big", request(30, 20))
     with pytest.raises(RequestValidationError, match="max_model_len"):
         engine_for().add_request("long", request(100, 100))
     with pytest.raises(RequestValidationError, match="wide"):

@@ -44,6 +44,11 @@ SAMPLE_RATE = 24_000
 """Hz of the speech tokenizer's output (speech_tokenizer/config.json, all sizes)."""
 FRAMES_PER_SECOND = 12.5
 """Talker steps per second of audio (1920 samples per frame at 24 kHz)."""
+MAX_MODEL_LEN = 16384
+"""Default ``max_model_len`` of the ``tts_engine`` stage (prompt positions + frames per
+request): 8192 frames (:data:`~.modeling.config.MAX_NEW_TOKENS_LIMIT`) plus the longest
+prompt (2,000 CJK characters are about 6,000 tokens; a 30 s ICL reference adds 375
+frames). The request builder refuses what exceeds the stage's value, before any model work."""
 MAX_INPUT_CHARS = 2000
 """Cap on ``input`` (also ``instructions``, ``ref_text``) in characters. Chosen so a
 whole request still fits under :data:`MAX_NEW_TOKENS_LIMIT` frames when read at a slow

@@ -20,6 +20,7 @@ import torch
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.core.errors import RequestValidationError
 from omnistage.models.qwen3_tts.capabilities import (
+    MAX_MODEL_LEN,
     SAMPLE_RATE,
     Qwen3TTSModelFacts,
     qwen3_tts_capabilities,
@@ -29,7 +30,9 @@ from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest
 from omnistage.models.qwen3_tts.random_checkpoint import SIZES, TYPES
 from omnistage.models.qwen3_tts.request_builders import (
     Qwen3TTSSpeechRequest,
+    RequestLimits,
     build_qwen3_tts_request,
+    load_request_limits,
 )
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.model import RandomCheckpoint, SpeechModelConfig
@@ -126,7 +129,14 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
         return qwen3_tts_capabilities(self._facts(), (Path(self.model_path).name, "qwen3-tts"))
 
     def build_request(self, request: Qwen3TTSSpeechRequest, media: MediaPolicy) -> Qwen3TTSRequest:
-        return build_qwen3_tts_request(request, self._facts(), media)
+        return build_qwen3_tts_request(request, self._facts(), media, self._limits())
+
+    def _limits(self) -> RequestLimits:
+        """The limits of this pipeline: the checkpoint's and its ``tts_engine`` stage's
+        ``max_model_len`` (the factory's default unless the config sets it)."""
+        assert self.model_path is not None
+        max_model_len = self.stage("tts_engine").factory.args.get("max_model_len", MAX_MODEL_LEN)
+        return _limits(self.model_path, int(max_model_len))
 
     def with_saved_voice(
         self, request: Qwen3TTSSpeechRequest, audio: str, ref_text: str | None
@@ -160,6 +170,13 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
             fields["ref_audio"] = _warmup_clip()
             fields["ref_text"] = "Hello."
         return [Qwen3TTSSpeechRequest(**fields)]
+
+
+@lru_cache(maxsize=8)
+def _limits(model_path: str, max_model_len: int) -> RequestLimits:
+    """Loaded once per model path and limit (the tokenizer, a few MB); every request's build
+    uses it. Raises: CheckpointConfigError, OSError (:func:`load_request_limits`)."""
+    return load_request_limits(model_path, max_model_len)
 
 
 @lru_cache(maxsize=8)

@@ -35,6 +35,11 @@ and those that need the model type:
 - Reference audio: any format FFmpeg decodes, any rate and channel count (media policy of
   the server for data URI / base64 / URL / path); mono by channel average, resampled to
   24 kHz; 0.5..30 s (:data:`MIN_REF_SECONDS`, :data:`MAX_REF_SECONDS`); not silent.
+- The prompt fits the ``tts_engine`` stage: its positions (counted from token ids and the
+  reference's frames, :meth:`~.modeling.prompt.PromptTokens.size`) plus the frames to
+  generate are at most the stage's ``max_model_len`` (:class:`RequestLimits`); else 400 on
+  ``max_new_tokens`` when the client set it and the prompt alone fits, on ``input``
+  otherwise. The engine never has to refuse a request after the prompt was built.
 - ``seed`` 0..2**31-1 (the sampler's hash seed), ``max_new_tokens`` 1..8192,
   ``min_new_tokens`` at most ``max_new_tokens`` when both are given; ``temperature``,
   ``top_p`` and ``repetition_penalty`` 0 or within float32's normal range (the sampler's
@@ -47,7 +52,8 @@ import math
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -62,7 +68,14 @@ from omnistage.models.qwen3_tts.capabilities import (
     SAMPLE_RATE,
     Qwen3TTSModelFacts,
 )
-from omnistage.models.qwen3_tts.modeling.config import MAX_NEW_TOKENS_LIMIT, GenerationConfig
+from omnistage.models.qwen3_tts.modeling.config import (
+    MAX_NEW_TOKENS_LIMIT,
+    GenerationConfig,
+    load_config,
+    load_generation_config,
+)
+from omnistage.models.qwen3_tts.modeling.prompt import PromptTokens
+from omnistage.models.qwen3_tts.modeling.weights import load_text_tokenizer
 from omnistage.models.qwen3_tts.payload_types import (
     Qwen3TTSRequest,
     Qwen3TTSSampling,
@@ -201,16 +214,49 @@ def max_frames_for_text(text: str, limit: int = MAX_NEW_TOKENS_LIMIT) -> int:
     return min(limit, math.ceil(FRAMES_PER_SECOND * seconds))
 
 
+SAMPLES_PER_FRAME = round(SAMPLE_RATE / FRAMES_PER_SECOND)
+"""24 kHz samples per codec frame (1920): an ICL reference of ``S`` samples puts
+``ceil(S / 1920)`` frames in the prompt (the speech tokenizer's encoder)."""
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one served pipeline allows a request beyond its schema.
+
+    Attributes:
+        tokens: the checkpoint's prompt token ids (its tokenizer; no model).
+        max_model_len: the ``tts_engine`` stage's ``max_model_len`` (prompt + frames).
+        default_max_new_tokens: generation_config.json's ``max_new_tokens``.
+    """
+
+    tokens: PromptTokens
+    max_model_len: int
+    default_max_new_tokens: int
+
+
+def load_request_limits(model_path: str | Path, max_model_len: int) -> RequestLimits:
+    """The :class:`RequestLimits` of the checkpoint at ``model_path`` under a ``tts_engine``
+    stage of ``max_model_len``: its tokenizer and generation_config.json (CPU only).
+
+    Raises:
+        CheckpointConfigError: config.json or generation_config.json missing or invalid.
+        OSError: the tokenizer files cannot be loaded.
+    """
+    tokens = PromptTokens(load_config(model_path), load_text_tokenizer(model_path))
+    return RequestLimits(tokens, max_model_len, load_generation_config(model_path).max_new_tokens)
+
+
 def build_qwen3_tts_request(
-    request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy
+    request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy, limits: RequestLimits
 ) -> Qwen3TTSRequest:
-    """Validate ``request`` for the checkpoint ``facts`` describes (rules: module docstring).
+    """Validate ``request`` for the checkpoint ``facts`` describes and the pipeline
+    ``limits`` describes (rules: module docstring).
 
     Blocks on reference audio (fetch, decode): the server calls it from a worker thread.
 
     Raises:
         RequestValidationError: naming the field (``instructions``, ``ref_audio``,
-            ``references``, ``ref_text``, ``seed``, ``max_new_tokens``).
+            ``references``, ``ref_text``, ``seed``, ``max_new_tokens``, ``input``).
         PayloadTooLargeError: reference audio over the media policy's byte cap or longer
             than :data:`MAX_REF_SECONDS` (or the policy's duration cap, if lower).
     """
@@ -219,7 +265,7 @@ def build_qwen3_tts_request(
     _check_generation_limits(request)
     instructions = _instructions(request, facts)
     ref_audio, ref_text, x_vector_only = _voice_clone(request, facts, media)
-    return Qwen3TTSRequest(
+    built = Qwen3TTSRequest(
         text=request.input,
         model_type=facts.model_type,
         language=request.language or AUTO_LANGUAGE,
@@ -246,6 +292,37 @@ def build_qwen3_tts_request(
         frame_cap=max_frames_for_text(request.input),
         initial_codec_chunk_frames=request.initial_codec_chunk_frames,
         stream=request.streaming,
+    )
+    _check_fits(built, limits)
+    return built
+
+
+def _check_fits(request: Qwen3TTSRequest, limits: RequestLimits) -> None:
+    """The prompt ``L`` (and its step rows ``M``) plus the frames to generate ``N`` fit the
+    engine: ``L + N <= max_model_len`` and ``M + 1 <= max_model_len`` (the engine's pools
+    hold one request of ``max_model_len``, so this is every check it makes)."""
+    ref_frames = math.ceil(len(request.ref_audio) / SAMPLES_PER_FRAME) if request.ref_text is not None else 0
+    tokens = limits.tokens
+    size = tokens.size(
+        request.text, tokens.language_id(request.language, request.voice), request.model_type != "voice_design",
+        request.instructions, request.non_streaming_mode, request.ref_text, ref_frames,
+    )  # fmt: skip
+    frames, limit = frames_to_generate(request, limits.default_max_new_tokens), limits.max_model_len
+    if size.prefill + frames <= limit and size.step_rows + 1 <= limit:
+        return
+    prompt = f"the prompt takes {size.prefill} positions and {size.step_rows} step rows"
+    if request.ref_text is not None:
+        prompt += f" (with ref_text and {ref_frames} frames of reference audio)"
+    if request.max_new_tokens is not None and size.prefill < limit and size.step_rows < limit:
+        raise RequestValidationError(
+            f"max_new_tokens {frames} is too many for this input: {prompt}, and prompt + frames are at "
+            f"most {limit} (the tts_engine stage's max_model_len); ask for at most {limit - size.prefill}",
+            param="max_new_tokens",
+        )
+    raise RequestValidationError(
+        f"input is too long for this server: {prompt}, and with the {frames} frames to generate they "
+        f"exceed {limit} (the tts_engine stage's max_model_len); shorten input (or ref_text), or split it",
+        param="input",
     )
 
 
@@ -406,13 +483,19 @@ def resolve_sampling(
       (frame, group) on a noise stream of their own, so they never repeat code 0's.
     """
     talker, code_predictor = sampling_params(request.sampling, request.seed, request.min_new_tokens, defaults, facts)
-    if request.max_new_tokens is not None:
-        max_new_tokens = request.max_new_tokens
-    else:  # the text's cap, raised to an explicit min_new_tokens (the client asked for it)
-        max_new_tokens = max(min(request.frame_cap, defaults.max_new_tokens), request.min_new_tokens)
     return Qwen3TTSSampling(
-        talker=talker, code_predictor=code_predictor, max_new_tokens=max_new_tokens
+        talker=talker, code_predictor=code_predictor,
+        max_new_tokens=frames_to_generate(request, defaults.max_new_tokens),
     )
+
+
+def frames_to_generate(request: Qwen3TTSRequest, default_max_new_tokens: int) -> int:
+    """The request's frame cap: the client's ``max_new_tokens``, else the text's cap
+    (``frame_cap``) within generation_config.json's ``max_new_tokens``, raised to an
+    explicit ``min_new_tokens`` (the client asked for it)."""
+    if request.max_new_tokens is not None:
+        return request.max_new_tokens
+    return max(min(request.frame_cap, default_max_new_tokens), request.min_new_tokens)
 
 
 def sampling_params(

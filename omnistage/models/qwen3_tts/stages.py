@@ -33,7 +33,7 @@ from omnistage.engine.model_runner import StepSampling
 from omnistage.engine.sampler import SamplerFeatures
 from omnistage.engine.sequence import GenerationInput
 from omnistage.engine.vocoder_arena import DEFAULT_CONTEXT_CACHE_SIZE, StreamingDecoderArena
-from omnistage.models.qwen3_tts.capabilities import SAMPLE_RATE, Qwen3TTSModelFacts
+from omnistage.models.qwen3_tts.capabilities import MAX_MODEL_LEN, SAMPLE_RATE, Qwen3TTSModelFacts
 from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
 from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, TalkerPrompt
 from omnistage.models.qwen3_tts.modeling.speaker_encoder import SpeakerEncoder
@@ -228,7 +228,7 @@ def create_tts_engine_stage(
     kv_cache_bytes: int | None = None,
     block_size: int = 16,
     prefill_hold_ms: float = 5.0,
-    max_model_len: int = 16384,
+    max_model_len: int = MAX_MODEL_LEN,
     cuda_graphs: bool = True,
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine.
@@ -240,9 +240,8 @@ def create_tts_engine_stage(
     device memory free once every stage before this one (the vocoder) is built; else (CPU)
     ``max_num_seqs`` requests of ``max_model_len`` tokens, committed as tokens are written
     (a tiny checkpoint: 256 bytes per token; the real 0.6B in fp32: 229 KB).
-    ``max_model_len``: prompt + frames per request at most: 8192 frames plus the longest
-    prompt (2,000 CJK characters are about 6,000 tokens; a 30 s ICL reference adds 375
-    frames).
+    ``max_model_len``: prompt + frames per request at most (:data:`MAX_MODEL_LEN`; the
+    request builder refuses a request over it before any model work).
     """
     where = resolve_device(ctx)
     model_path = _model_path(ctx)
@@ -256,6 +255,9 @@ def create_tts_engine_stage(
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
+        # one request's step rows are at most max_model_len (the request builder checks
+        # it), so the shared pool always holds at least one request
+        num_step_rows=max(EngineConfig.num_step_rows, max_model_len),
         prefill_hold_ms=prefill_hold_ms,
         cuda_graph_batch_sizes=None if cuda_graphs else (),
         graph_sampling=_default_step_sampling(checkpoint),

@@ -18,9 +18,11 @@ import av
 import numpy as np
 import pytest
 
+from omnistage.checkpoint.text_tokenizer import write_text_tokenizer
 from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
 from omnistage.models.qwen3_tts.capabilities import (
     MAX_INPUT_CHARS,
+    MAX_MODEL_LEN,
     Qwen3TTSModelFacts,
     qwen3_tts_capabilities,
 )
@@ -38,7 +40,9 @@ from omnistage.models.qwen3_tts.random_checkpoint import (
 )
 from omnistage.models.qwen3_tts.request_builders import (
     Qwen3TTSSpeechRequest,
+    RequestLimits,
     build_qwen3_tts_request,
+    load_request_limits,
     max_frames_for_text,
     resolve_sampling,
 )
@@ -49,18 +53,25 @@ INLINE = MediaPolicy()
 
 
 def write_checkpoint(root: Path, model_type: str, size: str = "1b7") -> Path:
-    """config.json (tiny geometry, real ids, ``tts_model_size`` = ``size``) and
-    generation_config.json of a ``model_type`` checkpoint."""
+    """config.json (tiny geometry, real ids, ``tts_model_size`` = ``size``),
+    generation_config.json and the text tokenizer of a ``model_type`` checkpoint."""
     config = build_config_dict("tiny", model_type) | {"tts_model_size": size}
     path = root / f"{model_type}-{size}"
     path.mkdir(exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     (path / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    write_text_tokenizer(path, config["im_start_token_id"] - 1)
     return path
 
 
+LIMITS: dict[Qwen3TTSModelFacts, RequestLimits] = {}
+"""The request limits of each checkpoint :func:`facts_of` read (the default max_model_len)."""
+
+
 def facts_of(path: Path) -> Qwen3TTSModelFacts:
-    return Qwen3TTSModelFacts.from_config(load_config(path))
+    facts = Qwen3TTSModelFacts.from_config(load_config(path))
+    LIMITS[facts] = load_request_limits(path, MAX_MODEL_LEN)
+    return facts
 
 
 @pytest.fixture
@@ -75,7 +86,7 @@ def build(facts: Qwen3TTSModelFacts, body: dict, media: MediaPolicy = INLINE) ->
     """The server's path: parse, validate against the capabilities, build."""
     caps = qwen3_tts_capabilities(facts, ("qwen3-tts",))
     request = validate_speech_request(parse_speech_request(body, Qwen3TTSSpeechRequest), caps)
-    return build_qwen3_tts_request(request, facts, media)
+    return build_qwen3_tts_request(request, facts, media, LIMITS[facts])
 
 
 def rejects(param: str, facts: Qwen3TTSModelFacts, body: dict, media: MediaPolicy = INLINE):
@@ -244,7 +255,7 @@ def test_blank_instructions_are_refused(checkpoint, model_type):
 def ignored(facts: Qwen3TTSModelFacts, body: dict) -> tuple[str, ...]:
     caps = qwen3_tts_capabilities(facts, ("qwen3-tts",))
     request = validate_speech_request(parse_speech_request(body, Qwen3TTSSpeechRequest), caps)
-    assert build_qwen3_tts_request(request, facts, INLINE) is not None
+    assert build_qwen3_tts_request(request, facts, INLINE, LIMITS[facts]) is not None
     return request.ignored_fields
 
 
@@ -598,3 +609,18 @@ def test_generation_config_cap_bounds_the_text_cap(checkpoint, tmp_path):
     req = build(facts, {"input": "Hello there.", "instructions": "calm"})
     assert req.frame_cap > 30
     assert resolve_sampling(req, load_generation_config(path), facts).max_new_tokens == 30
+
+
+def test_the_longest_clone_with_every_frame_is_refused_on_max_new_tokens_at_the_boundary(checkpoint):
+    """2,000 CJK characters of input and of ref_text (3 byte tokens each in the tiny
+    tokenizer: 12,000 prompt positions) with all 8192 frames exceed the tts_engine stage's
+    default max_model_len (16384): a 400 before any model work, not an engine refusal after
+    the prompt was built; the same request with a frame count that fits is accepted."""
+    facts = checkpoint("base")
+    body = {"input": "语" * MAX_INPUT_CHARS, "ref_audio": WAV_2S, "ref_text": "音" * MAX_INPUT_CHARS,
+            "non_streaming_mode": True, "max_new_tokens": 8192}  # fmt: skip
+    error = rejects("max_new_tokens", facts, body)
+    most = int(error.args[0].rsplit("ask for at most ", 1)[1])
+    assert 0 < most < MAX_MODEL_LEN - 12_000
+    assert build(facts, {**body, "max_new_tokens": most}).max_new_tokens == most
+    rejects("max_new_tokens", facts, {**body, "max_new_tokens": most + 1})

@@ -146,3 +146,33 @@ def test_batched_frame_completion_equals_one_by_one(loaded) -> None:
             talker.code_predictor.model.codec_embedding[i - 1](batched[:, i]) for i in range(1, 16)
         )
     torch.testing.assert_close(feedback, manual)
+
+
+LONG = "The quick brown fox jumps over the lazy dog, twice."
+# (model type, builder call, PromptTokens.size arguments besides non_streaming_mode)
+SIZE_CASES = {
+    "custom_voice_auto": ("custom_voice", lambda b, ns: b.custom_voice(LONG, "aiden", non_streaming_mode=ns),
+                          dict(text=LONG, language_id=None, speaker=True, instructions=None)),
+    "custom_voice_dialect": ("custom_voice", lambda b, ns: b.custom_voice(LONG, "eric", "auto", "Slowly.", ns),
+                             dict(text=LONG, language_id=2062, speaker=True, instructions="Slowly.")),
+    "voice_design": ("voice_design", lambda b, ns: b.voice_design("x", "A calm voice.", "english", ns),
+                     dict(text="x", language_id=2050, speaker=False, instructions="A calm voice.")),
+    "x_vector": ("base", lambda b, ns: b.voice_clone(LONG, torch.zeros(32), "auto", non_streaming_mode=ns),
+                 dict(text=LONG, language_id=None, speaker=True, instructions=None)),
+    "icl_more_text": ("base", lambda b, ns: b.voice_clone(LONG, torch.zeros(32), "auto", REF2, torch.zeros(5, 16, dtype=torch.int64), ns),
+                      dict(text=LONG, language_id=None, speaker=True, instructions=None, ref_text=REF2, ref_frames=5)),
+    "icl_more_codes": ("base", lambda b, ns: b.voice_clone(TEXT4, torch.zeros(32), "english", REF2, torch.zeros(40, 16, dtype=torch.int64), ns),
+                       dict(text=TEXT4, language_id=2050, speaker=True, instructions=None, ref_text=REF2, ref_frames=40)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("non_streaming_mode", [False, True])
+@pytest.mark.parametrize("case", list(SIZE_CASES))
+def test_the_size_counted_from_token_ids_is_the_built_prompts(loaded, case, non_streaming_mode) -> None:
+    """What the request builder checks against max_model_len before any model work is the
+    prompt the preprocessing stage builds."""
+    model_type, build, arguments = SIZE_CASES[case]
+    prompts = builder(loaded[model_type])
+    prompt = build(prompts, non_streaming_mode)
+    size = prompts.tokens.size(non_streaming_mode=non_streaming_mode, **arguments)
+    assert (size.prefill, size.step_rows) == (prompt.prefill.shape[0], prompt.step_rows.shape[0])

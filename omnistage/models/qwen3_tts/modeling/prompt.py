@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from omnistage.models.qwen3_tts.modeling.config import Qwen3TTSConfig
 from omnistage.models.qwen3_tts.modeling.talker import Talker
 
-__all__ = ["PromptBuilder", "TalkerPrompt"]
+__all__ = ["PromptBuilder", "PromptSize", "PromptTokens", "TalkerPrompt"]
 
 AUTO = "auto"
 
@@ -60,6 +60,89 @@ class TalkerPrompt:
         return self.step_rows[step] if step < self.step_rows.shape[0] else self.tts_pad
 
 
+@dataclass(frozen=True)
+class PromptSize:
+    """The rows of a talker prompt, known from token ids alone (no embedding).
+
+    Attributes:
+        prefill: ``L``, the prefill's positions.
+        step_rows: ``M``, the text rows added to decode steps 0..M-1.
+    """
+
+    prefill: int
+    step_rows: int
+
+
+class PromptTokens:
+    """The token ids of talker prompts and the choices made from the config alone (the
+    language id), with no tensor: :class:`PromptBuilder` embeds what this yields, and the
+    request builder sizes a prompt with :meth:`size` before any model work.
+
+    Args:
+        config: the checkpoint's config (special ids, languages, speakers).
+        tokenizer: the checkpoint's text tokenizer.
+    """
+
+    def __init__(self, config: Qwen3TTSConfig, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.config, self.tokenizer = config, tokenizer
+
+    def target(self, text: str) -> tuple[list[int], list[int]]:
+        """(role ids, text ids) of the target text, sliced as the reference does."""
+        target = self._tokenize(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
+        return target[:3], target[3:-5]
+
+    def instructions(self, instructions: str) -> list[int]:
+        return self._tokenize(f"<|im_start|>user\n{instructions}<|im_end|>\n")
+
+    def ref_text(self, ref_text: str) -> list[int]:
+        return self._tokenize(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")[3:-2]
+
+    def language_id(self, language: str, voice: str | None = None) -> int | None:
+        """The codec language id of ``language`` (None for auto); a CustomVoice dialect
+        ``voice`` switches chinese or auto to its dialect.
+
+        Raises: ValueError: an unknown language, or a dialect named as a language."""
+        name = language.lower()
+        talker = self.config.talker
+        dialect = None if voice is None else talker.spk_is_dialect.get(voice.lower())
+        if dialect is not None and name in ("chinese", AUTO):
+            return talker.codec_language_id[dialect]
+        if name == AUTO:
+            return None
+        if name not in talker.codec_language_id or "dialect" in name:
+            supported = [lang for lang in talker.codec_language_id if "dialect" not in lang]
+            raise ValueError(f"unknown language {language!r}; use 'auto' or one of {sorted(supported)}")
+        return talker.codec_language_id[name]
+
+    def size(
+        self,
+        text: str,
+        language_id: int | None,
+        speaker: bool,
+        instructions: str | None,
+        non_streaming_mode: bool,
+        ref_text: str | None = None,
+        ref_frames: int = 0,
+    ) -> PromptSize:
+        """The rows :class:`PromptBuilder` builds for these inputs (``speaker``: a speaker
+        row, CustomVoice or Base; ``ref_frames``: ICL's reference frames ``R``, with
+        ``ref_text``), counted from token ids (the layout: module docstring)."""
+        _, text_ids = self.target(text)
+        codec = (3 if language_id is None else 4) + int(speaker) + 2
+        prefill = 3 + codec - 1 + (len(self.instructions(instructions)) if instructions is not None else 0)
+        if ref_text is not None:
+            n_text, n_codec = len(self.ref_text(ref_text)) + len(text_ids) + 1, 1 + ref_frames
+            if non_streaming_mode:
+                return PromptSize(prefill + n_text + n_codec, 0)
+            return PromptSize(prefill + n_codec, max(0, n_text - n_codec))
+        if non_streaming_mode:
+            return PromptSize(prefill + len(text_ids) + 2, 0)
+        return PromptSize(prefill + len(text_ids[:1]), len(text_ids[1:]) + 1)
+
+    def _tokenize(self, template: str) -> list[int]:
+        return list(self.tokenizer(template)["input_ids"])
+
+
 class PromptBuilder:
     """Builds :class:`TalkerPrompt` s for one loaded checkpoint.
 
@@ -74,7 +157,7 @@ class PromptBuilder:
     """
 
     def __init__(self, talker: Talker, config: Qwen3TTSConfig, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.talker, self.config, self.tokenizer = talker, config, tokenizer
+        self.talker, self.config, self.tokens = talker, config, PromptTokens(config, tokenizer)
 
     # -- public modes --------------------------------------------------------------------
 
@@ -91,10 +174,7 @@ class PromptBuilder:
             raise ValueError(f"unknown voice {voice!r}; this model has {sorted(talker.spk_id)}")
         if instructions and self.config.tts_model_size == "0b6":
             raise ValueError("instructions are not supported by 0.6B CustomVoice models")
-        language_id = self._language_id(language)
-        dialect = talker.spk_is_dialect.get(name)
-        if dialect is not None and language.lower() in ("chinese", AUTO):
-            language_id = talker.codec_language_id[dialect]
+        language_id = self.tokens.language_id(language, name)
         speaker_row = self.talker.codec_embed(self._ids([talker.spk_id[name]]))[0]
         return self._build(text, language_id, speaker_row, instructions or None, non_streaming_mode)
 
@@ -103,7 +183,7 @@ class PromptBuilder:
         self._require_type("voice_design")
         if not instructions:
             raise ValueError("VoiceDesign needs non-empty instructions describing the voice")
-        return self._build(text, self._language_id(language), None, instructions, non_streaming_mode)
+        return self._build(text, self.tokens.language_id(language), None, instructions, non_streaming_mode)
 
     def voice_clone(
         self,
@@ -128,7 +208,7 @@ class PromptBuilder:
             raise ValueError(f"x_vector must be [{hidden}], got {tuple(x_vector.shape)}")
         speaker_row = x_vector.to(self._device, self._dtype)
         icl = None if ref_codes is None else (ref_text, ref_codes.to(self._device, torch.int64))
-        return self._build(text, self._language_id(language), speaker_row, None, non_streaming_mode, icl)
+        return self._build(text, self.tokens.language_id(language), speaker_row, None, non_streaming_mode, icl)
 
     # -- construction --------------------------------------------------------------------
 
@@ -144,20 +224,8 @@ class PromptBuilder:
         if self.config.tts_model_type != model_type:
             raise ValueError(f"this is a {self.config.tts_model_type} model; {model_type} prompts need a {model_type} checkpoint")
 
-    def _language_id(self, language: str) -> int | None:
-        name = language.lower()
-        if name == AUTO:
-            return None
-        if name not in self.config.talker.codec_language_id or "dialect" in name:
-            supported = [lang for lang in self.config.talker.codec_language_id if "dialect" not in lang]
-            raise ValueError(f"unknown language {language!r}; use 'auto' or one of {sorted(supported)}")
-        return self.config.talker.codec_language_id[name]
-
     def _ids(self, ids: list[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.int64, device=self._device)
-
-    def _tokenize(self, template: str) -> list[int]:
-        return list(self.tokenizer(template)["input_ids"])
 
     @torch.no_grad()
     def _build(
@@ -172,8 +240,7 @@ class PromptBuilder:
         if not text:
             raise ValueError("text is empty")
         cfg, t = self.config, self.config.talker
-        target = self._tokenize(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
-        role_ids, text_ids = target[:3], target[3:-5]
+        role_ids, text_ids = self.tokens.target(text)
         T, C = self.talker.text_embed, self.talker.codec_embed
         pad_row, bos_row, eos_row = T(self._ids([cfg.tts_pad_id, cfg.tts_bos_id, cfg.tts_eos_id]))
 
@@ -189,12 +256,12 @@ class PromptBuilder:
         text_track = torch.cat((pad_row.expand(codec.shape[0] - 2, -1), bos_row[None]))
         parts = [T(self._ids(role_ids)), text_track + codec[:-1]]
         if instructions is not None:
-            parts.insert(0, T(self._ids(self._tokenize(f"<|im_start|>user\n{instructions}<|im_end|>\n"))))
+            parts.insert(0, T(self._ids(self.tokens.instructions(instructions))))
 
         trailing = pad_row[None][:0]
         if icl is not None:
             ref_text, ref_codes = icl
-            ref_ids = self._tokenize(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")[3:-2]
+            ref_ids = self.tokens.ref_text(ref_text)
             text_rows = torch.cat((T(self._ids(ref_ids + text_ids)), eos_row[None]))
             codec_rows_icl = torch.cat((C(self._ids([t.codec_bos_id])), self.talker.frame_embedding(ref_codes)))
             n_text, n_codec = text_rows.shape[0], codec_rows_icl.shape[0]

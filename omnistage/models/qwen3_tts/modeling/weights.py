@@ -25,7 +25,7 @@ from omnistage.models.qwen3_tts.modeling.config import (
 )
 from omnistage.models.qwen3_tts.modeling.model import Qwen3TTSModel
 
-__all__ = ["CheckpointWeightsError", "LoadedCheckpoint", "default_dtype", "load_checkpoint", "weight_files"]
+__all__ = ["CheckpointWeightsError", "LoadedCheckpoint", "default_dtype", "load_checkpoint", "load_text_tokenizer", "weight_files"]
 
 @dataclass
 class LoadedCheckpoint:
@@ -82,6 +82,13 @@ def load_checkpoint(
                 state[name] = tensor.to(dtype)
     model.load_state_dict(state, strict=True, assign=True)
     model.reset_buffers(device)
-    # the class the reference's processor declares; AutoTokenizer would also parse config.json
-    tokenizer = Qwen2Tokenizer.from_pretrained(str(root))
+    tokenizer = load_text_tokenizer(root)
     return LoadedCheckpoint(config=config, generation=generation, tokenizer=tokenizer, model=model.eval().requires_grad_(False))
+
+
+def load_text_tokenizer(checkpoint_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The checkpoint's text tokenizer (vocab.json, merges.txt, tokenizer_config.json).
+
+    Raises: OSError: the files cannot be loaded."""
+    # the class the reference's processor declares; AutoTokenizer would also parse config.json
+    return Qwen2Tokenizer.from_pretrained(str(checkpoint_dir))
