@@ -51,9 +51,12 @@ from omnistage.models.qwen3_omni.engine_model import TalkerEngineModel, ThinkerE
 from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, load_model
 from omnistage.models.qwen3_omni.payload_types import OmniSampling
 from omnistage.models.qwen3_omni.random_checkpoint import write_config
+from omnistage.models.qwen3_omni.request_builders import talker_sampling_of
 from omnistage.models.qwen3_omni.stages import (
     engine_config,
-    talker_code0_sampling,
+    talker_graph_sampling,
+    talker_sampling_params,
+    thinker_graph_sampling,
     thinker_sampling,
 )
 
@@ -224,7 +227,7 @@ def check_graphs(loaded: LoadedOmni, device: torch.device, max_num_seqs: int) ->
     outs = {}
     for graphs in (True, False):
         start = time.perf_counter()
-        config = engine_config(max_num_seqs, 1 << 30, 1024, graphs, lambda s: thinker_sampling(s, stop))
+        config = engine_config(max_num_seqs, 1 << 30, 1024, graphs, thinker_graph_sampling(stop))
         engine = AREngine(ThinkerEngineModel(loaded.thinker, layers), config)
         build_s = time.perf_counter() - start
         outs[graphs] = run_streamed(engine, thinker_inputs(max_num_seqs, 40, stop, seed=7), None)
@@ -238,10 +241,10 @@ def check_graphs(loaded: LoadedOmni, device: torch.device, max_num_seqs: int) ->
     g = torch.Generator().manual_seed(11)
     prompts = [(0.02 * torch.randn(24, hidden_size, generator=g)).to(model.spec.dtype) for _ in range(max_num_seqs)]
     streamed = [(0.02 * torch.randn(12, hidden_size, generator=g)).to(model.spec.dtype) for _ in range(max_num_seqs)]
-    sampling = talker_code0_sampling(talker, OmniSampling())
+    sampling, _ = talker_sampling_params(talker, talker_sampling_of(OmniSampling()), 0)
     for graphs in (True, False):
         start = time.perf_counter()
-        config = engine_config(max_num_seqs, 1 << 29, 512, graphs, lambda s: talker_code0_sampling(talker, s))
+        config = engine_config(max_num_seqs, 1 << 29, 512, graphs, talker_graph_sampling(talker))
         engine = AREngine(TalkerEngineModel(talker), config)
         build_s = time.perf_counter() - start
         inputs = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 from pathlib import Path
-from typing import ClassVar, Self, get_args
+from typing import ClassVar, Literal, Self, get_args
 
 import numpy as np
 import torch
@@ -45,6 +45,27 @@ AUDIO_CHUNK = "omnistage.core.payloads:AudioChunk"
 AUDIO_RESULT = "omnistage.core.payloads:AudioResult"
 
 
+Placement = Literal["colocated", "split"]
+SPEECH_SIDE = ("talker", "code2wav")
+"""The stages the split placement puts on the second GPU (the others: the first)."""
+
+
+def stage_devices(placement: Placement) -> tuple[str, str]:
+    """``(thinker side, speech side)`` devices of a placement: colocated, both on CUDA when
+    available, else the CPU; split, ``cuda:0`` and ``cuda:1``.
+
+    Raises: ValueError: split without two CUDA devices (it is never silently colocated)."""
+    if placement == "colocated":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return device, device
+    if placement != "split":
+        raise ValueError(f"placement must be 'colocated' or 'split', got {placement!r}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count < 2:
+        raise ValueError(f"the split placement needs two CUDA devices; {count} visible")
+    return "cuda:0", "cuda:1"
+
+
 #: The thinker's reply cap: the highest ``max_tokens`` and the default (transformers'
 #: ``thinker_max_new_tokens`` default); prompt + reply must fit the thinker stage's
 #: ``max_model_len`` (8192).
@@ -59,29 +80,40 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
 
     @classmethod
     def for_model_path(
-        cls, model_path: str, load_format: LoadFormat = "safetensors", talker_start_tokens: int = 2
+        cls,
+        model_path: str,
+        load_format: LoadFormat = "safetensors",
+        talker_start_tokens: int = 2,
+        placement: Placement = "colocated",
     ) -> Self:
-        """The pipeline for the checkpoint at ``model_path`` (CUDA when available, else CPU).
+        """The pipeline for the checkpoint at ``model_path``.
 
         Args:
             load_format: ``"dummy"``: random weights from the config alone (every stage).
             talker_start_tokens: reply tokens before the talker starts (>= 2).
+            placement: ``"colocated"``: every stage on one device (CUDA when available,
+                else the CPU); ``"split"``: the thinker and its stages on ``cuda:0``, the
+                talker and code2wav (:data:`SPEECH_SIDE`) on ``cuda:1``; the talker stage then
+                loads the thinker's token embedding beside the talker
+                (:func:`~.stages.language_parts`). ``--<stage>.device`` overrides either.
 
         Raises:
             CheckpointConfigError: config.json missing or invalid.
-            ValueError: the checkpoint has no talker (``enable_audio_output`` false).
+            ValueError: the checkpoint has no talker (``enable_audio_output`` false), or
+                :func:`stage_devices` refuses the placement.
         """
         if load_config(model_path).talker is None:
             raise ValueError(f"{model_path}: the checkpoint has no talker; this pipeline speaks")
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        thinker_side, speech_side = stage_devices(placement)
         fmt = {"load_format": load_format}
 
         def stage(name: str, args: dict | None = None, **fields) -> StageConfig:
             factory = FactoryConfig(path=f"{_STAGES}:create_{name}_stage", args=args or {})
+            device = speech_side if name in SPEECH_SIDE else thinker_side
             return StageConfig(name=name, device=device, factory=factory, **fields)
 
         return cls(
-            name=f"qwen3_omni:{Path(model_path).name}",
+            name=f"qwen3_omni:{Path(model_path).name}" + ("" if placement == "colocated" else f":{placement}"),
             model_path=model_path,
             entry_stage="preprocessing",
             terminal_stages_fn=f"{_STAGES}:terminal_stages",
@@ -146,7 +178,20 @@ def _speakers(model_path: str) -> tuple[str, ...]:
     return tuple(talker.speaker_id)
 
 
+class Qwen3OmniSplitPipelineConfig(Qwen3OmniPipelineConfig):
+    """The ``split`` variant (``--variant split``): the thinker side on ``cuda:0``, the talker
+    and code2wav on ``cuda:1`` (:func:`stage_devices`; refused without two GPUs)."""
+
+    @classmethod
+    def for_model_path(
+        cls, model_path: str, load_format: LoadFormat = "safetensors", talker_start_tokens: int = 2,
+        placement: Placement = "split",
+    ) -> Self:
+        return super().for_model_path(model_path, load_format, talker_start_tokens, placement)
+
+
 EntryClass = Qwen3OmniPipelineConfig
+Variants = {"split": Qwen3OmniSplitPipelineConfig}
 
 
 def sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.core.errors import RequestValidationError
 from omnistage.core.payloads import TextDelta, TextResult
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
 from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
@@ -56,6 +57,56 @@ class OmniSampling:
 
 
 @dataclass(frozen=True)
+class TalkerSampling:
+    """How the talker draws a frame: code 0 by the talker, codes 1..15 by the code predictor;
+    both seeded by the request's ``sampling.seed`` (the engine gives the predictor a noise
+    stream of its own).
+
+    Defaults are the reference's (transformers 5.24 ``Qwen3OmniMoeForConditionalGeneration
+    .generate``): code 0 sampled with ``talker_temperature`` 0.9, ``talker_top_k`` 50,
+    ``talker_top_p`` 1.0, ``talker_repetition_penalty`` 1.05; the code predictor samples only
+    when its generation config says ``do_sample`` (a default-built or ``from_pretrained`` model
+    says False: greedy), and then with top_k 50, top_p 0.8 and its temperature (1.0 by
+    default): ``predictor_temperature`` 0 here by default, the other two as the reference.
+
+    Attributes:
+        temperature, top_k, top_p, repetition_penalty: code 0 (temperature 0: greedy; the
+            repetition penalty applies greedy too, as the reference's).
+        predictor_temperature, predictor_top_k, predictor_top_p: codes 1..15 (temperature 0:
+            greedy).
+
+    Raises:
+        RequestValidationError: a value out of range, naming ``talker_sampling.<field>``.
+    """
+
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.05
+    predictor_temperature: float = 0.0
+    predictor_top_k: int = 50
+    predictor_top_p: float = 0.8
+
+    def __post_init__(self) -> None:
+        checks = {
+            "temperature": self.temperature >= 0, "top_k": self.top_k >= 0, "top_p": 0 < self.top_p <= 1,
+            "repetition_penalty": self.repetition_penalty > 0, "predictor_temperature": self.predictor_temperature >= 0,
+            "predictor_top_k": self.predictor_top_k >= 0, "predictor_top_p": 0 < self.predictor_top_p <= 1,
+        }  # fmt: skip
+        for name, ok in checks.items():
+            if not ok:
+                field = f"talker_sampling.{name}"
+                raise RequestValidationError(f"{field} = {getattr(self, name)!r} is out of range", param=field)
+
+    @classmethod
+    def greedy(cls) -> TalkerSampling:
+        """The reference's greedy talker (``talker_do_sample=False``: argmax code 0 with its
+        repetition penalty 1.05; top-k off, it changes no argmax) and greedy code predictor:
+        the parity tests' setting."""
+        return cls(temperature=0.0, top_k=0, predictor_temperature=0.0)
+
+
+@dataclass(frozen=True)
 class Qwen3OmniRequest:
     """A validated chat request (built by :func:`.request_builders.build_chat_request`).
 
@@ -64,10 +115,12 @@ class Qwen3OmniRequest:
         audio_output: speech is requested (``modalities`` holds ``"audio"``): the one
             predicate every routing hook of the pipeline decides from.
         speaker: a ``talker_config.speaker_id`` name (lower case), used when ``audio_output``.
-        sampling: the client's sampling values.
+        sampling: the client's sampling values (the thinker's; its seed seeds the talker too).
         max_tokens: reply tokens at most (the thinker's cap), >= 1.
         max_audio_frames: talker frames at most (80 ms each), >= 1.
         stream: the response is streamed.
+        talker_sampling: how the talker and its code predictor draw (the reference's by
+            default).
     """
 
     messages: tuple[ChatMessage, ...]
@@ -77,6 +130,7 @@ class Qwen3OmniRequest:
     max_tokens: int
     max_audio_frames: int
     stream: bool = False
+    talker_sampling: TalkerSampling = TalkerSampling()
 
 
 @dataclass(frozen=True)
@@ -123,14 +177,16 @@ class AudioSetup(VocoderSetup):
             decide the talker prompt's layout).
         layout: the thinker prompt's multimodal layout (the talker's positions).
         speaker: the speaker name.
-        sampling: the client's sampling values.
+        sampling: the talker's and code predictor's sampling.
+        seed: the request's seed.
         max_frames: talker frames at most.
     """
 
     prompt_ids: torch.Tensor
     layout: MultimodalLayout
     speaker: str
-    sampling: OmniSampling
+    sampling: TalkerSampling
+    seed: int
     max_frames: int
 
 

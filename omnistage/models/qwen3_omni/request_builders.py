@@ -11,7 +11,7 @@ from PIL import Image
 from pydantic import Field
 
 from omnistage.core.errors import RequestValidationError
-from omnistage.models.qwen3_omni.payload_types import OmniSampling, Qwen3OmniRequest
+from omnistage.models.qwen3_omni.payload_types import OmniSampling, Qwen3OmniRequest, TalkerSampling
 from omnistage.models.qwen3_omni.processing import SAMPLE_RATE, ChatMessage, ChatPart
 from omnistage.serve.chat_media import ChatAudio, ChatContent, ChatImage, ChatText, ChatTurn
 from omnistage.serve.chat_protocol import ChatCompletionRequest
@@ -67,7 +67,15 @@ def build_chat_request(
     return Qwen3OmniRequest(
         messages, req.audio_output, speaker, sampling,
         max_tokens=req.completion_cap or default_max_tokens, max_audio_frames=frames, stream=req.stream,
+        talker_sampling=talker_sampling_of(sampling),
     )  # fmt: skip
+
+
+def talker_sampling_of(sampling: OmniSampling) -> TalkerSampling:
+    """A chat request's talker sampling: code 0 takes the client's temperature, top_k and
+    top_p over the reference's rules (repetition penalty 1.05); the code predictor stays
+    greedy (transformers' default)."""
+    return TalkerSampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
 
 
 def _part(part: ChatContent) -> ChatPart:

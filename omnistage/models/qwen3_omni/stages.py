@@ -19,18 +19,18 @@ it never holds back the others of a batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
+from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.core.messages import StagePayload, StreamChunk
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.layers import fuse_projections
-from omnistage.engine.model_runner import StepSampling
+from omnistage.engine.model_runner import GREEDY, StepSampling
 from omnistage.engine.sampler import SamplerFeatures, SamplingParams
 from omnistage.engine.sequence import GenerationInput
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
@@ -39,7 +39,7 @@ from omnistage.models.qwen3_omni.modeling.audio_encoder import output_lengths
 from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav
 from omnistage.models.qwen3_omni.modeling.config import load_config
 from omnistage.models.qwen3_omni.modeling.generate import talker_sampling
-from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, LoadFormat, load_model
+from omnistage.models.qwen3_omni.modeling.model import LoadedOmni, LoadFormat, ModelPart, load_model
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout, prompt_positions
 from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
 from omnistage.models.qwen3_omni.modeling.talker import Talker
@@ -49,6 +49,7 @@ from omnistage.models.qwen3_omni.payload_types import (
     ChatText,
     OmniSampling,
     Qwen3OmniRequest,
+    TalkerSampling,
     TextDelta,
     ThinkerPrompt,
 )
@@ -147,17 +148,31 @@ def _model_path(ctx: StageBuildContext) -> str:
     return ctx.pipeline.model_path
 
 
-@lru_cache(maxsize=2)
-def loaded_model(model_path: str, device: torch.device, load_format: LoadFormat) -> LoadedOmni:
-    """Thinker and talker, loaded once per process, device and format (the stages share them),
-    with their q/k/v and gate/up projections fused (:func:`fuse_projections`: same values,
-    fewer kernels per layer)."""
-    parts = ("thinker", "talker") if load_config(model_path).talker is not None else ("thinker",)
+@lru_cache(maxsize=4)
+def loaded_model(
+    model_path: str, device: torch.device, load_format: LoadFormat, parts: tuple[ModelPart, ...]
+) -> LoadedOmni:
+    """``parts``, loaded once per process, device, format and parts (the stages asking for
+    the same share them), the thinker's and talker's q/k/v and gate/up projections fused
+    (:func:`fuse_projections`: same values, fewer kernels per layer)."""
     model = load_model(model_path, device, parts=parts, load_format=load_format)
     for part in (model.thinker, model.talker):
         if part is not None:
             fuse_projections(part)
     return model
+
+
+def language_parts(ctx: StageBuildContext) -> tuple[ModelPart, ...]:
+    """What the thinker and talker stages load: when both are on one device, thinker and
+    talker together (one load, one copy of the thinker's token embedding, which the talker's
+    prompt reads); else the thinker stage the thinker and the talker stage the talker and
+    ``thinker_embed`` (the split variant)."""
+    devices = {s.name: torch.device(s.device) for s in ctx.pipeline.stages}
+    if "talker" not in devices:
+        return ("thinker",)
+    if devices["thinker"] == devices["talker"]:
+        return ("thinker", "talker")
+    return ("thinker",) if ctx.stage.name == "thinker" else ("talker", "thinker_embed")
 
 
 def thinker_sampling(sampling: OmniSampling, stop_id: int) -> SamplingParams:
@@ -166,6 +181,23 @@ def thinker_sampling(sampling: OmniSampling, stop_id: int) -> SamplingParams:
         temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
         stop_token_ids=(stop_id,), seed=sampling.seed,
     )  # fmt: skip
+
+
+def talker_sampling_params(
+    talker: Talker, sampling: TalkerSampling, seed: int
+) -> tuple[SamplingParams, SamplingParams]:
+    """The engine's code-0 and code-predictor sampling of a talker request: ``sampling``'s
+    values over the reference's code-0 rules (:func:`talker_sampling`: control ids
+    suppressed, codec EOS stops), both with ``seed``."""
+    code0 = replace(
+        talker_sampling(talker, sampling.repetition_penalty), temperature=sampling.temperature,
+        top_k=sampling.top_k, top_p=sampling.top_p, seed=seed,
+    )  # fmt: skip
+    predictor = SamplingParams(
+        temperature=sampling.predictor_temperature, top_k=sampling.predictor_top_k,
+        top_p=sampling.predictor_top_p, seed=seed,
+    )  # fmt: skip
+    return code0, predictor
 
 
 # --------------------------------------------------------------------------- preprocessing
@@ -204,8 +236,8 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> 
         positions = prompt_positions(ids.tolist(), config.thinker, layout)
         if route(request).speaks:
             setup = AudioSetup(
-                prompt_ids=ids, layout=layout, speaker=request.speaker, sampling=request.sampling,
-                max_frames=request.max_audio_frames, stream=request.stream, input_tokens=int(ids.shape[0]),
+                prompt_ids=ids, layout=layout, speaker=request.speaker, sampling=request.talker_sampling,
+                seed=request.sampling.seed, max_frames=request.max_audio_frames, stream=request.stream, input_tokens=int(ids.shape[0]),
             )  # fmt: skip
             scheduler.outbox.stream(payload.request_id, setup)
         return ThinkerPrompt(
@@ -304,23 +336,34 @@ def create_audio_encoder_stage(
 
 def engine_config(
     max_num_seqs: int, kv_cache_bytes: int, max_model_len: int, cuda_graphs: bool,
-    code0_sampling: Callable[[OmniSampling], SamplingParams],
+    graph_sampling: tuple[tuple[SamplingParams, SamplingParams], ...],
 ) -> EngineConfig:
     """The thinker's and the talker's engine config. With ``cuda_graphs`` (used on CUDA
     only) decode steps and prefill tails run as CUDA graphs per batch bucket (1, 2, 4, 8,
     then every 8 up to ``max_num_seqs``), captured at start-up for the general sampler and
-    for the step sampling of greedy requests (the default) and of sampled ones without
-    top-k (``code0_sampling`` maps the client's values to code 0's params; the code
-    predictor is greedy); any other mix is captured when first used."""
-    greedy = SamplerFeatures.of([SamplingParams(temperature=0.0)])
+    for the step sampling of each ``(code 0, code predictor)`` pair of ``graph_sampling``
+    (the stage's common requests); any other mix is captured when first used."""
     variants = tuple(
-        StepSampling(SamplerFeatures.of([code0_sampling(s)]), greedy)
-        for s in (OmniSampling(), OmniSampling(temperature=1.0))
+        StepSampling(SamplerFeatures.of([code0]), SamplerFeatures.of([predictor]))
+        for code0, predictor in graph_sampling
     )
     return EngineConfig(
         kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=variants,
     )  # fmt: skip
+
+
+def thinker_graph_sampling(stop_id: int) -> tuple[tuple[SamplingParams, SamplingParams], ...]:
+    """The thinker's common requests for :func:`engine_config`: greedy (the default) and
+    sampled without top-k (it has no code predictor)."""
+    return tuple((thinker_sampling(s, stop_id), GREEDY) for s in (OmniSampling(), OmniSampling(temperature=1.0)))
+
+
+def talker_graph_sampling(talker: Talker) -> tuple[tuple[SamplingParams, SamplingParams], ...]:
+    """The talker's common requests for :func:`engine_config`: the reference's sampling
+    (the pipeline's default), greedy (a chat request's default) and sampled without top-k."""
+    common = (TalkerSampling(), TalkerSampling.greedy(), TalkerSampling(temperature=1.0, top_k=0))
+    return tuple(talker_sampling_params(talker, t, 0) for t in common)
 
 
 def create_thinker_stage(
@@ -334,14 +377,13 @@ def create_thinker_stage(
     """The thinker on the AR engine; with a talker it returns the hidden states of layers
     0 and ``accept_hidden_layer`` for audio requests (``return_hidden``). ``cuda_graphs``:
     see :func:`engine_config`."""
-    model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format)
+    model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format, language_parts(ctx))
     assert model.thinker is not None
     layers = (0, model.config.talker.accept_hidden_layer) if model.config.talker is not None else ()
     stop = model.config.im_end_id
     engine = AREngine(
         ThinkerEngineModel(model.thinker, layers),
-        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs,
-                      lambda sampling: thinker_sampling(sampling, stop)),
+        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, thinker_graph_sampling(stop)),
     )  # fmt: skip
     thinker = model.thinker
 
@@ -446,12 +488,13 @@ class TalkerFeed(StreamInput):
     :class:`GenerationSummary` (the payload) adds nothing.
 
     Args:
-        model: the loaded thinker and talker.
+        model: the loaded talker (and config).
+        embed_tokens: the thinker's token embedding (on the talker's device).
         start_tokens: reply tokens before the talker starts (>= 2).
     """
 
-    def __init__(self, model: LoadedOmni, start_tokens: int) -> None:
-        self.model, self.start_tokens = model, start_tokens
+    def __init__(self, model: LoadedOmni, embed_tokens: nn.Embedding, start_tokens: int) -> None:
+        self.model, self.embed_tokens, self.start_tokens = model, embed_tokens, start_tokens
         self.setup: AudioSetup | None = None
         self.tokens: list[int] = []
         # layer-0 and accept_hidden_layer rows [n, Ht] per chunk: until the start all of
@@ -468,9 +511,11 @@ class TalkerFeed(StreamInput):
         if isinstance(data, AudioSetup):
             self.setup = data
         elif isinstance(data, FrameWithHidden):
-            self.embeds.append(data.hidden[:, 0])
+            # the thinker's rows, moved once to the talker's device (split placement)
+            hidden = data.hidden.to(self.embed_tokens.weight.device)
+            self.embeds.append(hidden[:, 0])
             if not self.started:
-                self.hidden.append(data.hidden[:, 1])
+                self.hidden.append(hidden[:, 1])
             if data.frame is not None:
                 self.tokens.append(int(data.frame[0, 0]))
         else:
@@ -508,7 +553,7 @@ class TalkerFeed(StreamInput):
         Raises: ValueError: the thinker never fed back a reply token (its reply is empty,
         or ``max_tokens`` 1 cut it)."""
         setup, model = self.setup, self.model
-        assert setup is not None and model.talker is not None and model.thinker is not None
+        assert setup is not None and model.talker is not None
         embeds, hidden = torch.cat(self.embeds), torch.cat(self.hidden)
         if embeds.shape[0] < length + 1:
             raise ValueError(
@@ -520,29 +565,21 @@ class TalkerFeed(StreamInput):
             setup.prompt_ids, torch.tensor(reply), embeds[: length + 1], hidden[: length + 1]
         )
         prompt = build_talker_prompt(
-            model.talker, model.thinker.model.embed_tokens, model.config, rows, setup.speaker, setup.layout
+            model.talker, self.embed_tokens, model.config, rows, setup.speaker, setup.layout
         )  # fmt: skip
         self.started, self.embeds, self.hidden = True, [embeds[length + 1 :]], []
+        code0, predictor = talker_sampling_params(model.talker, setup.sampling, setup.seed)
         return GenerationInput(
             # step_rows[:-1] is empty here (one reply token fed); the later rows are appended
-            prompt.prefill, talker_code0_sampling(model.talker, setup.sampling), setup.max_frames, step_rows=prompt.step_rows[:-1], pad_embed=prompt.tts_pad,
+            prompt.prefill, code0, setup.max_frames, step_rows=prompt.step_rows[:-1], pad_embed=prompt.tts_pad,
             more_rows=True, positions=prompt.positions.positions, rope_delta=float(prompt.positions.delta),
-            predictor_sampling=SamplingParams(temperature=0.0),
+            predictor_sampling=predictor,
         )  # fmt: skip
 
     def _tts_eos(self) -> torch.Tensor:
         model = self.model
         ids = torch.tensor([model.config.tts_eos_id], device=model.talker.codec_head.weight.device)
-        return model.talker.text_projection(model.thinker.model.embed_tokens(ids))
-
-
-def talker_code0_sampling(talker: Talker, sampling: OmniSampling) -> SamplingParams:
-    """The talker's code-0 sampling: the client's temperature, top_p, top_k and seed over
-    the reference's settings (:func:`talker_sampling`)."""
-    return replace(
-        talker_sampling(talker), temperature=sampling.temperature, top_p=sampling.top_p,
-        top_k=sampling.top_k, seed=sampling.seed,
-    )  # fmt: skip
+        return model.talker.text_projection(self.embed_tokens(ids))
 
 
 def create_talker_stage(
@@ -556,26 +593,25 @@ def create_talker_stage(
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine, fed by the thinker's stream.
 
-    Sampling: code 0 takes the client's temperature, top_p, top_k and seed over the
-    reference's settings (:func:`talker_code0_sampling`: repetition penalty 1.05, control
-    ids suppressed, EOS stops); the code predictor is greedy. ``cuda_graphs``: see
-    :func:`engine_config`.
+    Sampling: the request's :class:`TalkerSampling` (the reference's by default) and seed
+    (:func:`talker_sampling_params`). ``cuda_graphs``: see :func:`engine_config`.
 
     Raises: ValueError: ``talker_start_tokens < 2``."""
     if talker_start_tokens < 2:
         raise ValueError(
             "talker_start_tokens must be >= 2 (the prompt ends with the first reply token)"
         )
-    model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format)
+    model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format, language_parts(ctx))
     assert model.talker is not None
     talker = model.talker
+    embed = model.thinker.model.embed_tokens if model.thinker is not None else model.thinker_embed
+    assert embed is not None  # language_parts loads one or the other
     engine = AREngine(
         TalkerEngineModel(talker),
-        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs,
-                      lambda sampling: talker_code0_sampling(talker, sampling)),
+        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, talker_graph_sampling(talker)),
     )  # fmt: skip
     return ARScheduler(
-        engine, stream_input=lambda request_id: TalkerFeed(model, talker_start_tokens)
+        engine, stream_input=lambda request_id: TalkerFeed(model, embed, talker_start_tokens)
     )
 
 

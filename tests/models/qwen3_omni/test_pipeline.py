@@ -7,6 +7,9 @@ while the thinker streams to the talker leave no state."""
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +32,7 @@ from omnistage.models.qwen3_omni.payload_types import (
     ChatText,
     OmniSampling,
     Qwen3OmniRequest,
+    TalkerSampling,
     TextDelta,
     ThinkerPrompt,
 )
@@ -66,11 +70,17 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def request(
-    audio: bool, max_tokens: int = TOKENS, messages=MESSAGES, frames: int = FRAMES
+    audio: bool,
+    max_tokens: int = TOKENS,
+    messages=MESSAGES,
+    frames: int = FRAMES,
+    talker: TalkerSampling = TalkerSampling.greedy(),
+    seed: int = 0,
 ) -> Qwen3OmniRequest:
     return Qwen3OmniRequest(
-        messages, audio, SPEAKER, OmniSampling(), max_tokens, frames, stream=True
-    )
+        messages, audio, SPEAKER, OmniSampling(seed=seed), max_tokens, frames, stream=True,
+        talker_sampling=talker,
+    )  # fmt: skip
 
 
 def _clip() -> np.ndarray:
@@ -348,6 +358,45 @@ def test_videos_that_differ_in_their_audio_are_refused_naming_the_field(pipeline
     loop.run_until_complete(assert_no_request_state(running))
 
 
+def test_the_talker_samples_as_the_reference_reproducibly_by_seed(pipeline, reference) -> None:
+    """The default talker sampling (the reference's: code 0 at temperature 0.9, top-k 50) and
+    a sampled code predictor: the same seed gives the same codes and audio, concurrently or
+    not; another seed, or a sampled instead of greedy predictor, other codes; the thinker's
+    greedy text is unchanged."""
+    loop, running = pipeline
+    sampled = TalkerSampling(predictor_temperature=1.0)
+    frames = 12
+
+    async def codes_of(*reqs: Qwen3OmniRequest) -> list:
+        runs = await asyncio.gather(*(_run(running, r) for r in reqs))
+        out = []
+        for _, chunks, result in runs:
+            torch.testing.assert_close(result.outputs["decode"].token_ids, reference["tokens"], rtol=0, atol=0)
+            out.append(np.concatenate([c.data.samples for c in chunks if isinstance(c.data, AudioChunk)]))
+        return out
+
+    def req(seed: int, talker: TalkerSampling = sampled) -> Qwen3OmniRequest:
+        return request(audio=True, frames=frames, talker=talker, seed=seed)
+
+    (alone,) = loop.run_until_complete(codes_of(req(7)))
+    twin, other, default, greedy = loop.run_until_complete(
+        codes_of(req(7), req(8), req(7, TalkerSampling()), req(7, TalkerSampling.greedy()))
+    )
+    # the same codes: the same audio, up to the vocoder's batching (as streamed == offline)
+    np.testing.assert_allclose(twin, alone, rtol=0, atol=1e-5)
+    for name, audio in (("another seed", other), ("greedy predictor", default), ("greedy", greedy)):
+        assert audio.shape != alone.shape or np.abs(audio - alone).max() > 1e-2, name
+    loop.run_until_complete(assert_no_request_state(running))
+
+
+def test_bad_talker_sampling_is_refused_naming_the_field() -> None:
+    with pytest.raises(RequestValidationError, match=r"talker_sampling\.predictor_top_p") as caught:
+        TalkerSampling(predictor_top_p=0.0)
+    assert caught.value.param == "talker_sampling.predictor_top_p"
+    with pytest.raises(RequestValidationError, match=r"talker_sampling\.temperature"):
+        TalkerSampling(temperature=-1.0)
+
+
 def test_abort_while_the_thinker_streams_to_the_talker_leaves_no_state(pipeline) -> None:
     loop, running = pipeline
 
@@ -359,6 +408,66 @@ def test_abort_while_the_thinker_streams_to_the_talker_leaves_no_state(pipeline)
                 if isinstance(
                     chunk.data, AudioChunk
                 ):  # the talker runs while the thinker still streams
+                    running.abort(handle.request_id)
+        await assert_no_request_state(running)
+
+    loop.run_until_complete(scenario())
+
+
+@contextmanager
+def gated(running: Pipeline, stage: str) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Hold ``stage``'s compute (a batch or threaded stage) until ``opened`` is set;
+    ``entered`` is set when a request reached it."""
+    scheduler = running.host.stages[stage].scheduler
+    original, entered, opened = scheduler.compute, threading.Event(), threading.Event()
+
+    def compute(arg):
+        entered.set()
+        assert opened.wait(30.0), f"{stage}'s gate was never opened"
+        return original(arg)
+
+    scheduler.compute = compute
+    try:
+        yield entered, opened
+    finally:
+        opened.set()
+        scheduler.compute = original
+
+
+@pytest.mark.parametrize("stage", ["preprocessing", "image_encoder", "audio_encoder"])
+def test_abort_while_a_stage_before_the_thinker_holds_the_request_leaves_no_state(pipeline, stage) -> None:
+    """Aborted while preprocessing or an encoder computes it (the other encoder may have
+    finished: the thinker's fan-in holds its half) -> the request ends as aborted and no
+    stage keeps anything of it, the gated stage's late output included."""
+    loop, running = pipeline
+
+    async def scenario() -> None:
+        with gated(running, stage) as (entered, opened):
+            handle = running.submit(request(audio=True, messages=EVERYTHING))
+            assert await asyncio.to_thread(entered.wait, 30.0)
+            running.abort(handle.request_id)
+            opened.set()
+            with pytest.raises(RequestAbortedError):
+                await handle.result()
+        await assert_no_request_state(running)
+
+    loop.run_until_complete(scenario())
+
+
+@pytest.mark.parametrize("when", ["first text", "first audio, thinker done"])
+def test_abort_while_the_engines_and_terminals_run_leaves_no_state(pipeline, when) -> None:
+    """Aborted at its first text delta (thinker and decode running, the talker not started
+    or starting) or at its first audio with a 2-token reply (the thinker done, talker and
+    code2wav running) -> no state left."""
+    loop, running = pipeline
+    tokens = 64 if when == "first text" else 2
+    kind = TextDelta if when == "first text" else AudioChunk
+
+    async def scenario() -> None:
+        handle = running.submit(request(audio=True, max_tokens=tokens, frames=400))
+        with pytest.raises(RequestAbortedError):
+            async for chunk in handle.stream():
+                if isinstance(chunk.data, kind):
                     running.abort(handle.request_id)
         await assert_no_request_state(running)
 

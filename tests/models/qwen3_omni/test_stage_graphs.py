@@ -14,10 +14,13 @@ from omnistage.engine.model_runner import StepSampling
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput, Sequence
 from omnistage.models.qwen3_omni.modeling.model import load_model
-from omnistage.models.qwen3_omni.payload_types import OmniSampling
+from omnistage.models.qwen3_omni.payload_types import OmniSampling, TalkerSampling
+from omnistage.models.qwen3_omni.request_builders import talker_sampling_of
 from omnistage.models.qwen3_omni.stages import (
     engine_config,
-    talker_code0_sampling,
+    talker_graph_sampling,
+    talker_sampling_params,
+    thinker_graph_sampling,
     thinker_sampling,
 )
 
@@ -37,7 +40,7 @@ def step_sampling(code0: SamplingParams, predictor: SamplingParams | None) -> St
 
 @pytest.mark.parametrize("sampling", CLIENT_SAMPLING)
 def test_thinker_requests_find_their_graph_variant(sampling: OmniSampling) -> None:
-    config = engine_config(4, 1 << 20, 64, True, lambda s: thinker_sampling(s, 7))
+    config = engine_config(4, 1 << 20, 64, True, thinker_graph_sampling(7))
     assert config.cuda_graph_batch_sizes is None  # the default buckets
     assert step_sampling(thinker_sampling(sampling, 7), None) in config.graph_sampling
 
@@ -48,12 +51,14 @@ def test_talker_requests_find_their_graph_variant(
 ) -> None:
     talker = load_model(str(omni_tiny_checkpoint), torch.device("cpu"), parts=("talker",)).talker
     assert talker is not None
-    config = engine_config(4, 1 << 20, 64, True, lambda s: talker_code0_sampling(talker, s))
-    # the talker stage's requests: code 0 from the client's values, greedy predictor
-    wanted = step_sampling(talker_code0_sampling(talker, sampling), SamplingParams(temperature=0.0))
-    assert wanted in config.graph_sampling
+    config = engine_config(4, 1 << 20, 64, True, talker_graph_sampling(talker))
+    # a chat request's talker: code 0 from the client's values, greedy predictor; and the
+    # pipeline's default, the reference's sampling
+    for talker_sampling in (talker_sampling_of(sampling), TalkerSampling()):
+        wanted = step_sampling(*talker_sampling_params(talker, talker_sampling, sampling.seed))
+        assert wanted in config.graph_sampling
 
 
 def test_graphs_off_is_no_buckets() -> None:
-    config = engine_config(4, 1 << 20, 64, False, lambda s: thinker_sampling(s, 7))
+    config = engine_config(4, 1 << 20, 64, False, thinker_graph_sampling(7))
     assert config.cuda_graph_batch_sizes == ()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from torch import nn
 
 from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoder
 from omnistage.models.qwen3_omni.modeling.code2wav import Code2Wav
@@ -26,11 +27,15 @@ from omnistage.models.qwen3_omni.modeling.weights import (
     random_source,
 )
 
-__all__ = ["PARTS", "LoadFormat", "LoadedOmni", "ModelPart", "load_model", "part_prefixes"]
+__all__ = ["LOADABLE_PARTS", "PARTS", "LoadFormat", "LoadedOmni", "ModelPart", "load_model", "part_prefixes"]
 
 LoadFormat = Literal["safetensors", "dummy"]
-ModelPart = Literal["thinker", "talker", "audio_tower", "visual", "code2wav"]
+ModelPart = Literal["thinker", "talker", "audio_tower", "visual", "code2wav", "thinker_embed"]
 PARTS: tuple[str, ...] = ("thinker", "talker", "audio_tower", "visual", "code2wav")
+"""The checkpoint's parts (every tensor belongs to one)."""
+LOADABLE_PARTS: tuple[str, ...] = (*PARTS, "thinker_embed")
+""":data:`PARTS` and ``thinker_embed``: the thinker's token embedding alone (what a talker
+placed away from the thinker needs of it: its prompt embeds text tokens)."""
 
 
 @dataclass
@@ -43,6 +48,7 @@ class LoadedOmni:
     audio_tower: AudioEncoder | None = None
     visual: VisionEncoder | None = None
     code2wav: Code2Wav | None = None
+    thinker_embed: nn.Embedding | None = None
 
 
 def load_model(
@@ -71,9 +77,9 @@ def load_model(
     dtype = dtype or (torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
     if load_format not in ("safetensors", "dummy"):
         raise ValueError(f"load_format {load_format!r} is not 'safetensors' or 'dummy'")
-    unknown = set(parts) - set(PARTS)
+    unknown = set(parts) - set(LOADABLE_PARTS)
     if unknown:
-        raise ValueError(f"unknown parts {sorted(unknown)}; known: {', '.join(PARTS)}")
+        raise ValueError(f"unknown parts {sorted(unknown)}; known: {', '.join(LOADABLE_PARTS)}")
     for name in ("talker", "code2wav"):
         if name in parts and getattr(config, name) is None:
             raise ValueError(f"the checkpoint has no {name} (enable_audio_output is false)")
@@ -117,6 +123,7 @@ def part_prefixes() -> dict[str, str]:
         "audio_tower": "thinker.audio_tower.",
         "visual": "thinker.visual.",
         "code2wav": "code2wav.",
+        "thinker_embed": "thinker.model.embed_tokens.",
     }
 
 
@@ -126,14 +133,15 @@ def part_seed(seed: int, part: str) -> int:
 
 
 def build_parts(config: Qwen3OmniConfig, parts: Sequence[str]) -> dict[str, torch.nn.Module]:
-    """The modules of ``parts`` on the meta device, in :data:`PARTS` order."""
+    """The modules of ``parts`` on the meta device, in :data:`LOADABLE_PARTS` order."""
     makers = {
         "thinker": lambda: Thinker(config.thinker),
         "talker": lambda: Talker(config.talker) if config.talker is not None else None,
         "audio_tower": lambda: AudioEncoder(config.thinker.audio),
         "visual": lambda: VisionEncoder(config.thinker.vision),
         "code2wav": lambda: Code2Wav(config.code2wav) if config.code2wav is not None else None,
+        "thinker_embed": lambda: nn.Embedding(config.thinker.text.vocab_size, config.thinker.text.hidden_size),
     }
     with torch.device("meta"):
-        built = {name: makers[name]() for name in PARTS if name in parts}
+        built = {name: makers[name]() for name in LOADABLE_PARTS if name in parts}
     return {name: m for name, m in built.items() if m is not None}
