@@ -43,6 +43,10 @@ from omnistage.models.qwen3_omni.modeling.model import (
 )
 from omnistage.models.qwen3_omni.modeling.random_init import random_state_dict
 from omnistage.models.qwen3_omni.modeling.weights import checkpoint_shapes, random_source
+from omnistage.models.qwen3_omni.random_text_tokenizer import (
+    give_role_words_their_ids,
+    write_text_tokenizer,
+)
 from omnistage.serve.model import RandomCheckpoint
 
 __all__ = [
@@ -213,8 +217,10 @@ def write_random_checkpoint(
     seed: int = 0,
     device: str = "cpu",
 ) -> Path:
-    """config.json plus random weights of every part (``model.safetensors``, or 2 GiB shards
-    and ``model.safetensors.index.json``): the ``init-random`` writer
+    """config.json, a text tokenizer with the real special and role ids
+    (:mod:`.random_text_tokenizer`) and random weights of every part (``model.safetensors``,
+    or 2 GiB shards and ``model.safetensors.index.json``), so the checkpoint serves as it is:
+    the ``init-random`` writer
     (:data:`RANDOM_CHECKPOINT`). Returns ``out_dir`` as a Path.
 
     Args:
@@ -226,6 +232,8 @@ def write_random_checkpoint(
     if model_type is not None:
         raise ValueError(f"Qwen3-Omni has one model type; got model_type {model_type!r}")
     out = write_config(out_dir, size)
+    write_text_tokenizer(out)
+    give_role_words_their_ids(out)
     raw = build_config_dict(size)
     dtype = _dtype(size)
     shapes = checkpoint_tensor_shapes(raw)

@@ -50,10 +50,12 @@ def give_role_words_their_ids(directory: str | Path) -> None:
     """Give the role words ``user`` and ``assistant`` (single BPE tokens of the test
     tokenizer) their real ids, swapping ids with the unused tokens there: the talker prompt
     finds the user turns and the assistant opening by these ids (merges name strings, so
-    they are unchanged)."""
+    they are unchanged). Idempotent: a word that has its id already is left as it is."""
     path = Path(directory) / "vocab.json"
     vocab = json.loads(path.read_text())
     for word, token_id in ROLE_IDS.items():
+        if vocab[word] == token_id:
+            continue
         unused = f"<|unused_{token_id}|>"
         vocab[word], vocab[unused] = token_id, vocab[word]
     path.write_text(json.dumps(vocab))

@@ -43,10 +43,6 @@ from omnistage.models.qwen3_omni.processing import (
     Qwen3OmniProcessor,
 )
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
-from omnistage.models.qwen3_omni.random_text_tokenizer import (
-    give_role_words_their_ids,
-    write_text_tokenizer,
-)
 from omnistage.models.qwen3_omni.stages import load_code2wav
 from omnistage.pipeline.pipeline import Pipeline, build_topology
 from omnistage.pipeline.stage import build_scheduler
@@ -64,8 +60,6 @@ MESSAGES = (
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # the pipeline draws the same weights from the config ("dummy", seed 0) as this writes
     directory = write_random_checkpoint(tmp_path_factory.mktemp("omni_pipeline"), "tiny", seed=0)
-    write_text_tokenizer(directory)
-    give_role_words_their_ids(directory)
     return directory
 
 

@@ -8,18 +8,23 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
 
 import omnistage.models.qwen3_omni.random_checkpoint as omni_random
-from omnistage.config.hooks import import_callable
+from omnistage.cli.main import app
+from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
 from omnistage.models.qwen3_omni.modeling.model import PARTS, load_model
 from omnistage.models.qwen3_omni.modeling.weights import CheckpointWeightsError
+from omnistage.models.qwen3_omni.processing import Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import (
-    RANDOM_CHECKPOINT,
     build_config_dict,
     checkpoint_tensor_shapes,
     write_config,
     write_random_checkpoint,
 )
+from omnistage.models.qwen3_omni.random_text_tokenizer import give_role_words_their_ids
+
+ARCH = "Qwen3OmniMoeForConditionalGeneration"
 
 
 @pytest.fixture(scope="module")
@@ -130,15 +135,19 @@ def test_unknown_part_and_format_are_refused(tiny_copy) -> None:
         load_model(root, load_format="pt")  # type: ignore[arg-type]
 
 
-def test_the_registered_writer_writes_a_checkpoint_transformers_loads_whole(tmp_path) -> None:
-    """The init-random writer (RANDOM_CHECKPOINT, what EntryClass declares) writes every part
-    transformers' model has: it loads with no missing or unexpected tensor, and ours loads
-    it strictly, code2wav included, equal to the written bytes."""
+def test_init_random_writes_a_checkpoint_that_loads_strictly_and_in_transformers(tmp_path) -> None:
+    """``omnistage init-random --arch Qwen3OmniMoeForConditionalGeneration --size tiny`` (the
+    writer EntryClass declares) writes every part transformers' model has: it loads with no
+    missing or unexpected tensor, ours loads it strictly (code2wav included, equal to the
+    written bytes), and it has the tokenizer the pipeline reads."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
-    writer = import_callable(RANDOM_CHECKPOINT.writer, what="random-checkpoint writer")
-    assert RANDOM_CHECKPOINT.sizes == ("tiny", "30b-a3b") and RANDOM_CHECKPOINT.types == ()
-    root = writer(tmp_path / "tiny", "tiny", None, seed=0, device="cpu")
+    root = tmp_path / "tiny"
+    result = CliRunner().invoke(
+        app, ["init-random", "--arch", ARCH, "--size", "tiny", "--seed", "0", str(root)]
+    )
+    assert result.exit_code == 0, result.output
+    assert Qwen3OmniPipelineConfig.random_checkpoint.sizes == ("tiny", "30b-a3b")
     ref, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(
         str(root), dtype=torch.float32, output_loading_info=True
     )
@@ -149,5 +158,11 @@ def test_the_registered_writer_writes_a_checkpoint_transformers_loads_whole(tmp_
     for name, tensor in ours.code2wav.state_dict().items():
         assert torch.equal(tensor, written[f"code2wav.{name}"]), name
         assert torch.equal(tensor, ref.code2wav.state_dict()[name]), name
-    with pytest.raises(ValueError, match="one model type"):
-        writer(tmp_path / "typed", "tiny", "base")
+    before = (root / "vocab.json").read_text()
+    give_role_words_their_ids(root)  # idempotent: the tests' fixtures call it again
+    assert (root / "vocab.json").read_text() == before
+    tokenizer = Qwen3OmniProcessor.from_checkpoint(root).tokenizer
+    assert tokenizer.convert_tokens_to_ids(["user", "assistant", "<|im_end|>"]) == [872, 77091, 151645]
+    assert len(set(tokenizer.get_vocab().values())) == len(tokenizer.get_vocab())
+    refused = CliRunner().invoke(app, ["init-random", "--arch", ARCH, "--type", "base", str(tmp_path / "t")])
+    assert refused.exit_code != 0 and "one type" in refused.output
