@@ -27,18 +27,6 @@ from omnistage.serve.playground import STATIC_DIR
 from omnistage.serve.registry import ModelRegistry
 from tests.serve.conftest import RunningServer, free_port, run_uvicorn, wait_health
 
-CHROMIUM = Path("/usr/bin/chromium")
-BROWSER_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-]
 API_KEY = "playground-key"
 SHORT_TEXT = "Hello from the playground. A second sentence follows the first."
 # About 3,700 characters: tens of seconds of synthesis on 2 cores, so Stop lands mid-request.
@@ -65,33 +53,6 @@ def piper_server() -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def key_server() -> Iterator[RunningServer]:
     yield from _serve_piper(ServerSettings(api_keys=(API_KEY,), warmup=False))
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip(
-        "playwright.sync_api",
-        reason="the playwright package is not installed (pip install playwright; "
-        "no 'playwright install' needed: the tests use Debian's chromium)",
-    )
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.skip(f"{CHROMIUM} is missing: apt-get install chromium")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def page(browser):
-    """A fresh page; fails the test on any uncaught JavaScript error."""
-    context = browser.new_context(accept_downloads=True)
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
-    yield page
-    context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -49,3 +49,14 @@ export async function postSpeech(body, apiKey, signal) {
   });
   return checked(response);
 }
+
+/** POST /v1/chat/completions (streamed); resolves once the headers are in. */
+export async function postChat(body, apiKey, signal) {
+  const response = await fetch("v1/chat/completions", {
+    method: "POST",
+    headers: headers(apiKey, true),
+    body: JSON.stringify(body),
+    signal,
+  });
+  return checked(response);
+}

@@ -82,7 +82,7 @@ export function renderForm(info) {
   renderExtraParams(numericFields(info.fields));
 }
 
-function readFile(file) {
+export function readFile(file) {
   return new Promise((resolve, reject) => {
     const reader = new FileReader();
     reader.onload = () => resolve(reader.result);
