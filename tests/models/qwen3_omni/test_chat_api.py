@@ -18,9 +18,12 @@ import numpy as np
 import openai
 import pytest
 import soundfile
+import yaml
 from omni_fixtures import weights_digest
 from safetensors import safe_open
+from typer.testing import CliRunner
 
+from omnistage.cli.main import app as cli
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
 from omnistage.models.qwen3_omni.random_text_tokenizer import (
@@ -248,3 +251,12 @@ def test_whole_served_request_equals_transformers_generate(client, checkpoint) -
     assert reply.usage.completion_tokens_details.audio_tokens == meta["talker_frames"]
     assert samples.shape == ref["waveform"].shape
     np.testing.assert_allclose(samples, ref["waveform"].numpy(), rtol=0, atol=1e-4)  # 16-bit output: 3e-5 a step
+
+
+def test_load_format_dummy_reaches_the_weighted_stages_from_the_cli(checkpoint) -> None:
+    result = CliRunner().invoke(cli, ["config", "resolve", "--model-path", str(checkpoint), "--load-format", "dummy"])
+    assert result.exit_code == 0, result.output
+    stages = yaml.safe_load(result.stdout)["stages"]
+    loads = {s["name"]: s["factory"]["args"].get("load_format") for s in stages}
+    assert loads == {"code2wav": "dummy", "preprocessing": None, "audio_encoder": "dummy",
+                     "thinker": "dummy", "decode": None, "talker": "dummy"}  # fmt: skip
