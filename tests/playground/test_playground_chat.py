@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import soundfile
+from PIL import Image
 
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
 from omnistage.models.qwen3_omni.random_text_tokenizer import (
@@ -68,7 +69,7 @@ def test_the_chat_tab_follows_the_served_model(page, omni_server):
     assert page.get_attribute("#tab-chat", "aria-pressed") == "true"
     options = page.eval_on_selector_all("#chat-voice option", "options => options.map(o => o.value)")
     assert options == ["", "chelsie", "ethan", "aiden"] and page.input_value("#chat-voice") == "chelsie"
-    assert page.is_visible("#chat-audio") and page.is_hidden("#chat-image-field")  # no vision stage yet
+    assert page.is_visible("#chat-audio") and page.is_visible("#chat-image")
 
 
 def test_reply_text_streams_and_its_speech_plays_as_it_streams(page, omni_server):
@@ -124,3 +125,17 @@ def test_stop_aborts_the_chat_request_on_the_server(page, omni_server):
     assert wait_until(lambda: aborted_requests(omni_server) > before, timeout_s=30)
 
 
+
+
+def test_an_attached_image_is_in_the_prompt(page, omni_server, tmp_path: Path):
+    picture = tmp_path / "dots.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8), "RGB").save(picture)
+    uri = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
+    expected = whole_reply(omni_server, [{"type": "text", "text": MESSAGE},
+                                         {"type": "image_url", "image_url": {"url": uri}}], "", 3)  # fmt: skip
+    open_playground(page, omni_server)
+    page.set_input_files("#chat-image", str(picture))
+    state = send(page, MESSAGE, "", 3)
+    assert state["state"] == "done", state
+    assert state["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
+    assert state["reply"] == expected["choices"][0]["message"]["content"]

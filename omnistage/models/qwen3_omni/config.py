@@ -144,12 +144,12 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
 
 
     def capabilities(self) -> ChatCapabilities:
-        """Text and audio in (images and video are not in the pipeline yet); speech in the
-        talker config's speakers; the thinker's ``max_tokens`` limits."""
+        """Text, images and audio in (video: its frames are not decoded in the decoder pool
+        yet); speech in the talker config's speakers; the thinker's ``max_tokens`` limits."""
         assert self.model_path is not None
         return ChatCapabilities(
             model_names=(Path(self.model_path).name, "qwen3-omni"), model_type="qwen3_omni",
-            input_modalities=frozenset({"text", "audio"}), audio_output=True, voices=_speakers(self.model_path),
+            input_modalities=frozenset({"text", "image", "audio"}), audio_output=True, voices=_speakers(self.model_path),
             sample_rate=SAMPLE_RATE, supported_fields=frozenset({"top_k", "seed", "max_audio_seconds"}),
             max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=DEFAULT_MAX_TOKENS,
         )  # fmt: skip

@@ -20,6 +20,7 @@ import pytest
 import soundfile
 import yaml
 from omni_fixtures import weights_digest
+from PIL import Image
 from safetensors import safe_open
 from typer.testing import CliRunner
 
@@ -87,6 +88,13 @@ def wav_clip(seconds: float, rate: int = 16000) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def png_uri(size: int) -> str:
+    pixels = np.random.default_rng(size).integers(0, 256, (size, size, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
 def test_models_and_voices_list_the_chat_model_and_its_speakers(server, client, checkpoint) -> None:
     assert [m.id for m in client.models.list().data] == [checkpoint.name, "qwen3-omni"]
     voices = httpx.get(f"{server.base_url}/v1/audio/voices").json()
@@ -148,7 +156,7 @@ def test_streamed_reply_equals_the_whole_reply_and_ends_with_usage(server, clien
     assert_nothing_left(server)
 
 
-def test_system_prompt_and_audio_input_are_in_the_prompt(client, checkpoint) -> None:
+def test_system_prompt_image_and_audio_input_are_in_the_prompt(client, checkpoint) -> None:
     system = [{"role": "system", "content": "You are brief."}, *HELLO]
     clip = wav_clip(1.0)
     heard = [{"role": "user", "content": [
@@ -162,7 +170,11 @@ def test_system_prompt_and_audio_input_are_in_the_prompt(client, checkpoint) -> 
                              ChatMessage("user", (ChatPart("text", text="Say something nice."),))]),
         "audio": processor([ChatMessage("user", (ChatPart("audio", audio=samples), ChatPart("text", text="What is this?")))]),
     }  # fmt: skip
-    for name, messages in (("system", system), ("audio", heard)):
+    image = png_uri(64)
+    seen = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "What is this?"}]}]
+    pixels = Image.open(io.BytesIO(base64.b64decode(image.split(",", 1)[1]))).convert("RGB")
+    expected["image"] = processor([ChatMessage("user", (ChatPart("image", image=pixels), ChatPart("text", text="What is this?")))])
+    for name, messages in (("system", system), ("audio", heard), ("image", seen)):
         reply = client.chat.completions.create(model="qwen3-omni", messages=messages, max_tokens=3)
         assert reply.usage.prompt_tokens == expected[name].input_ids.shape[0], name
         assert reply.choices[0].message.content
@@ -194,7 +206,13 @@ def _error(excinfo: pytest.ExceptionInfo) -> tuple[int, str | None]:
         ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": wav_clip(0.01), "format": "wav"}}] * 5}]},
          400, "messages.0.content.4"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
-         400, "messages.0.content.0"),
+         400, "messages.0.content.0.image_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:text/plain;base64,AAAA"}}]}]},
+         400, "messages.0.content.0.image_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]},
+         400, "messages.0.content.0.image_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_uri(4)}}] * 9}]},
+         400, "messages.0.content.8"),
         ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]},
          400, "messages.0.content.0"),
         ({"messages": [{"role": "user", "content": [{"type": "sticker"}]}]}, 400, "messages.0.content.0"),
@@ -259,4 +277,4 @@ def test_load_format_dummy_reaches_the_weighted_stages_from_the_cli(checkpoint) 
     stages = yaml.safe_load(result.stdout)["stages"]
     loads = {s["name"]: s["factory"]["args"].get("load_format") for s in stages}
     assert loads == {"code2wav": "dummy", "preprocessing": None, "audio_encoder": "dummy",
-                     "thinker": "dummy", "decode": None, "talker": "dummy"}  # fmt: skip
+                     "image_encoder": "dummy", "thinker": "dummy", "decode": None, "talker": "dummy"}  # fmt: skip
