@@ -25,7 +25,7 @@ that never comes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -45,6 +45,21 @@ class FactoryConfig(_Strict):
     args: dict[str, Any] = Field(default_factory=dict)
 
 
+class StageResources(_Strict):
+    """What a stage needs from the node it runs on, under ``placement: ray``: the bundle of
+    its process group's Ray actor is the sum over the group's stages (Ray's logical
+    resources: they decide where the actor goes, they do not limit what it uses). Under
+    ``placement: local`` they are not used."""
+
+    cpus: float = Field(default=1.0, ge=0, description="logical CPUs (Ray's CPU resource)")
+    gpus: float = Field(default=0.0, ge=0, description="GPUs (Ray sets CUDA_VISIBLE_DEVICES to them)")
+    custom: dict[str, float] = Field(
+        default_factory=dict,
+        description="custom node resources, e.g. {thinker: 1} to run on the node started "
+        "with --resources '{\"thinker\": 1}'",
+    )
+
+
 class StageConfig(_Strict):
     """One stage of a pipeline. See the module docstring for the hook signatures."""
 
@@ -55,6 +70,14 @@ class StageConfig(_Strict):
         description="process group; None runs the stage in the coordinator's process",
     )
     device: str = Field(default="cpu", description='torch device, e.g. "cpu" or "cuda:0"')
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        description="copies of this stage's process group (every stage of a group declares "
+        "the same count; a stage in the server process has one); each request runs on one "
+        "replica of each group, the one with the fewest requests in flight when it arrives",
+    )
+    resources: StageResources = Field(default_factory=StageResources)
 
     next: list[str] = Field(default_factory=list)
     terminal: bool = False
@@ -114,6 +137,21 @@ class PipelineConfig(_Strict):
         "(list of (label, request)); the build-time consistency check runs every dynamic "
         "hook on each of them",
     )
+    placement: Literal["local", "ray"] = Field(
+        default="local",
+        description="where process groups run: local (one spawned process each, on this "
+        "host) or ray (one Ray actor each, in one placement group of the Ray cluster at "
+        "ray_address)",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        description="placement ray: the cluster to join (e.g. 10.0.0.1:6379, as printed by "
+        "`ray start --head`); None: a private single-node Ray instance started with the server",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="PACK",
+        description="placement ray: Ray placement-group strategy for the process groups' bundles",
+    )
     max_concurrent_requests: int = Field(default=64, ge=1)
     stream_queue_max_bytes: int = Field(
         default=256 * 1024 * 1024,
@@ -149,6 +187,24 @@ class PipelineConfig(_Strict):
         description="wait before the first restart of a dead stage process, seconds; "
         "doubled at each restart within the window, at most 30 s",
     )
+
+    @model_validator(mode="after")
+    def _replicas_per_group(self) -> PipelineConfig:
+        counts: dict[str, tuple[str, int]] = {}
+        for stage in self.stages:
+            group = stage.process or "main"
+            if group == "main" and stage.replicas != 1:
+                raise ValueError(
+                    f"stage {stage.name!r}: replicas={stage.replicas} needs a process group "
+                    "(set its `process`); the server process has one copy of its stages"
+                )
+            first = counts.setdefault(group, (stage.name, stage.replicas))
+            if first[1] != stage.replicas:
+                raise ValueError(
+                    f"stage {stage.name!r}: replicas={stage.replicas}, but stage {first[0]!r} of "
+                    f"the same process group {group!r} has replicas={first[1]}"
+                )
+        return self
 
     @property
     def entry(self) -> str:

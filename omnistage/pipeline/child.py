@@ -1,4 +1,6 @@
-"""Entry point of a stage process (one per process group, started with ``spawn``)."""
+"""Entry point of a stage process: one per process group and replica, spawned by
+:class:`~omnistage.pipeline.placement.LocalPlacement` or run in a Ray actor by
+:class:`~omnistage.pipeline.ray_placement.RayPlacement`."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import logging
 import multiprocessing
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from omnistage.config.hooks import import_callable
@@ -20,12 +23,31 @@ from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
 PARENT_CHECK_S = 0.5
 
 
+def _parent_alive() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
+
+
 def run_child(
-    config_class: str, config_json: str, group: str, addresses: dict[str, str], routes: dict[str, str], prefix: str
+    config_class: str,
+    config_json: str,
+    group: str,
+    endpoint: str,
+    addresses: dict[str, str],
+    routes: dict[str, str],
+    replicas: dict[str, int],
+    prefix: str,
+    *,
+    bind: str | None = None,
+    announce: Callable[[ZmqTransport], None] | None = None,
+    alive: Callable[[], bool] = _parent_alive,
 ) -> None:
-    """Build this group's stages, report ``ready`` (or ``startup_failed``), and serve until
-    told to stop or the parent process is gone."""
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{group}] %(levelname)s %(name)s: %(message)s")
+    """Build the stages of ``group`` as its process ``endpoint`` (``replicas``: the replica
+    count of each replicated group), report ``ready`` (or ``startup_failed``), and serve until told to stop or ``alive()`` turns False (default:
+    the parent process is gone). ``bind``: the address to bind instead of
+    ``addresses[endpoint]``; ``announce(transport)``: called once the transport runs,
+    before the stages are built (Ray placement: the ``hello`` with the bound address)."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{endpoint}] %(levelname)s %(name)s: %(message)s")
     stopped = threading.Event()
 
     def send_event(event: CoordinatorEvent) -> None:
@@ -36,18 +58,22 @@ def run_child(
             failed = StageFailed(event.request_id, stage, exc)
             transport.send(MAIN_GROUP, "event", failed, request_id=event.request_id)
 
-    host = StageHost(group, routes, coordinator_sink=send_event, hold_until_built=True)
-    transport = ZmqTransport(group, addresses, prefix, host.on_message, host.on_undeliverable)
+    host = StageHost(endpoint, routes, coordinator_sink=send_event, hold_until_built=True, replicas=replicas)
+    transport = ZmqTransport(endpoint, addresses, prefix, host.on_message, host.on_undeliverable, bind=bind)
     host.transport = transport
 
     def on_control(envelope: Envelope, body: Any) -> None:
         if envelope.kind == "state_query":
-            transport.send(MAIN_GROUP, "state_reply", (body, group, host.live_state()))
+            transport.send(MAIN_GROUP, "state_reply", (body, endpoint, host.live_state()))
+        elif envelope.kind == "peers":
+            transport.set_peers(*body)
         elif envelope.kind == "stop":
             stopped.set()
 
     host.on_control = on_control
     transport.start()
+    if announce is not None:
+        announce(transport)
     try:
         config = _load_config(config_class, config_json)
         topology = Topology(config)
@@ -55,17 +81,16 @@ def run_child(
             if routes[stage.name] == group:
                 host.stages[stage.name] = StageRuntime(topology, stage.name, build_scheduler(config, stage), host)
     except BaseException as exc:  # noqa: BLE001 -- the process boundary: any start-up failure is reported
-        transport.send(MAIN_GROUP, "startup_failed", (group, "".join(traceback.format_exception(exc))))
+        transport.send(MAIN_GROUP, "startup_failed", (endpoint, "".join(traceback.format_exception(exc))))
         stopped.wait(5.0)
         transport.stop()
         return
     host.stages_built()
     for stage in host.stages.values():
         stage.start()
-    transport.send(MAIN_GROUP, "ready", group)
-    parent = multiprocessing.parent_process()
+    transport.send(MAIN_GROUP, "ready", endpoint)
     while not stopped.wait(PARENT_CHECK_S):
-        if parent is not None and not parent.is_alive():
+        if not alive():
             break
     for stage in host.stages.values():
         stage.stop()

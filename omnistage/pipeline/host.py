@@ -4,6 +4,12 @@ A host delivers a message to a local stage directly (same-process stages pass Py
 objects; tensors stay where they are) or through the :class:`ZmqTransport` to the process
 of the target stage. Coordinator events go to the coordinator (directly in the server
 process, over ZMQ from a child process).
+
+A process group with replicas is several processes (``<group>@<replica>``); a request runs
+on one replica of each, chosen when it is admitted (:meth:`assign`). The choice travels in
+the envelope of every stage message of the request, and each host keeps it until the
+request's abort (sent to every process when the request ends), so that a stage anywhere
+sends the request's messages to the replicas it runs on.
 """
 
 from __future__ import annotations
@@ -14,8 +20,15 @@ from typing import Any
 
 from omnistage.core.errors import StageFailureError
 from omnistage.core.messages import Abort, CoordinatorEvent, StageFailed, StageInput
+from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.stage import StageRuntime
 from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+
+
+def endpoint_name(group: str, replica: int, replicas: int) -> str:
+    """The transport name of one process of ``group``: the group itself when it has one
+    replica, else ``<group>@<replica>``."""
+    return group if replicas == 1 else f"{group}@{replica}"
 
 
 class StageHost:
@@ -25,6 +38,7 @@ class StageHost:
     coordinator_sink: receives coordinator events (thread-safe callable).
     hold_until_built: hold stage and abort messages until :meth:`stages_built` (a stage
         process, whose transport starts before its stages exist).
+    replicas: replica count of each process group that has more than one.
     """
 
     def __init__(
@@ -34,29 +48,49 @@ class StageHost:
         coordinator_sink: Callable[[CoordinatorEvent], None],
         *,
         hold_until_built: bool = False,
+        replicas: dict[str, int] | None = None,
     ) -> None:
         self.group, self.routes, self.coordinator_sink = group, routes, coordinator_sink
+        self.replicas = replicas or {}
         self.stages: dict[str, StageRuntime] = {}
         self.transport: ZmqTransport | None = None
         self.on_control: Callable[[Envelope, Any], None] | None = None
         self._held: list[tuple[Envelope, Any]] | None = [] if hold_until_built else None
         self._held_lock = threading.Lock()
+        self.assignments: dict[str, dict[str, int]] = {}  # request id -> group -> replica
+        self._assignments_lock = threading.Lock()
+        self._ended = Tombstones()
 
     # StageLinks --------------------------------------------------------------
     def send(self, target: str, message: StageInput, source: str) -> None:
         local = self.stages.get(target)
         if local is not None:
             local.deliver(message, source)
-        else:
-            assert self.transport is not None, f"stage {target!r} is remote but there is no transport"
-            group = self.routes[target]
-            self.transport.send(group, "stage", message, target=target, source=source, request_id=message.request_id)
+            return
+        assert self.transport is not None, f"stage {target!r} is remote but there is no transport"
+        group, request_id = self.routes[target], message.request_id
+        replicas = self.assignments.get(request_id, {}) if self.replicas else {}
+        if group in self.replicas:
+            if group not in replicas:  # the request ended here (its abort came first): drop
+                return
+            group = endpoint_name(group, replicas[group], self.replicas[group])
+        self.transport.send(group, "stage", message, target=target, source=source, request_id=request_id, replicas=replicas)
+
+    def assign(self, request_id: str, replicas: dict[str, int]) -> None:
+        """Record the replicas ``request_id`` runs on (until its abort)."""
+        with self._assignments_lock:
+            if request_id not in self._ended:
+                self.assignments.setdefault(request_id, replicas)
 
     def to_coordinator(self, event: CoordinatorEvent) -> None:
         self.coordinator_sink(event)
 
     # -------------------------------------------------------------------------
     def abort_local(self, request_id: str) -> None:
+        if self.replicas:
+            with self._assignments_lock:
+                self.assignments.pop(request_id, None)
+                self._ended.add(request_id)
         for stage in self.stages.values():
             stage.deliver(Abort(request_id), MAIN_GROUP)
 
@@ -81,6 +115,8 @@ class StageHost:
 
     def _dispatch(self, envelope: Envelope, body: Any) -> None:
         if envelope.kind == "stage":
+            if envelope.replicas:
+                self.assign(envelope.request_id, envelope.replicas)
             self.stages[envelope.target].deliver(body, envelope.source)
         elif envelope.kind == "abort":
             self.abort_local(body)
@@ -98,5 +134,9 @@ class StageHost:
             self.coordinator_sink(StageFailed(envelope.request_id, where, StageFailureError(where, cause)))
 
     def live_state(self) -> dict[str, dict[str, list[str]]]:
-        """Per-request state of the local stages (only stages that hold some)."""
-        return {name: state for name, stage in self.stages.items() if (state := stage.live_state())}
+        """Per-request state of the local stages (only stages that hold some), and the
+        replica assignments of requests not yet ended here (``replicas``)."""
+        state = {name: state for name, stage in self.stages.items() if (state := stage.live_state())}
+        if self.assignments:
+            state["replicas"] = {"requests": sorted(self.assignments)}
+        return state

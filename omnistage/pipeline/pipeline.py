@@ -1,25 +1,28 @@
 """Pipeline: validate a config, place its stages, and run the coordinator.
 
 Placement: stages without ``process`` (or with ``process: main``) run in the server
-process; each other process group is one spawned OS process. Start-up builds the stages
-in list order (a model relies on that: e.g. the vocoder is resident before the engine
-sizes its KV pool), waits until every process reports ready, then admits requests. A
-process that dies fails every in-flight request within ``process_death_timeout_s`` and
-marks the pipeline unhealthy (new requests get :class:`PipelineUnhealthyError` with a
-retry delay); the supervisor restarts the process after a backoff
-(``stage_restart_backoff_s``, doubling), and the pipeline serves again once it is ready.
-More than ``max_stage_restarts`` restarts of one group within ``stage_restart_window_s``
-and it gives up: :attr:`Pipeline.fatal_error` is set and ``on_fatal`` called (the server
-exits non-zero so that its own supervisor restarts it).
+process; each other process group is one process per replica (``replicas``), placed by
+the config's backend (:mod:`omnistage.pipeline.placement`: spawned on this host, or Ray
+actors). Start-up builds the stages in list order (a model relies on that: e.g. the
+vocoder is resident before the engine sizes its KV pool), waits until every process
+reports ready, then admits requests. Each request runs on one replica of each replicated
+group, the one with the fewest requests in flight when it is admitted, for its whole life.
+
+A process that dies fails the requests in flight on it within ``process_death_timeout_s``
+(all of them when it was the last live replica of its group: the pipeline is then
+unhealthy, new requests get :class:`PipelineUnhealthyError` with a retry delay); the
+supervisor has the placement replace it (local: respawned after a backoff,
+``stage_restart_backoff_s``, doubling; Ray: restarted by Ray), and the pipeline serves
+again once it is ready. More than ``max_stage_restarts`` restarts of one process within
+``stage_restart_window_s`` and it gives up: :attr:`Pipeline.fatal_error` is set and
+``on_fatal`` called (the server exits non-zero so that its own supervisor restarts it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
 import os
-import tempfile
 import time
 import uuid
 from collections import deque
@@ -29,14 +32,14 @@ from typing import Any
 from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig
 from omnistage.core.errors import PipelineConfigError, PipelineUnhealthyError
-from omnistage.core.messages import StagePayload
+from omnistage.core.messages import StageFailed, StagePayload
 from omnistage.pipeline import relay
-from omnistage.pipeline.child import run_child
 from omnistage.pipeline.coordinator import Coordinator, RequestHandle
-from omnistage.pipeline.host import StageHost
+from omnistage.pipeline.host import StageHost, endpoint_name
+from omnistage.pipeline.placement import LocalPlacement, Placement, PlacementContext
 from omnistage.pipeline.stage import StageRuntime, build_scheduler
 from omnistage.pipeline.topology import Topology
-from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport, segment_name_prefix
+from omnistage.pipeline.transport import MAIN_GROUP, Envelope, segment_name_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,14 @@ def build_topology(config: PipelineConfig) -> Topology:
     topology = Topology(config)
     topology.check_consistency(sample_requests(config))
     return topology
+
+
+def _placement_class(config: PipelineConfig) -> type[Placement]:
+    if config.placement == "ray":
+        from omnistage.pipeline.ray_placement import RayPlacement  # ray is an optional extra
+
+        return RayPlacement
+    return LocalPlacement
 
 
 class Pipeline:
@@ -80,19 +91,30 @@ class Pipeline:
         self.config = config
         self.on_fatal = on_fatal
         self.fatal_error: str | None = None
-        self.down: dict[str, list[str]] = {}  # process group -> its stages, while down
+        self.down: dict[str, list[str]] = {}  # endpoint -> its stages, while down
         self._restarts: dict[str, deque[float]] = {}
         self.topology = build_topology(config)
         self.startup_timeout_s = startup_timeout_s
         self.routes = {s.name: s.process or MAIN_GROUP for s in config.stages}
         self.groups = sorted({g for g in self.routes.values() if g != MAIN_GROUP})
+        counts = {s.process: s.replicas for s in config.stages if s.process and s.process != MAIN_GROUP}
+        self.replicas = {g: n for g, n in counts.items() if n > 1}
+        # endpoint (one process of a group: the group, or <group>@<replica>) -> its group
+        self.endpoints = {endpoint_name(g, k, counts[g]): g for g in self.groups for k in range(counts[g])}
         self.coordinator: Coordinator | None = None
         self.host: StageHost | None = None
-        self.processes: dict[str, multiprocessing.process.BaseProcess] = {}
         self._segment_prefix = f"omnistage_{os.getpid()}_{uuid.uuid4().hex[:6]}_"
-        self._socket_dir: tempfile.TemporaryDirectory[str] | None = None
         self._control: dict[str, asyncio.Future[Any]] = {}
         self._watchdog: asyncio.Task[None] | None = None
+        context = PlacementContext(
+            config, self.routes, self.replicas, self.endpoints, self._segment_prefix, startup_timeout_s, self._expect
+        )
+        self.placement: Placement = _placement_class(config)(context)
+
+    @property
+    def processes(self) -> dict[str, Any]:
+        """The spawned processes by endpoint (local placement; empty under Ray)."""
+        return self.placement.processes if isinstance(self.placement, LocalPlacement) else {}
 
     async def __aenter__(self) -> Pipeline:
         await self.start()
@@ -118,67 +140,24 @@ class Pipeline:
             stream_request_max_bytes=config.stream_request_max_bytes,
             request_timeout_s=config.request_timeout_s,
         )
-        self.host = StageHost(MAIN_GROUP, self.routes, self.coordinator.post)
+        self.host = StageHost(MAIN_GROUP, self.routes, self.coordinator.post, replicas=self.replicas)
         self.host.on_control = self._on_control
         try:
-            if self.groups:
-                self._start_transport()
+            if self.endpoints:
+                self.host.transport = self.placement.open(self.host)
+                self.host.transport.start()
             for stage in config.stages:
                 if self.routes[stage.name] == MAIN_GROUP:
                     runtime = StageRuntime(self.topology, stage.name, build_scheduler(config, stage), self.host)
                     self.host.stages[stage.name] = runtime
-            if self.groups:
-                await self._spawn_groups()
+            if self.endpoints:
+                await self.placement.start(list(self.endpoints))
+                self._watchdog = asyncio.get_running_loop().create_task(self._watch_processes())
         except BaseException:
             await self.stop()
             raise
         for runtime in self.host.stages.values():
             runtime.start()
-
-    def _start_transport(self) -> None:
-        assert self.host is not None
-        self._socket_dir = tempfile.TemporaryDirectory(prefix="omnistage-")
-        addresses = {g: f"ipc://{self._socket_dir.name}/{g}.sock" for g in [MAIN_GROUP, *self.groups]}
-        self.host.transport = ZmqTransport(
-            MAIN_GROUP, addresses, self._segment_prefix, self.host.on_message, self.host.on_undeliverable
-        )
-        self.host.transport.start()
-        self._addresses = addresses
-
-    async def _spawn_groups(self) -> None:
-        await self._start_groups(self.groups)
-        self._watchdog = asyncio.get_running_loop().create_task(self._watch_processes())
-
-    async def _start_groups(self, groups: list[str]) -> None:
-        """Spawn ``groups`` and wait until each reports ready.
-
-        Raises:
-            PipelineConfigError: a process died, failed or timed out while starting.
-        """
-        context = multiprocessing.get_context("spawn")
-        config_class = f"{type(self.config).__module__}:{type(self.config).__qualname__}"
-        ready = [self._expect(f"ready:{g}") for g in groups]
-        for group in groups:
-            process = context.Process(
-                target=run_child,
-                args=(config_class, self.config.model_dump_json(), group, self._addresses, self.routes, self._segment_prefix),
-                name=f"omnistage-{group}",
-                daemon=True,
-            )
-            process.start()
-            self.processes[group] = process
-        waiting = asyncio.ensure_future(asyncio.gather(*ready))
-        deadline = asyncio.get_running_loop().time() + self.startup_timeout_s
-        while not waiting.done():
-            await asyncio.wait({waiting}, timeout=0.2)
-            dead = [f"{g} (exit code {self.processes[g].exitcode})" for g in groups if not self.processes[g].is_alive()]
-            if dead and not waiting.done():
-                waiting.cancel()
-                raise PipelineConfigError(f"stage processes died while starting: {', '.join(dead)}")
-            if asyncio.get_running_loop().time() > deadline and not waiting.done():
-                waiting.cancel()
-                raise PipelineConfigError(f"stage processes not ready within {self.startup_timeout_s:g} s")
-        await waiting  # raises the first start-up failure a process reported
 
     async def stop(self) -> None:
         """Stop all stages and processes; fails requests still in flight."""
@@ -191,41 +170,33 @@ class Pipeline:
             for runtime in self.host.stages.values():
                 await asyncio.to_thread(runtime.stop)
             if self.host.transport is not None:
-                for group in self.groups:
-                    self.host.transport.send(group, "stop")
-        for process in self.processes.values():
-            await asyncio.get_running_loop().run_in_executor(None, process.join, 5.0)
-            if process.is_alive():
-                process.kill()
-        self.processes.clear()
+                for endpoint in self.endpoints:
+                    self.host.transport.send(endpoint, "stop")
+        await self.placement.stop()
         if self.host is not None and self.host.transport is not None:
             self.host.transport.stop()
             self.host.transport = None
         relay.sweep_segments(self._segment_prefix)
-        if self._socket_dir is not None:
-            self._socket_dir.cleanup()
-            self._socket_dir = None
 
     async def _watch_processes(self) -> None:
         """Supervise the stage processes: restart a dead one, or give up past the limit."""
         interval = self.config.process_death_timeout_s / 4
         while True:
             await asyncio.sleep(interval)
-            dead = next((g for g, p in self.processes.items() if not p.is_alive()), None)
-            if dead is not None and not await self._restart(dead):
+            dead = self.placement.dead()
+            if dead is not None and not await self._restart(*dead):
                 return
 
-    async def _restart(self, group: str) -> bool:
-        """Fail the requests in flight, wait the backoff, respawn ``group`` until it is
-        ready; False once past the restart limit (the pipeline stays down: fatal)."""
+    async def _restart(self, endpoint: str, why: str) -> bool:
+        """Fail the requests in flight on ``endpoint``, have the placement replace it until
+        it is ready; False once past the restart limit (the pipeline stays down: fatal)."""
         assert self.coordinator is not None
-        process = self.processes[group]
-        stages = [s.name for s in self.config.stages if self.routes[s.name] == group]
-        self.down[group] = stages
-        reason = f"stage process {group!r} (stages {', '.join(stages)}; pid {process.pid}) died with exit code {process.exitcode}"
+        stages = self._stages_of(self.endpoints[endpoint])
+        self.down[endpoint] = stages
+        reason = f"stage process {endpoint!r} (stages {', '.join(stages)}; {why})"
         while True:
             now = time.monotonic()
-            restarts = self._restarts.setdefault(group, deque())
+            restarts = self._restarts.setdefault(endpoint, deque())
             while restarts and now - restarts[0] > self.config.stage_restart_window_s:
                 restarts.popleft()
             if len(restarts) >= self.config.max_stage_restarts:
@@ -236,31 +207,49 @@ class Pipeline:
             restarts.append(now)
             logger.error("%s; restarting it in %.1f s (restart %d of at most %d)", reason, backoff,
                          len(restarts), self.config.max_stage_restarts)  # fmt: skip
-            self.coordinator.fail_all(f"{reason}; restarting it", retry_after_s=backoff + 1.0)
-            await asyncio.sleep(backoff)
+            self._fail_on(endpoint, f"{reason}; restarting it", retry_after_s=backoff + 1.0)
             try:
-                await self._start_groups([group])
+                await self.placement.replace(endpoint, backoff)
             except PipelineConfigError as exc:
-                if self.processes[group].is_alive():  # timed out starting
-                    self.processes[group].kill()
-                reason = f"stage process {group!r} failed to restart: {exc}"
+                reason = f"stage process {endpoint!r} failed to restart: {exc}"
                 continue
-            self._sweep_segments_of(group)
-            del self.down[group]
-            if not self.down:
+            self._sweep_segments_of(endpoint)
+            del self.down[endpoint]
+            if self._every_group_live():
                 self.coordinator.recovered()
-            logger.info("stage process %r restarted (pid %s); serving again", group, self.processes[group].pid)
+            logger.info("stage process %r restarted; serving again", endpoint)
             return True
 
-    def _sweep_segments_of(self, group: str) -> None:
-        """Unlink the shared-memory segments the dead process of ``group`` made or was sent
+    def _every_group_live(self) -> bool:
+        return all(any(e not in self.down for e, g in self.endpoints.items() if g == group) for group in self.groups)
+
+    def _fail_on(self, endpoint: str, reason: str, retry_after_s: float) -> None:
+        """Fail the requests in flight on ``endpoint``: all of them, marking the pipeline
+        unhealthy, when its group has no live replica left; else those assigned to it."""
+        assert self.coordinator is not None and self.host is not None
+        group = self.endpoints[endpoint]
+        if not self._every_group_live() or group not in self.replicas:
+            self.coordinator.fail_all(reason, retry_after_s=retry_after_s)
+            return
+        replica = int(endpoint.rpartition("@")[2])
+        error = PipelineUnhealthyError(reason, retry_after_s)
+        for request_id, replicas in list(self.host.assignments.items()):
+            if replicas.get(group) == replica:
+                self.coordinator.on_event(StageFailed(request_id, self._stages_of(group)[0], error))
+
+    def _stages_of(self, group: str) -> list[str]:
+        """The stages of process group ``group``, in build order."""
+        return [s.name for s in self.config.stages if self.routes[s.name] == group]
+
+    def _sweep_segments_of(self, endpoint: str) -> None:
+        """Unlink the shared-memory segments the dead process ``endpoint`` made or was sent
         but never received: all belong to requests that failed with it (no request is
-        admitted before :meth:`Coordinator.recovered`, which follows)."""
-        swept = relay.sweep_segments(segment_name_prefix(self._segment_prefix, group))
-        for sender in [MAIN_GROUP, *self.groups]:
-            swept += relay.sweep_segments(segment_name_prefix(self._segment_prefix, sender, group))
+        admitted on it before it is marked live again, which follows)."""
+        swept = relay.sweep_segments(segment_name_prefix(self._segment_prefix, endpoint))
+        for sender in [MAIN_GROUP, *self.endpoints]:
+            swept += relay.sweep_segments(segment_name_prefix(self._segment_prefix, sender, endpoint))
         if swept:
-            logger.info("stage process %r: swept %d shared-memory segments it never received", group, swept)
+            logger.info("stage process %r: swept %d shared-memory segments it never received", endpoint, swept)
 
     def _give_up(self, reason: str) -> None:
         logger.critical(reason)
@@ -299,14 +288,29 @@ class Pipeline:
 
     def _dispatch(self, payload: StagePayload) -> None:
         assert self.host is not None
+        if self.replicas:
+            self.host.assign(payload.request_id, self._least_outstanding())
         self.host.send(self.topology.entry, payload, MAIN_GROUP)
+
+    def _least_outstanding(self) -> dict[str, int]:
+        """For each replicated group, its live replica with the fewest requests in flight
+        (the lowest index on a tie)."""
+        assert self.host is not None
+        choice = {}
+        for group, count in self.replicas.items():
+            load = [0] * count
+            for replicas in self.host.assignments.values():
+                load[replicas[group]] += 1
+            live = [k for k in range(count) if endpoint_name(group, k, count) not in self.down]
+            choice[group] = min(live or range(count), key=lambda k: (load[k], k))
+        return choice
 
     def _broadcast_abort(self, request_id: str) -> None:
         assert self.host is not None
         self.host.abort_local(request_id)
         if self.host.transport is not None:
-            for group in self.groups:
-                self.host.transport.send(group, "abort", request_id)
+            for endpoint in self.endpoints:
+                self.host.transport.send(endpoint, "abort", request_id)
 
     # -------------------------------------------------------------- introspection
     async def live_state(self, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -321,12 +325,12 @@ class Pipeline:
             state["coordinator.queued_bytes"] = self.coordinator.queued_bytes
         state.update({f"main.{k}": v for k, v in self.host.live_state().items()})
         if self.host.transport is not None:
-            for group in self.groups:
+            for endpoint in self.endpoints:
                 token = uuid.uuid4().hex
                 reply = self._expect(f"state:{token}")
-                self.host.transport.send(group, "state_query", token)
+                self.host.transport.send(endpoint, "state_query", token)
                 _, _, child_state = await asyncio.wait_for(reply, timeout_s)
-                state.update({f"{group}.{k}": v for k, v in child_state.items()})
+                state.update({f"{endpoint}.{k}": v for k, v in child_state.items()})
         segments = [n for n in os.listdir("/dev/shm") if n.startswith(self._segment_prefix)] if os.path.isdir("/dev/shm") else []
         if segments:
             state["shared_memory"] = segments
@@ -338,8 +342,10 @@ class Pipeline:
         return future
 
     def _on_control(self, envelope: Envelope, body: Any) -> None:
-        """Transport callback for control replies (receiver thread)."""
+        """Transport callback for control replies (receiver thread); the placement sees
+        each of them first (:meth:`Placement.on_control`)."""
         assert self.coordinator is not None
+        self.placement.on_control(envelope, body)
         if envelope.kind == "ready":
             key, value = f"ready:{body}", body
         elif envelope.kind == "state_reply":

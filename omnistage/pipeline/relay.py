@@ -1,13 +1,19 @@
 """Serialization of stage messages between processes.
 
 Control data is pickled (all processes are ours); tensors take the transport their device
-calls for, never configured:
+and the receiver's node call for, never configured. To a process on the same node:
 
 - CUDA tensors: a CUDA IPC handle (``torch.multiprocessing.reductions.reduce_tensor``);
   the receiver maps the same device memory, nothing is copied through the host.
 - CPU tensors and numpy arrays of at least ``SHM_MIN_BYTES``: one POSIX shared-memory
   segment each; the receiver copies the data out and unlinks the segment at once.
 - Smaller CPU tensors/arrays: inline in the pickle (a segment costs more than the copy).
+
+To a process on another node (Ray placement; ``shared_memory=False``) every tensor is
+inline in the message, which crosses the network once over the transport's TCP socket:
+CPU tensors as their raw bytes, CUDA tensors copied to the host and rebuilt on the same
+device index at the receiver (there is no NCCL path: see docs/ray.md for why and what that
+costs).
 
 Segments are named ``<prefix><n>`` (the transport's prefix names the sender and the
 receiver) so a pipeline can sweep the segments of messages that were never received
@@ -43,18 +49,24 @@ class RelayError(StageFailureError):
 
 
 class _Pickler(pickle.Pickler):
-    def __init__(self, file: io.BytesIO, prefix: str) -> None:
+    def __init__(self, file: io.BytesIO, prefix: str, shared_memory: bool) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.prefix = prefix
+        self.prefix, self.shared_memory = prefix, shared_memory
         self.segments: list[str] = []
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, torch.Tensor):
+            if not self.shared_memory:
+                if obj.is_cuda:
+                    return ("cuda_host", obj.device.index, *_raw(obj.detach().cpu()))
+                return ("raw_torch", *_raw(obj.detach())) if obj.nbytes >= SHM_MIN_BYTES else None
             if obj.is_cuda:
                 return ("cuda", reduce_tensor(obj))
             if obj.nbytes >= SHM_MIN_BYTES:
                 return ("shm_torch", *self._segment(obj.detach()))
-        elif isinstance(obj, np.ndarray) and obj.dtype != object and obj.nbytes >= SHM_MIN_BYTES:
+        elif (
+            self.shared_memory and isinstance(obj, np.ndarray) and obj.dtype != object and obj.nbytes >= SHM_MIN_BYTES
+        ):
             return ("shm_numpy", *self._segment(torch.from_numpy(np.ascontiguousarray(obj))))
         return None
 
@@ -70,8 +82,23 @@ class _Unpickler(pickle.Unpickler):
         if kind == "cuda":
             rebuild, args = pid[1]
             return rebuild(*args)
+        if kind == "raw_torch":
+            return _from_raw(*pid[1:])
+        if kind == "cuda_host":
+            return _from_raw(*pid[2:]).to(f"cuda:{pid[1]}")
         tensor = _from_segment(*pid[1:])
         return tensor if kind == "shm_torch" else tensor.numpy()
+
+
+def _raw(tensor: torch.Tensor) -> tuple[torch.dtype, tuple[int, ...], np.ndarray]:
+    """A CPU tensor as ``(dtype, shape, its bytes as a uint8 array)`` (any dtype, bfloat16
+    included; numpy pickles the array as one buffer)."""
+    flat = tensor.contiguous().reshape(-1)
+    return tensor.dtype, tuple(tensor.shape), flat.view(torch.uint8).numpy()
+
+
+def _from_raw(dtype: torch.dtype, shape: tuple[int, ...], data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
 def _to_segment(prefix: str, tensor: torch.Tensor) -> tuple[str, torch.dtype, tuple[int, ...]]:
@@ -98,14 +125,16 @@ def _from_segment(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torc
     return tensor
 
 
-def dumps(obj: Any, prefix: str) -> bytes:
-    """Serialize ``obj``; large CPU tensors go to segments named ``prefix<n>``.
+def dumps(obj: Any, prefix: str, *, shared_memory: bool = True) -> bytes:
+    """Serialize ``obj``; large CPU tensors go to segments named ``prefix<n>`` (CUDA tensors
+    as IPC handles), or with ``shared_memory=False`` (a receiver on another node) every
+    tensor inline.
 
     Raises:
         RelayError: ``obj`` cannot be serialized; no segment is left behind.
     """
     buffer = io.BytesIO()
-    pickler = _Pickler(buffer, prefix)
+    pickler = _Pickler(buffer, prefix, shared_memory)
     try:
         pickler.dump(obj)
     except Exception as exc:

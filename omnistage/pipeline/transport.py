@@ -1,10 +1,12 @@
 """ZMQ transport between the processes of one pipeline.
 
-Each process binds one PULL socket (``ipc://<dir>/<group>.sock``) and owns PUSH sockets to
-the others. A message is two frames: a msgpack :class:`Envelope` (msgspec) and a body
-serialized by :mod:`omnistage.pipeline.relay` (tensors by shared memory or CUDA IPC).
-ZMQ sockets are not thread-safe, so one sender thread owns the PUSH sockets and one
-receiver thread owns the PULL socket; callers on any thread only touch a queue.
+Each process binds one PULL socket (``ipc://<dir>/<group>.sock`` on one host; under Ray
+placement ``tcp://<node ip>:<free port>``) and owns PUSH sockets to the others. A message
+is two frames: a msgpack :class:`Envelope` (msgspec) and a body serialized by
+:mod:`omnistage.pipeline.relay` (tensors by shared memory or CUDA IPC to a process on the
+same node, inline in the body to one on another node). ZMQ sockets are not thread-safe, so
+one sender thread owns the PUSH sockets and one receiver thread owns the PULL socket;
+callers on any thread only touch a queue.
 """
 
 from __future__ import annotations
@@ -27,13 +29,16 @@ MAIN_GROUP = "main"  # the coordinator's process
 
 class Envelope(msgspec.Struct, array_like=True):
     """Frame 1 of a message. ``kind``: stage | abort | event | state_query | state_reply |
-    ready | startup_failed | stop. ``target``/``source``: stage names (stage messages);
-    ``request_id``: the request a stage message or event belongs to ("" for control)."""
+    ready | startup_failed | stop, and under Ray placement hello | beat | peers.
+    ``target``/``source``: stage names (stage messages); ``request_id``: the request a
+    stage message or event belongs to ("" for control); ``replicas``: the replica of each
+    replicated process group the request runs on (stage messages; empty without replicas)."""
 
     kind: str
     target: str = ""
     source: str = ""
     request_id: str = ""
+    replicas: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -51,13 +56,16 @@ class ZmqTransport:
     """Sockets of one process.
 
     Args:
-        group: this process's group name.
-        addresses: every group's PULL address.
+        group: this process's name (its process group, ``<group>@<replica>`` for a replica).
+        addresses: the PULL address of every process known so far (:meth:`set_peers`
+            replaces them).
         segment_prefix: shared-memory segment name prefix of this pipeline.
         on_message: ``on_message(envelope, body)``, called on the receiver thread.
         on_undeliverable: ``on_undeliverable(envelope, error)``, called on the receiver
             thread when a message cannot be decoded or delivered (its request fails;
             the receiver goes on).
+        bind: the address to bind (``tcp://<ip>:*`` picks a free port; :attr:`address` is
+            the one bound); default ``addresses[group]``.
     """
 
     def __init__(
@@ -67,14 +75,18 @@ class ZmqTransport:
         segment_prefix: str,
         on_message: Callable[[Envelope, Any], None],
         on_undeliverable: Callable[[Envelope, Exception], None],
+        *,
+        bind: str | None = None,
     ) -> None:
-        self.group, self.addresses = group, addresses
+        self.group, self.addresses = group, dict(addresses)
         self.segment_prefix = segment_prefix
         self.on_message, self.on_undeliverable = on_message, on_undeliverable
+        self.remote: frozenset[str] = frozenset()  # processes on another node: no shared memory
         self._context = zmq.Context()
         self._pull = self._context.socket(zmq.PULL)
-        self._pull.bind(addresses[group])
-        self._outgoing: queue.SimpleQueue[tuple[str, bytes, bytes] | None] = queue.SimpleQueue()
+        self._pull.bind(bind or addresses[group])
+        self.address: str = self._pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._outgoing: queue.SimpleQueue[tuple[str, bytes, bytes] | dict[str, str] | None] = queue.SimpleQueue()
         self._stopping = threading.Event()
         self._threads = [
             threading.Thread(target=self._send_loop, name=f"zmq-send-{group}", daemon=True),
@@ -86,16 +98,33 @@ class ZmqTransport:
             thread.start()
 
     def send(
-        self, group: str, kind: str, body: Any = None, target: str = "", source: str = "", request_id: str = ""
+        self,
+        group: str,
+        kind: str,
+        body: Any = None,
+        target: str = "",
+        source: str = "",
+        request_id: str = "",
+        replicas: dict[str, int] | None = None,
     ) -> None:
         """Thread-safe: serialize ``body`` on the calling thread and queue it for ``group``.
+        A message for a process whose address is not known (one that died under Ray
+        placement, until it rejoins) is dropped, with a debug log line: its requests have
+        failed.
 
         Raises:
             RelayError: ``body`` cannot be serialized (nothing is queued or left behind).
         """
-        header = _encode(Envelope(kind, target, source, request_id))
+        header = _encode(Envelope(kind, target, source, request_id, replicas or {}))
         prefix = segment_name_prefix(self.segment_prefix, self.group, group)
-        self._outgoing.put((group, header, relay.dumps(body, prefix)))
+        self._outgoing.put((group, header, relay.dumps(body, prefix, shared_memory=group not in self.remote)))
+
+    def set_peers(self, addresses: dict[str, str], remote: frozenset[str]) -> None:
+        """Thread-safe: replace the other processes' addresses (a process that rejoined at
+        a new address, or one that is gone) and the set of those on another node. Messages
+        queued before the call go to the old addresses."""
+        self.remote = remote
+        self._outgoing.put(dict(addresses))
 
     def stop(self) -> None:
         self._stopping.set()
@@ -107,7 +136,15 @@ class ZmqTransport:
     def _send_loop(self) -> None:
         sockets: dict[str, zmq.Socket] = {}
         while (item := self._outgoing.get()) is not None:
+            if isinstance(item, dict):
+                for group in [g for g in sockets if item.get(g) != self.addresses.get(g)]:
+                    sockets.pop(group).close(linger=0)
+                self.addresses = {**item, self.group: self.address}
+                continue
             group, header, body = item
+            if group not in self.addresses:
+                logger.debug("dropped a message for %r: its address is not known", group)
+                continue
             if group not in sockets:
                 sockets[group] = self._context.socket(zmq.PUSH)
                 sockets[group].setsockopt(zmq.LINGER, 0)

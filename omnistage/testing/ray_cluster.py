@@ -1,0 +1,106 @@
+"""A real Ray cluster on this machine, on loopback, for tests and benchmarks.
+
+Every node and port is on 127.0.0.2 (loopback: ``ray start`` replaces 127.0.0.1 by the
+host's outward address, ``ray._private.services.resolve_ip_for_localhost``, but keeps any
+other address).
+
+:class:`LocalRayCluster` runs ``ray start --head`` and any number of ``ray start
+--address`` worker nodes as child processes (each in its own session, so that one node can
+be killed alone, as a lost node), every port chosen free, every file under one temporary
+directory. Each node gets its own custom resource (``{"<name>": 1}``), so a stage pins
+itself to a node with ``resources.custom: {<name>: 1}``. :meth:`LocalRayCluster.stop`
+kills the processes it started, by their process group, and removes the directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+RAY = str(Path(sys.executable).with_name("ray"))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.2 now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.2", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RayNode:
+    name: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class LocalRayCluster:
+    """Args: ``cpus``: logical CPUs each node declares (Ray's scheduling unit, not a
+    limit on what runs there)."""
+
+    cpus: int = 4
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")))
+    nodes: dict[str, RayNode] = field(default_factory=dict)
+    port: int = 0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.2:{self.port}"
+
+    def start_head(self, name: str = "head", timeout_s: float = 60.0) -> None:
+        self.port = free_port()
+        head = ["--head", f"--port={self.port}", f"--temp-dir={self.root}", "--include-dashboard=false",
+                f"--dashboard-port={free_port()}"]  # fmt: skip
+        self._start(name, head, timeout_s)
+
+    def add_node(self, name: str, timeout_s: float = 60.0) -> None:
+        """Start a worker node that joins the head, and wait until the cluster has it."""
+        self._start(name, [f"--address={self.address}"], timeout_s)
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL every process of node ``name`` (its raylet, its workers): a lost node."""
+        node = self.nodes.pop(name)
+        _kill_group(node.process, signal.SIGKILL)
+
+    def stop(self) -> None:
+        for name in reversed(list(self.nodes)):
+            _kill_group(self.nodes.pop(name).process, signal.SIGKILL)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def _start(self, name: str, role: list[str], timeout_s: float) -> None:
+        log = self.root / f"{name}.log"
+        command = [
+            RAY, "start", "--block", *role, "--node-ip-address=127.0.0.2", f"--num-cpus={self.cpus}",
+            "--num-gpus=0", f"--resources={json.dumps({name: 1})}", "--disable-usage-stats",
+            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+            "--object-store-memory=100000000",
+        ]  # fmt: skip
+        env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+        with log.open("wb") as out:
+            process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        self.nodes[name] = RayNode(name, process, log)
+        deadline = time.monotonic() + timeout_s
+        while b"Ray runtime started" not in log.read_bytes():  # `ray start` logs it once the node runs
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"Ray node {name!r} did not start:\n{log.read_text()[-4000:]}")
+            time.sleep(0.1)
+
+
+def _kill_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)
+    except ProcessLookupError:
+        return
+    process.wait(timeout=30)
