@@ -119,9 +119,6 @@ class StageGroupActor:
         return os.getpid()
 
 
-_RemoteActor = ray.remote(StageGroupActor)
-
-
 @dataclass
 class _Incarnation:
     hello: Hello
@@ -141,6 +138,7 @@ class RayPlacement(Placement):
         self._live: dict[str, _Incarnation] = {}  # endpoint -> its current incarnation
         self._reported: set[str] = set()  # incarnations dead() has reported
         self._owns_ray = False
+        self._ray_environ: dict[str, str] = {}
         self._transport: ZmqTransport | None = None
         self._node_id = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -161,7 +159,8 @@ class RayPlacement(Placement):
             else:
                 options["address"] = config.ray_address
                 logger.info("joining the Ray cluster at %s", config.ray_address)
-            ray.init(**options)
+            self._ray_environ = {k: v for k, v in os.environ.items() if k.startswith("RAY_")}
+            ray.init(**options)  # sets RAY_* variables (e.g. RAY_AUTH_MODE), restored by stop()
             self._owns_ray = True
         self._node_id = ray.get_runtime_context().get_node_id()
         self._transport = ZmqTransport(
@@ -214,7 +213,7 @@ class RayPlacement(Placement):
                 ctx.replicas, ctx.segment_prefix, self._transport.address, self.beat_interval_s,
             )  # fmt: skip
             bundle = bundles[index]
-            self.actors[endpoint] = _RemoteActor.options(
+            self.actors[endpoint] = ray.remote(StageGroupActor).options(
                 num_cpus=bundle.get("CPU", 0.0),
                 num_gpus=bundle.get("GPU", 0.0),
                 resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
@@ -272,6 +271,9 @@ class RayPlacement(Placement):
         if self._owns_ray:
             ray.shutdown()
             self._owns_ray = False
+            for name in [k for k in os.environ if k.startswith("RAY_")]:
+                del os.environ[name]
+            os.environ.update(self._ray_environ)
 
     # --------------------------------------------------------------- control plane
     def on_control(self, envelope: Envelope, body: Any) -> None:

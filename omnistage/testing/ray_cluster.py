@@ -99,8 +99,36 @@ class LocalRayCluster:
 
 
 def _kill_group(process: subprocess.Popen[bytes], sig: int) -> None:
+    """Signal ``process``, its process group and every descendant (Ray starts its worker
+    processes in groups of their own), all at once: a node that is gone at one instant."""
+    targets = {process.pid, *_descendants(process.pid)}
+    for pid in targets:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
     try:
         os.killpg(process.pid, sig)
     except ProcessLookupError:
-        return
+        pass
     process.wait(timeout=30)
+
+
+def _descendants(root: int) -> set[int]:
+    """Process ids below ``root`` (Linux ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parent = int(stat.rpartition(")")[2].split()[1])
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found

@@ -48,13 +48,13 @@ def test_a_tensor_for_another_node_travels_inline_and_comes_back_equal():
     assert torch.equal(relay.loads(shared)["big"], big) and relay.sweep_segments(prefix) == 0
 
 
-def replicated_linear(**overrides) -> Pipeline:
+def replicated_linear(process: dict[str, str] | None = None, **overrides) -> PipelineConfig:
     """double in 2 replicas of `engine`, accumulate in 2 replicas of `vocoder`: a request's
     stream and payload from double must reach the accumulate replica it runs on."""
-    config = toy.linear_config({"double": "engine", "accumulate": "vocoder"}, **overrides)
+    config = toy.linear_config({"double": "engine", "accumulate": "vocoder", **(process or {})}, **overrides)
     for name in ("double", "accumulate"):
         config.stage(name).replicas = 2
-    return Pipeline(config)
+    return config
 
 
 async def stream(handle):
@@ -76,13 +76,13 @@ async def run_replicated(pipeline: Pipeline) -> None:
 
 
 async def test_local_replicas_split_the_load_and_keep_each_request_on_one():
-    async with replicated_linear() as pipeline:
+    async with Pipeline(replicated_linear()) as pipeline:
         assert sorted(pipeline.processes) == ["engine@0", "engine@1", "vocoder@0", "vocoder@1"]
         await run_replicated(pipeline)
 
 
 async def test_a_dead_replica_fails_only_its_requests_and_the_other_serves():
-    async with replicated_linear(stage_restart_backoff_s=5.0) as pipeline:
+    async with Pipeline(replicated_linear(stage_restart_backoff_s=5.0)) as pipeline:
         first = pipeline.submit(toy.ToyRequest("on replica 0", delay_s=1.0))
         second = pipeline.submit(toy.ToyRequest("on replica 1", delay_s=1.0))
         pipeline.processes["engine@0"].kill()
