@@ -11,6 +11,8 @@ Every settable value has a dotted *path*:
   ``args``, else the parameter's default, is the default), so resolving imports each
   factory's module. A knob whose default is a non-empty dict is a group of knobs typed by
   their defaults (``args.sampling.top_k``). The resolved config holds every knob.
+- a dict field whose default is empty (``<stage>.resources.custom``) is one value, the
+  whole mapping (``--vocoder.resources.custom '{worker: 1}'``).
 
 Topology (stage ``name``, ``factory.path``, ``next``, ``terminal``, the hooks, the stream
 edges, and the top-level ``stages``, ``entry_stage``, ``terminal_stages_fn``,
@@ -210,7 +212,7 @@ def _walk_model(model, owner, segs, topology, out) -> None:
         value = getattr(model, name)
         if isinstance(value, BaseModel):
             _walk_model(value, owner, sub, topology, out)
-        elif isinstance(value, dict):
+        elif isinstance(value, dict) and (value or sub == ("factory", "args")):
             _walk_dict(value, owner, sub, out)
         else:
             out.append(_Leaf(_join(owner, sub), owner, sub, info, value))

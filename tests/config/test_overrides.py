@@ -265,6 +265,21 @@ def test_model_args_the_factory_does_not_take_are_refused():
         resolve_config(defaults, None, [])
 
 
+def test_placement_fields_and_custom_resources_are_settable(tmp_path):
+    placement = ("--placement", "ray", "--ray_address", "10.0.0.1:6379", "--vocoder.process", "codec",
+                 "--vocoder.replicas", "2", "--vocoder.resources.custom", "{worker: 1}")  # fmt: skip
+    config = resolve_config(make_defaults(), None, cli(*placement)).config
+    assert (config.placement, config.ray_address) == ("ray", "10.0.0.1:6379")
+    vocoder = config.stage("vocoder")
+    assert (vocoder.process, vocoder.replicas, vocoder.resources.custom) == ("codec", 2, {"worker": 1.0})
+    file = tmp_path / "ray.yaml"
+    file.write_text("stages:\n  talker:\n    resources: {cpus: 2, custom: {head: 0.5}}\n")
+    resources = resolve_config(make_defaults(), file, []).config.stage("talker").resources
+    assert (resources.cpus, resources.custom) == (2.0, {"head": 0.5})
+    with pytest.raises(ConfigOverrideError, match="vocoder.resources.custom"):
+        resolve_config(make_defaults(), None, cli("--vocoder.resources.custom", "{worker: many}"))
+
+
 def test_undeclared_dict_knob_is_unknown():
     with pytest.raises(ConfigOverrideError, match="unknown config path"):
         resolve_config(make_defaults(), None, cli("--talker.factory.args.new_knob", "1"))
