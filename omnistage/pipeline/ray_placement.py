@@ -137,6 +137,7 @@ class RayPlacement(Placement):
         self.group: PlacementGroup | None = None
         self._live: dict[str, _Incarnation] = {}  # endpoint -> its current incarnation
         self._reported: set[str] = set()  # incarnations dead() has reported
+        self._replaced: list[tuple[str, str]] = []  # deaths learnt from a restart's hello
         self._owns_ray = False
         self._ray_environ: dict[str, str] = {}
         self._transport: ZmqTransport | None = None
@@ -231,6 +232,8 @@ class RayPlacement(Placement):
             ) from None
 
     def dead(self) -> tuple[str, str] | None:
+        if self._replaced:  # an incarnation that was restarted before it fell silent
+            return self._replaced.pop(0)
         now = time.monotonic()
         for endpoint, life in self._live.items():
             if life.hello.incarnation in self._reported:
@@ -291,8 +294,10 @@ class RayPlacement(Placement):
     def _on_loop(self, kind: str, body: Any) -> None:
         if kind == "hello":
             old = self._live.get(body.endpoint)
-            if old is not None and old.dead is None:
-                old.dead = f"Ray actor pid {old.hello.pid} was replaced by a restarted incarnation (pid {body.pid})"
+            if old is not None and old.hello.incarnation not in self._reported:
+                self._reported.add(old.hello.incarnation)
+                why = f"Ray actor pid {old.hello.pid} died; Ray restarted it (pid {body.pid})"
+                self._replaced.append((body.endpoint, why))
             self._live[body.endpoint] = _Incarnation(body, time.monotonic())
             self._publish_peers()
             return
