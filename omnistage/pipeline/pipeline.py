@@ -64,8 +64,12 @@ def build_topology(config: PipelineConfig) -> Topology:
 
 def _placement_class(config: PipelineConfig) -> type[Placement]:
     if config.placement == "ray":
-        from omnistage.pipeline.ray_placement import RayPlacement  # ray is an optional extra
-
+        try:
+            from omnistage.pipeline.ray_placement import RayPlacement  # ray is an optional extra
+        except ModuleNotFoundError as exc:
+            if exc.name != "ray":
+                raise
+            raise PipelineConfigError("placement: ray needs Ray: pip install 'omnistage[ray]'") from exc
         return RayPlacement
     return LocalPlacement
 

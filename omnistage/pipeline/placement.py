@@ -49,6 +49,11 @@ class PlacementContext:
     startup_timeout_s: float
     expect: Callable[[str], asyncio.Future[Any]]
 
+    @property
+    def config_class(self) -> str:
+        """Dotted path of the config's class, which a stage process rebuilds it with."""
+        return f"{type(self.config).__module__}:{type(self.config).__qualname__}"
+
 
 class Placement(ABC):
     """The processes of the process groups, behind one interface (see the module doc)."""
@@ -108,12 +113,11 @@ class LocalPlacement(Placement):
 
     async def start(self, endpoints: list[str]) -> None:
         context, ctx = multiprocessing.get_context("spawn"), self.context
-        config_class = f"{type(ctx.config).__module__}:{type(ctx.config).__qualname__}"
         ready = [ctx.expect(f"ready:{e}") for e in endpoints]
         for endpoint in endpoints:
             process = context.Process(
                 target=run_child,
-                args=(config_class, ctx.config.model_dump_json(), ctx.endpoints[endpoint], endpoint,
+                args=(ctx.config_class, ctx.config.model_dump_json(), ctx.endpoints[endpoint], endpoint,
                       self._addresses, ctx.routes, ctx.replicas, ctx.segment_prefix),  # fmt: skip
                 name=f"omnistage-{endpoint}",
                 daemon=True,

@@ -204,13 +204,12 @@ class RayPlacement(Placement):
                 f"cluster resources {ray.cluster_resources()}"
             ) from None
         assert self._transport is not None
-        config_class = f"{type(ctx.config).__module__}:{type(ctx.config).__qualname__}"
         ready = [ctx.expect(f"ready:{e}") for e in endpoints]
         for index, endpoint in enumerate(ctx.endpoints):
             if endpoint not in endpoints:
                 continue
             spec = ActorSpec(
-                config_class, ctx.config.model_dump_json(), ctx.endpoints[endpoint], endpoint, ctx.routes,
+                ctx.config_class, ctx.config.model_dump_json(), ctx.endpoints[endpoint], endpoint, ctx.routes,
                 ctx.replicas, ctx.segment_prefix, self._transport.address, self.beat_interval_s,
             )  # fmt: skip
             bundle = bundles[index]
