@@ -6,7 +6,9 @@ worker node, each its own raylet) and measures:
 
 1. ``transport``: between a process on the head node and an actor on the worker node,
    the round trip of a small control message over a ZMQ ``tcp://`` PUSH/PULL pair (the
-   transport omnistage uses) vs a Ray actor call, and the one-way cost of a CPU tensor
+   transport omnistage uses) vs a Ray actor call and vs a Ray compiled-graph channel
+   (``experimental_compile`` of a one-actor DAG: Ray's own channels), and the one-way
+   cost of a CPU tensor
    of 64 KiB .. 8 MiB sent inline in a ZMQ message (:mod:`omnistage.pipeline.relay`,
    ``shared_memory=False``) vs through Ray's object store (``ray.put`` on one node,
    ``ray.get`` on the other, which the object manager transfers between the nodes).
@@ -16,7 +18,8 @@ worker node, each its own raylet) and measures:
    ray`` (talker on the head node, codec on the worker node): TTFA at the coordinator
    (submit -> first audio chunk) and frames per second (12.5 Hz frames of the audio
    returned per second of request wall time), median over ``--requests`` sequential
-   requests after one warm-up, and the Ray/local ratios.
+   requests after one warm-up (the two pipelines run at once and take turns), and the
+   Ray/local ratios.
 
 Usage: ``python benchmarks/ray_placement.py --output benchmarks/results/ray_placement_cpu.json``
 """
@@ -36,6 +39,7 @@ from pathlib import Path
 import ray
 import torch
 import zmq
+from ray.dag import InputNode
 
 from omnistage.core.payloads import AudioChunk
 from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
@@ -79,6 +83,9 @@ class Echo:
     def ping(self) -> bytes:
         return b"k"
 
+    def echo(self, body: bytes) -> bytes:
+        return body
+
     def take(self, refs: list[ray.ObjectRef]) -> int:
         return ray.get(refs[0]).nbytes
 
@@ -105,10 +112,15 @@ def measure_transport(repeats: int) -> dict:
         return times
 
     small = relay.dumps(("abort", "req-0123456789ab"), "unused_")
+    with InputNode() as source:
+        graph = echo.echo.bind(source).experimental_compile()
+    channel = [_timed(lambda: ray.get(graph.execute(small))) for _ in range(repeats)]
+    graph.teardown()
     out: dict = {
         "control_round_trip_ms": {
             "zmq_tcp": _ms(zmq_round_trips(small, decode=True)),
             "ray_actor_call": _ms([_timed(lambda: ray.get(echo.ping.remote())) for _ in range(repeats)]),
+            "ray_compiled_graph_channel": _ms(channel),
         },
         "tensor_one_way_ms": {},
     }
@@ -136,28 +148,43 @@ def _ms(times: list[float]) -> dict:
     return {"p50": round(statistics.median(times) * 1000, 3), "min": round(min(times) * 1000, 3)}
 
 
-async def measure_pipeline(config: Qwen3TTSPipelineConfig, requests: int, frames: int) -> dict:
-    build = config.speech_request
-    async with Pipeline(config) as pipeline:
-        ttfa, fps = [], []
+async def one_request(pipeline: Pipeline, config: Qwen3TTSPipelineConfig, seed: int, frames: int) -> tuple[float, float]:
+    """``(TTFA s, frames per s)`` of one streamed request."""
+    speech = config.speech_request(input="Hello there, this is a benchmark.", voice="aiden", seed=seed, max_new_tokens=frames)
+    request = config.build_request(speech, MediaPolicy())
+    start = time.perf_counter()
+    handle = pipeline.submit(request)
+    first, samples = None, 0
+    async for chunk in handle.stream():
+        if isinstance(chunk.data, AudioChunk):
+            first = time.perf_counter() - start if first is None else first
+            samples += len(chunk.data.samples)
+    await handle.result()
+    assert first is not None
+    return first, samples / FRAME_SAMPLES / (time.perf_counter() - start)
+
+
+async def measure_pipelines(configs: dict[str, Qwen3TTSPipelineConfig], requests: int, frames: int) -> dict:
+    """Both pipelines run at once and take turns, one request each, so that the load of a
+    shared machine falls on both alike; the first round warms up."""
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
+    pipelines = {name: Pipeline(config) for name, config in configs.items()}
+    for pipeline in pipelines.values():
+        await pipeline.start()
+    try:
         for n in range(requests + 1):
-            request = config.build_request(
-                build(input="Hello there, this is a benchmark.", voice="aiden", seed=7 + n, max_new_tokens=frames),
-                MediaPolicy(),
-            )
-            start = time.perf_counter()
-            handle = pipeline.submit(request)
-            first, samples = None, 0
-            async for chunk in handle.stream():
-                if isinstance(chunk.data, AudioChunk) and first is None:
-                    first = time.perf_counter() - start
-                samples += len(chunk.data.samples) if isinstance(chunk.data, AudioChunk) else 0
-            await handle.result()
-            wall = time.perf_counter() - start
-            if n:  # the first request warms up
-                ttfa.append(first)
-                fps.append(samples / FRAME_SAMPLES / wall)
-    return {"ttfa_ms_p50": round(statistics.median(ttfa) * 1000, 1), "frames_per_s_p50": round(statistics.median(fps), 2)}
+            for name, pipeline in pipelines.items():
+                measured = await one_request(pipeline, configs[name], 7 + n, frames)
+                if n:
+                    runs[name].append(measured)
+    finally:
+        for pipeline in pipelines.values():
+            await pipeline.stop()
+    return {
+        name: {"ttfa_ms_p50": round(statistics.median(t for t, _ in run) * 1000, 1),
+               "frames_per_s_p50": round(statistics.median(f for _, f in run), 2)}
+        for name, run in runs.items()
+    }  # fmt: skip
 
 
 def placed(config: Qwen3TTSPipelineConfig, placement: str, address: str) -> Qwen3TTSPipelineConfig:
@@ -188,8 +215,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as root:
             path = write_random_checkpoint(Path(root) / "custom_voice", "tiny", "custom_voice", seed=0)
             config = Qwen3TTSPipelineConfig.for_model_path(str(path))
-            local = asyncio.run(measure_pipeline(placed(config, "local", cluster.address), args.requests, args.frames))
-            on_ray = asyncio.run(measure_pipeline(placed(config, "ray", cluster.address), args.requests, args.frames))
+            configs = {"local": placed(config, "local", cluster.address), "ray": placed(config, "ray", cluster.address)}
+            measured = asyncio.run(measure_pipelines(configs, args.requests, args.frames))
+            local, on_ray = measured["local"], measured["ray"]
         ray.init(address=cluster.address, log_to_driver=False)
         transport = measure_transport(args.repeats)
         ray.shutdown()
