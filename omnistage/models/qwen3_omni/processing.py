@@ -351,15 +351,8 @@ class Qwen3OmniProcessor:
         """Patches of one sampled video in the Qwen2-VL layout: ``([t*h*w, 1536] float32,
         (t, h, w))``, ``t = T / temporal_patch_size`` (the last frame repeated to fill)."""
         ip = self.image_processor
-        p, m, tp = ip.patch_size, ip.merge_size, ip.temporal_patch_size
-        height, width = video.frames.shape[1:3]
-        h, w = smart_resize(
-            height,
-            width,
-            factor=p * m,
-            min_pixels=self.video.min_pixels,
-            max_pixels=self.video.max_pixels,
-        )
+        p, tp = ip.patch_size, ip.temporal_patch_size
+        h, w = self._video_size(video)
         frames = np.stack(
             [
                 np.asarray(Image.fromarray(f).resize((w, h), Image.Resampling.BICUBIC))
@@ -372,9 +365,27 @@ class Qwen3OmniProcessor:
         x = ((frames.astype(np.float32) * np.float32(ip.rescale_factor) - mean) / std).transpose(
             0, 3, 1, 2
         )
-        t, gh, gw = len(frames) // tp, h // p, w // p
+        t, gh, gw = self._video_grid(video)
+        m = ip.merge_size
         x = x.reshape(t, tp, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
         return torch.from_numpy(np.ascontiguousarray(x).reshape(t * gh * gw, -1)), (t, gh, gw)
+
+    def _video_size(self, video: DecodedVideo) -> tuple[int, int]:
+        """``(height, width)`` the frames are resized to (multiples of patch x merge)."""
+        ip = self.image_processor
+        height, width = video.frames.shape[1:3]
+        return smart_resize(
+            height, width, factor=ip.patch_size * ip.merge_size,
+            min_pixels=self.video.min_pixels, max_pixels=self.video.max_pixels,
+        )  # fmt: skip
+
+    def _video_grid(self, video: DecodedVideo) -> tuple[int, int, int]:
+        """The video's patch grid ``(t, h, w)``: ``t`` temporal patches (the last frame
+        repeated to fill one), ``h`` x ``w`` patches a frame."""
+        ip = self.image_processor
+        h, w = self._video_size(video)
+        t = -(-len(video.frames) // ip.temporal_patch_size)
+        return t, h // ip.patch_size, w // ip.patch_size
 
     # -- messages -> inputs
 
@@ -386,47 +397,21 @@ class Qwen3OmniProcessor:
                 item the chat template did not place, naming the field.
         """
         parts = [p for m in messages for p in m.parts]
-        audios = [p for p in parts if p.kind == "audio" or (p.kind == "video" and p.use_audio)]
-        for part in audios:
-            samples = part.audio if part.kind == "audio" else part.video.audio
-            if samples is None or len(samples) < self.feature_extractor.hop_length:
-                raise RequestValidationError(
-                    f"{part.param}: audio shorter than 10 ms", param=part.param
-                )
+        audios = self._audios(parts)
         features, frames = (
-            self.audio_features([p.audio if p.kind == "audio" else p.video.audio for p in audios])
-            if audios
-            else (None, torch.zeros(0, dtype=torch.int64))
+            self.audio_features(audios) if audios else (None, torch.zeros(0, dtype=torch.int64))
         )
-        audio_tokens = iter(output_lengths(frames, self.audio_config).tolist())
         images = [p.image for p in parts if p.kind == "image"]
         pixels, grids = (
             self.image_patches(images) if images else (None, torch.zeros(0, 3, dtype=torch.int64))
         )
-        image_tokens = iter((grids.prod(-1) // self.image_processor.merge_size**2).tolist())
         videos = [p for p in parts if p.kind == "video"]
         patches = [self.video_patches(p.video) for p in videos]
         seconds = [self.image_processor.temporal_patch_size / p.video.fps for p in videos]
-        expansions = []
-        for part in parts:
-            if part.kind == "audio":
-                expansions.append(("audio", _PADS["audio"] * next(audio_tokens)))
-            elif part.kind == "image":
-                expansions.append(("image", _PADS["image"] * next(image_tokens)))
-            elif part.kind == "video":
-                index = videos.index(part)
-                grid = patches[index][1]
-                audio = next(audio_tokens) if part.use_audio else None
-                expansions.append(("video", self._video_pads(grid, seconds[index], audio)))
-        text = self.tokenizer.apply_chat_template(
-            [_hf_message(m) for m in messages],
-            chat_template=self.chat_template,
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        ids = self.tokenizer(_expand(text, expansions, parts), add_special_tokens=False)[
-            "input_ids"
-        ]
+        ids = self._prompt_ids(
+            messages, output_lengths(frames, self.audio_config).tolist(),
+            (grids.prod(-1) // self.image_processor.merge_size**2).tolist(), [g for _, g in patches],
+        )  # fmt: skip
         return ThinkerInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64),
             audio_features=features,
@@ -438,6 +423,74 @@ class Qwen3OmniProcessor:
             video_second_per_grid=torch.tensor(seconds, dtype=torch.float32),
             use_audio_in_video=tuple(p.use_audio for p in videos),
         )
+
+    def prompt_ids(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """The thinker prompt's ids, ``self(messages).input_ids``, from the template and each
+        media item's size alone (audio samples, image and frame pixels, frame count),
+        without extracting a feature: what the request boundary counts against the thinker's
+        ``max_model_len`` before any model work. Placeholder counts: an audio's mel frames
+        are ``min(ceil(samples / hop_length), longest // hop_length)`` (the feature
+        extractor's attention mask, the prompt's audios padded to the longest, whose STFT
+        keeps ``longest // hop_length`` frames), its tokens :func:`~.modeling.audio_encoder.output_lengths` of them; an image's are the
+        image processor's ``get_number_of_image_patches / merge_size**2``; a video's its
+        grid's (:meth:`_video_pads`).
+
+        Raises:
+            RequestValidationError: as :meth:`__call__`.
+        """
+        parts = [p for m in messages for p in m.parts]
+        hop, ip = self.feature_extractor.hop_length, self.image_processor
+        lengths = [len(a) for a in self._audios(parts)]
+        longest = max(lengths, default=0)
+        frames = torch.tensor([min(-(-n // hop), longest // hop) for n in lengths], dtype=torch.int64)
+        images = [p.image for p in parts if p.kind == "image"]
+        image_tokens = [ip.get_number_of_image_patches(i.height, i.width) // ip.merge_size**2 for i in images]
+        grids = [self._video_grid(p.video) for p in parts if p.kind == "video"]
+        return self._prompt_ids(messages, output_lengths(frames, self.audio_config).tolist(), image_tokens, grids)
+
+    def _audios(self, parts: list[ChatPart]) -> list[np.ndarray]:
+        """The prompt's audios in order (message audios, video audio tracks asked for).
+
+        Raises: RequestValidationError: one is shorter than 10 ms (one mel frame)."""
+        audios = []
+        for part in parts:
+            if part.kind == "audio" or (part.kind == "video" and part.use_audio):
+                samples = part.audio if part.kind == "audio" else part.video.audio
+                if samples is None or len(samples) < self.feature_extractor.hop_length:
+                    raise RequestValidationError(f"{part.param}: audio shorter than 10 ms", param=part.param)
+                audios.append(samples)
+        return audios
+
+    def _prompt_ids(
+        self,
+        messages: Sequence[ChatMessage],
+        audio_tokens: list[int],
+        image_tokens: list[int],
+        video_grids: list[tuple[int, int, int]],
+    ) -> list[int]:
+        """Render the template, expand each item's placeholder by its token count (per
+        audio, in prompt order including videos' audio tracks; per image; per video grid)
+        and tokenize. Raises: RequestValidationError: a media item the template did not
+        place."""
+        parts = [p for m in messages for p in m.parts]
+        audio, image, video = iter(audio_tokens), iter(image_tokens), iter(video_grids)
+        expansions = []
+        for part in parts:
+            if part.kind == "audio":
+                expansions.append(("audio", _PADS["audio"] * next(audio)))
+            elif part.kind == "image":
+                expansions.append(("image", _PADS["image"] * next(image)))
+            elif part.kind == "video":
+                seconds = self.image_processor.temporal_patch_size / part.video.fps
+                tokens = next(audio) if part.use_audio else None
+                expansions.append(("video", self._video_pads(next(video), seconds, tokens)))
+        text = self.tokenizer.apply_chat_template(
+            [_hf_message(m) for m in messages],
+            chat_template=self.chat_template,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return self.tokenizer(_expand(text, expansions, parts), add_special_tokens=False)["input_ids"]
 
     def _video_pads(
         self, grid: tuple[int, int, int], second_per_grid: float, audio_tokens: int | None

@@ -191,3 +191,27 @@ def test_a_video_with_its_audio_puts_both_in_the_prompt(processor) -> None:
     assert processor.tokenizer.decode(ids[start : end + 1]) == processor._video_pads(
         (t, h, w), 1.0, 13
     )
+
+
+def test_prompt_ids_from_media_sizes_alone_equal_the_processed_prompt(processor) -> None:
+    """What the request boundary counts (no feature extracted) is the prompt the
+    preprocessing stage makes, for odd audio lengths, odd image sizes and videos with an
+    odd frame count, with and without their audio."""
+    rng = np.random.default_rng(0)
+    frames = rng.integers(0, 255, (5, 45, 70, 3), dtype=np.uint8)
+    clip = lambda n: rng.standard_normal(n).astype(np.float32) * 0.1  # noqa: E731
+    image = lambda h, w: Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8))  # noqa: E731
+    cases = [
+        _messages(),
+        [ChatMessage("user", (ChatPart("audio", audio=clip(16001)), ChatPart("audio", audio=clip(201)),
+                              ChatPart("audio", audio=clip(48_037)), ChatPart("text", text="Hm?")))],
+        [ChatMessage("user", (ChatPart("image", image=image(37, 91)), ChatPart("image", image=image(300, 17)),
+                              ChatPart("text", text="Two.")))],
+        [ChatMessage("user", (ChatPart("video", video=DecodedVideo(frames, fps=2.0)),
+                              ChatPart("text", text="And?")))],
+        [ChatMessage("user", (ChatPart("audio", audio=clip(3_333)),
+                              ChatPart("video", video=DecodedVideo(frames, fps=1.5, audio=clip(20_011)), use_audio=True),
+                              ChatPart("image", image=image(64, 64)), ChatPart("text", text="All.")))],
+    ]  # fmt: skip
+    for messages in cases:
+        assert processor.prompt_ids(messages) == processor(messages).input_ids.tolist()
