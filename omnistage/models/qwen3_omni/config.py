@@ -19,13 +19,17 @@ import torch
 from PIL import Image
 
 from omnistage.config.pipeline import FactoryConfig, StageConfig
-from omnistage.models.qwen3_omni.modeling.config import load_config
+from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig, load_config
 from omnistage.models.qwen3_omni.modeling.model import LoadFormat
 from omnistage.models.qwen3_omni.payload_types import OmniSampling, Qwen3OmniRequest
-from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart
+from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import RANDOM_CHECKPOINT
-from omnistage.models.qwen3_omni.request_builders import Qwen3OmniChatRequest, build_chat_request
-from omnistage.models.qwen3_omni.stages import SAMPLE_RATE
+from omnistage.models.qwen3_omni.request_builders import (
+    ChatLimits,
+    Qwen3OmniChatRequest,
+    build_chat_request,
+)
+from omnistage.models.qwen3_omni.stages import MAX_MODEL_LEN, SAMPLE_RATE
 from omnistage.serve.chat_media import ChatTurn
 from omnistage.serve.chat_protocol import ChatCapabilities
 from omnistage.serve.model import ChatModelConfig
@@ -155,8 +159,21 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
         )  # fmt: skip
 
     def build_request(self, request: Qwen3OmniChatRequest, turns: tuple[ChatTurn, ...]) -> Qwen3OmniRequest:
+        """Raises: RequestValidationError: also a prompt + reply (or speech) over the thinker
+        (talker) stage's ``max_model_len``, counted from token ids and the media's sizes."""
         assert self.model_path is not None
-        return build_chat_request(request, turns, _speakers(self.model_path), DEFAULT_MAX_TOKENS)
+        return build_chat_request(
+            request, turns, _processor(self.model_path), _config(self.model_path), self._limits()
+        )
+
+    def _limits(self) -> ChatLimits:
+        """The thinker and talker stages' ``max_model_len`` (the factory's default unless
+        the config sets it)."""
+
+        def max_model_len(stage: str) -> int:
+            return int(self.stage(stage).factory.args.get("max_model_len", MAX_MODEL_LEN))
+
+        return ChatLimits(DEFAULT_MAX_TOKENS, max_model_len("thinker"), max_model_len("talker"))
 
     def sample_requests(self) -> list[Qwen3OmniChatRequest]:
         """A 4-token reply spoken in 4 frames at most (the warm-up runs every stage but the
@@ -170,10 +187,23 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
 
 
 @lru_cache(maxsize=8)
+def _config(model_path: str) -> Qwen3OmniConfig:
+    """The checkpoint's config. Raises: CheckpointConfigError naming the field."""
+    return load_config(model_path)
+
+
+@lru_cache(maxsize=8)
+def _processor(model_path: str) -> Qwen3OmniProcessor:
+    """The preprocessing stage's processor (tokenizer, template, feature sizes), for the
+    request boundary's count."""
+    return Qwen3OmniProcessor.from_checkpoint(model_path, _config(model_path).thinker.audio)
+
+
+@lru_cache(maxsize=8)
 def _speakers(model_path: str) -> tuple[str, ...]:
     """The talker config's speaker names (lower case), in its order. Raises:
     CheckpointConfigError naming the field."""
-    talker = load_config(model_path).talker
+    talker = _config(model_path).talker
     assert talker is not None  # for_model_path refuses a checkpoint without one
     return tuple(talker.speaker_id)
 

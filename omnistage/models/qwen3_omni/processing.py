@@ -393,7 +393,7 @@ class Qwen3OmniProcessor:
         """Render the template, extract every item's features and expand its placeholder.
 
         Raises:
-            RequestValidationError: an audio shorter than 10 ms (one mel frame), or a media
+            RequestValidationError: an audio shorter than 12.6 ms (:meth:`_audios`), or a media
                 item the chat template did not place, naming the field.
         """
         parts = [p for m in messages for p in m.parts]
@@ -451,13 +451,19 @@ class Qwen3OmniProcessor:
     def _audios(self, parts: list[ChatPart]) -> list[np.ndarray]:
         """The prompt's audios in order (message audios, video audio tracks asked for).
 
-        Raises: RequestValidationError: one is shorter than 10 ms (one mel frame)."""
+        Raises: RequestValidationError: one has fewer than ``n_fft // 2 + 1`` samples (201:
+        12.6 ms; the STFT's reflect padding of the longest audio needs more samples than
+        half a window, and one mel frame needs 10 ms)."""
+        least = max(self.feature_extractor.hop_length, self.feature_extractor.n_fft // 2 + 1)
         audios = []
         for part in parts:
             if part.kind == "audio" or (part.kind == "video" and part.use_audio):
                 samples = part.audio if part.kind == "audio" else part.video.audio
-                if samples is None or len(samples) < self.feature_extractor.hop_length:
-                    raise RequestValidationError(f"{part.param}: audio shorter than 10 ms", param=part.param)
+                if samples is None or len(samples) < least:
+                    raise RequestValidationError(
+                        f"{part.param}: audio shorter than {1000 * least / SAMPLE_RATE:.1f} ms ({least} samples at 16 kHz)",
+                        param=part.param,
+                    )
                 audios.append(samples)
         return audios
 

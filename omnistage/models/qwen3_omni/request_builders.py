@@ -6,13 +6,22 @@ from __future__ import annotations
 
 import math
 import secrets
+from dataclasses import dataclass
 
+import torch
 from PIL import Image
 from pydantic import Field
 
 from omnistage.core.errors import RequestValidationError
+from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig
+from omnistage.models.qwen3_omni.modeling.prompt import talker_prompt_length
 from omnistage.models.qwen3_omni.payload_types import OmniSampling, Qwen3OmniRequest, TalkerSampling
-from omnistage.models.qwen3_omni.processing import SAMPLE_RATE, ChatMessage, ChatPart
+from omnistage.models.qwen3_omni.processing import (
+    SAMPLE_RATE,
+    ChatMessage,
+    ChatPart,
+    Qwen3OmniProcessor,
+)
 from omnistage.serve.chat_media import ChatAudio, ChatContent, ChatImage, ChatText, ChatTurn
 from omnistage.serve.chat_protocol import ChatCompletionRequest
 from omnistage.serve.media import resample
@@ -36,20 +45,45 @@ class Qwen3OmniChatRequest(ChatCompletionRequest):
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class ChatLimits:
+    """What one request may ask of the pipeline, checked before any model work.
+
+    Attributes:
+        default_max_tokens: the reply cap of a request that sets none.
+        thinker_max_model_len: the thinker stage's ``max_model_len`` (prompt + reply tokens).
+        talker_max_model_len: the talker stage's (its prompt + speech frames).
+    """
+
+    default_max_tokens: int
+    thinker_max_model_len: int
+    talker_max_model_len: int
+
+
 def build_chat_request(
-    req: Qwen3OmniChatRequest, turns: tuple[ChatTurn, ...], speakers: tuple[str, ...], default_max_tokens: int
+    req: Qwen3OmniChatRequest,
+    turns: tuple[ChatTurn, ...],
+    processor: Qwen3OmniProcessor,
+    config: Qwen3OmniConfig,
+    limits: ChatLimits,
 ) -> Qwen3OmniRequest:
     """The pipeline's request: the turns' text and audio (resampled to the feature
-    extractor's 16 kHz) as :class:`ChatMessage` s, the speaker, sampling and caps.
+    extractor's 16 kHz) as :class:`ChatMessage` s, the speaker (the first of the talker
+    config's when the request names none), sampling and caps, checked against the thinker
+    and talker stages' ``max_model_len`` as their engines count (:func:`check_lengths`).
 
     Sampling: unset ``temperature`` is greedy (0), unset ``top_p`` 1 and ``top_k`` 0 (off),
     as the reference serving system's thinker; an unset ``seed`` of a sampled request is
     drawn at random (a greedy request uses 0: it reads no random numbers).
 
+    ``max_audio_seconds`` becomes ``ceil(seconds x 12.5)`` talker frames (a float's
+    rounding below a whole frame forgiven: 0.56 s is 7 frames).
+
     Raises:
         RequestValidationError: video content (``messages.<i>.content.<j>``: its frames
             are not decoded in the decoder pool yet; the framework refuses it first, from
-            the capabilities), or an audio shorter than one mel frame.
+            the capabilities), an audio too short for the feature extractor, or a request
+            over a stage's ``max_model_len`` (:func:`check_lengths`).
     """
     messages = tuple(ChatMessage(turn.role, tuple(_part(p) for p in turn.parts)) for turn in turns)
     temperature = 0.0 if req.temperature is None else req.temperature
@@ -61,14 +95,59 @@ def build_chat_request(
     frames = (
         DEFAULT_MAX_AUDIO_FRAMES
         if req.max_audio_seconds is None
-        else max(1, math.ceil(req.max_audio_seconds * FRAMES_PER_SECOND))
+        else max(1, math.ceil(req.max_audio_seconds * FRAMES_PER_SECOND - 1e-6))
     )
-    speaker = req.audio.voice.lower() if req.audio is not None else speakers[0]
+    max_tokens = req.completion_cap or limits.default_max_tokens
+    check_lengths(req, processor.prompt_ids(messages), max_tokens, frames, config, limits)
+    assert config.talker is not None  # the pipeline speaks (for_model_path refuses otherwise)
+    speaker = req.audio.voice.lower() if req.audio is not None else next(iter(config.talker.speaker_id))
     return Qwen3OmniRequest(
         messages, req.audio_output, speaker, sampling,
-        max_tokens=req.completion_cap or default_max_tokens, max_audio_frames=frames, stream=req.stream,
+        max_tokens=max_tokens, max_audio_frames=frames, stream=req.stream,
         talker_sampling=talker_sampling_of(sampling),
     )  # fmt: skip
+
+
+def check_lengths(
+    req: Qwen3OmniChatRequest, prompt_ids: list[int], max_tokens: int, frames: int,
+    config: Qwen3OmniConfig, limits: ChatLimits,
+) -> None:
+    """Refuse a request the thinker or talker engine could not take: the thinker prompt
+    (``prompt_ids``, media placeholders expanded) + ``max_tokens`` over the thinker stage's
+    ``max_model_len``, or for a spoken reply the talker's prompt
+    (:func:`~.modeling.prompt.talker_prompt_length`) + ``frames`` over the talker stage's:
+    what each engine checks when the request reaches it, decided here before any model work.
+
+    Raises:
+        RequestValidationError: on ``max_tokens`` (``max_completion_tokens`` when that is
+            what the request set) or ``max_audio_seconds`` when a smaller value fits (the
+            message says the most that does), else on ``messages`` (the prompt alone
+            leaves no room).
+    """  # fmt: skip
+    prompt, limit = len(prompt_ids), limits.thinker_max_model_len
+    if prompt + max_tokens > limit:
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        asked = f"{field} {max_tokens}" if req.completion_cap is not None else f"the default max_tokens {max_tokens}"
+        where = f"the prompt takes {prompt} positions (media placeholders included), and prompt + reply are at most {limit} (the thinker stage's max_model_len)"
+        if prompt < limit:
+            raise RequestValidationError(f"{asked} is too many for this prompt: {where}; ask for at most {limit - prompt}", param=field)
+        raise RequestValidationError(f"messages are too long for this server: {where}; shorten them", param="messages")
+    if not req.audio_output:
+        return
+    talker, limit = talker_prompt_length(torch.tensor(prompt_ids), config), limits.talker_max_model_len
+    if talker + frames > limit:
+        asked = (
+            f"max_audio_seconds {req.max_audio_seconds:g} ({frames} frames)" if req.max_audio_seconds is not None
+            else f"the default speech cap of {frames} frames (max_audio_seconds unset)"
+        )
+        where = f"the talker's prompt takes {talker} positions, and prompt + speech frames are at most {limit} (the talker stage's max_model_len)"
+        if talker < limit:
+            most = limit - talker
+            raise RequestValidationError(
+                f"{asked} is too long for this prompt: {where}; ask for at most {most} frames "
+                f"(max_audio_seconds {most / FRAMES_PER_SECOND:g})", param="max_audio_seconds",
+            )
+        raise RequestValidationError(f"messages are too long for a spoken reply: {where}; shorten them", param="messages")  # fmt: skip
 
 
 def talker_sampling_of(sampling: OmniSampling) -> TalkerSampling:
@@ -82,9 +161,7 @@ def _part(part: ChatContent) -> ChatPart:
     if isinstance(part, ChatText):
         return ChatPart("text", text=part.text, param=part.param)
     if isinstance(part, ChatAudio):
-        samples = resample(part.samples, part.sample_rate, SAMPLE_RATE)
-        if len(samples) < SAMPLE_RATE // 100:
-            raise RequestValidationError(f"{part.param}: audio shorter than 10 ms", param=part.param)
+        samples = resample(part.samples, part.sample_rate, SAMPLE_RATE)  # length: checked by prompt_ids
         return ChatPart("audio", audio=samples, param=part.param)
     if isinstance(part, ChatImage):
         return ChatPart("image", image=Image.fromarray(part.rgb, "RGB"), param=part.param)

@@ -366,11 +366,16 @@ def talker_graph_sampling(talker: Talker) -> tuple[tuple[SamplingParams, Samplin
     return tuple(talker_sampling_params(talker, t, 0) for t in common)
 
 
+#: The thinker and talker stages' default ``max_model_len`` (prompt + generated positions of
+#: one request); the request boundary checks against each stage's own value.
+MAX_MODEL_LEN = 8192
+
+
 def create_thinker_stage(
     ctx: StageBuildContext,
     max_num_seqs: int = 16,
     kv_cache_bytes: int = 256 << 20,
-    max_model_len: int = 8192,
+    max_model_len: int = MAX_MODEL_LEN,
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
 ) -> ARScheduler:
@@ -586,7 +591,7 @@ def create_talker_stage(
     ctx: StageBuildContext,
     max_num_seqs: int = 16,
     kv_cache_bytes: int = 256 << 20,
-    max_model_len: int = 8192,
+    max_model_len: int = MAX_MODEL_LEN,
     talker_start_tokens: int = 2,
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,

@@ -14,7 +14,11 @@ from omnistage.models.qwen3_omni.modeling.mrope import (
     MultimodalLayout,
     prompt_positions,
 )
-from omnistage.models.qwen3_omni.modeling.prompt import ThinkerRows, build_talker_prompt
+from omnistage.models.qwen3_omni.modeling.prompt import (
+    ThinkerRows,
+    build_talker_prompt,
+    talker_prompt_length,
+)
 from omnistage.models.qwen3_omni.random_checkpoint import build_config_dict
 
 CONFIG = Qwen3OmniConfig.from_dict(build_config_dict("tiny"))
@@ -113,5 +117,6 @@ def test_talker_prompt_layout(loaded) -> None:
                                      rows_for(chat, [7, 8, 9, 10]), "Chelsie")  # fmt: skip
     user_rows = 7  # <|im_start|> user \n 5 6 <|im_end|> \n
     assert prompt.prefill.shape == (user_rows + 9, 32)
+    assert talker_prompt_length(torch.tensor(chat), loaded.config) == user_rows + 9  # what the boundary counts
     assert prompt.step_rows.shape == (3, 32)  # tokens 8 and 9 (10 was never fed), then tts_eos
     assert prompt.positions.positions.shape == (3, user_rows + 9) and prompt.positions.delta == 0

@@ -164,12 +164,16 @@ def test_bad_media_name_the_field(processor) -> None:
     assert error.value.param == "messages[0].content[2].video_url"
     with pytest.raises(RequestValidationError, match="no audio stream"):
         decode_video(_video_file(8, 10, with_audio=False), "video", with_audio=True)
-    short = ChatPart(
-        "audio", audio=np.zeros(100, np.float32), param="messages[0].content[1].input_audio"
-    )
-    with pytest.raises(RequestValidationError, match="shorter than 10 ms") as error:
-        processor([ChatMessage("user", (short,))])
-    assert error.value.param == "messages[0].content[1].input_audio"
+    for samples in (100, 200):  # 200: one mel frame, but under the STFT's reflect padding
+        short = ChatPart(
+            "audio", audio=np.zeros(samples, np.float32), param="messages[0].content[1].input_audio"
+        )
+        for count in (processor, processor.prompt_ids):
+            with pytest.raises(RequestValidationError, match=r"shorter than 12.6 ms \(201 samples") as error:
+                count([ChatMessage("user", (short,))])
+            assert error.value.param == "messages[0].content[1].input_audio"
+    shortest = ChatPart("audio", audio=np.zeros(201, np.float32))
+    assert processor([ChatMessage("user", (shortest,))]).audio_frames.tolist() == [1]
 
 
 def test_a_video_with_its_audio_puts_both_in_the_prompt(processor) -> None:

@@ -34,7 +34,7 @@ from omnistage.models.qwen3_omni.modeling.mrope import (
 )
 from omnistage.models.qwen3_omni.modeling.talker import Talker
 
-__all__ = ["TalkerPrompt", "ThinkerRows", "build_talker_prompt"]
+__all__ = ["TalkerPrompt", "ThinkerRows", "build_talker_prompt", "talker_prompt_length"]
 
 TAIL_ROWS = 9
 
@@ -79,6 +79,13 @@ def _user_mask(ids: torch.Tensor, config: Qwen3OmniConfig) -> torch.Tensor:
     starts = torch.where(ids == config.im_start_id, index, torch.full_like(index, -1))
     latest = torch.cummax(starts, dim=0).values.clamp_min(0)
     return ids[(latest + 1).clamp_max(n - 1)] == config.user_id
+
+
+def talker_prompt_length(prompt_ids: torch.Tensor, config: Qwen3OmniConfig) -> int:
+    """Rows of the talker's prefill for the thinker prompt ``prompt_ids`` ``[L] int64``
+    (:func:`build_talker_prompt`'s ``prefill``): its user turns' tokens and the
+    :data:`TAIL_ROWS` of the assistant tail."""
+    return int(_user_mask(prompt_ids, config).sum()) + TAIL_ROWS
 
 
 def build_talker_prompt(
