@@ -149,11 +149,11 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
 
     def capabilities(self) -> ChatCapabilities:
         """Text, images and audio in (video: its frames are not decoded in the decoder pool
-        yet); speech in the talker config's speakers; the thinker's ``max_tokens`` limits."""
+        yet); speech in the talker config's speakers (its voices); the thinker's ``max_tokens`` limits."""
         assert self.model_path is not None
         return ChatCapabilities(
             model_names=(Path(self.model_path).name, "qwen3-omni"), model_type="qwen3_omni",
-            input_modalities=frozenset({"text", "image", "audio"}), audio_output=True, voices=_speakers(self.model_path),
+            input_modalities=frozenset({"text", "image", "audio"}), audio_output=True, voices=_voices(self.model_path),
             sample_rate=SAMPLE_RATE, supported_fields=frozenset({"top_k", "seed", "max_audio_seconds"}),
             max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=DEFAULT_MAX_TOKENS,
         )  # fmt: skip
@@ -179,10 +179,10 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
         """A 4-token reply spoken in 4 frames at most (the warm-up runs every stage but the
         audio encoder)."""
         assert self.model_path is not None
-        speaker = _speakers(self.model_path)[0]
+        voice = _voices(self.model_path)[0]
         return [Qwen3OmniChatRequest(
             messages=[{"role": "user", "content": "Hello."}], modalities=["text", "audio"],
-            audio={"voice": speaker, "format": "wav"}, max_tokens=4, max_audio_seconds=4 / 12.5,
+            audio={"voice": voice, "format": "wav"}, max_tokens=4, max_audio_seconds=4 / 12.5,
         )]  # fmt: skip
 
 
@@ -200,8 +200,8 @@ def _processor(model_path: str) -> Qwen3OmniProcessor:
 
 
 @lru_cache(maxsize=8)
-def _speakers(model_path: str) -> tuple[str, ...]:
-    """The talker config's speaker names (lower case), in its order. Raises:
+def _voices(model_path: str) -> tuple[str, ...]:
+    """The voices: the talker config's speaker names (lower case), in its order. Raises:
     CheckpointConfigError naming the field."""
     talker = _config(model_path).talker
     assert talker is not None  # for_model_path refuses a checkpoint without one

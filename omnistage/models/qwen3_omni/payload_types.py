@@ -114,7 +114,7 @@ class Qwen3OmniRequest:
         messages: the conversation (system / user / assistant turns of text and audio).
         audio_output: speech is requested (``modalities`` holds ``"audio"``): the one
             predicate every routing hook of the pipeline decides from.
-        speaker: a ``talker_config.speaker_id`` name (lower case), used when ``audio_output``.
+        voice: a ``talker_config.speaker_id`` name (lower case), used when ``audio_output``.
         sampling: the client's sampling values (the thinker's; its seed seeds the talker too).
         max_tokens: reply tokens at most (the thinker's cap), >= 1.
         max_audio_frames: talker frames at most (80 ms each), >= 1.
@@ -125,7 +125,7 @@ class Qwen3OmniRequest:
 
     messages: tuple[ChatMessage, ...]
     audio_output: bool
-    speaker: str
+    voice: str
     sampling: OmniSampling
     max_tokens: int
     max_audio_frames: int
@@ -176,7 +176,7 @@ class AudioSetup(VocoderSetup):
         prompt_ids: the thinker prompt ``[L] int64`` (user turns and the assistant opening
             decide the talker prompt's layout).
         layout: the thinker prompt's multimodal layout (the talker's positions).
-        speaker: the speaker name.
+        voice: the talker's voice (a ``speaker_id`` name of the talker config, lower case).
         sampling: the talker's and code predictor's sampling.
         seed: the request's seed.
         max_frames: talker frames at most.
@@ -184,7 +184,7 @@ class AudioSetup(VocoderSetup):
 
     prompt_ids: torch.Tensor
     layout: MultimodalLayout
-    speaker: str
+    voice: str
     sampling: TalkerSampling
     seed: int
     max_frames: int

@@ -68,8 +68,8 @@ def build_chat_request(
     limits: ChatLimits,
 ) -> Qwen3OmniRequest:
     """The pipeline's request: the turns' text and audio (resampled to the feature
-    extractor's 16 kHz) as :class:`ChatMessage` s, the speaker (the first of the talker
-    config's when the request names none), sampling and caps, checked against the thinker
+    extractor's 16 kHz) as :class:`ChatMessage` s, the voice (the first of the talker
+    config's speakers when the request names none), sampling and caps, checked against the thinker
     and talker stages' ``max_model_len`` as their engines count (:func:`check_lengths`).
 
     Sampling: unset ``temperature`` is greedy (0), unset ``top_p`` 1 and ``top_k`` 0 (off),
@@ -100,9 +100,9 @@ def build_chat_request(
     max_tokens = req.completion_cap or limits.default_max_tokens
     check_lengths(req, processor.prompt_ids(messages), max_tokens, frames, config, limits)
     assert config.talker is not None  # the pipeline speaks (for_model_path refuses otherwise)
-    speaker = req.audio.voice.lower() if req.audio is not None else next(iter(config.talker.speaker_id))
+    voice = req.audio.voice.lower() if req.audio is not None else next(iter(config.talker.speaker_id))
     return Qwen3OmniRequest(
-        messages, req.audio_output, speaker, sampling,
+        messages, req.audio_output, voice, sampling,
         max_tokens=max_tokens, max_audio_frames=frames, stream=req.stream,
         talker_sampling=talker_sampling_of(sampling),
     )  # fmt: skip

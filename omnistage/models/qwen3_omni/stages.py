@@ -236,7 +236,7 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> 
         positions = prompt_positions(ids.tolist(), config.thinker, layout)
         if route(request).speaks:
             setup = AudioSetup(
-                prompt_ids=ids, layout=layout, speaker=request.speaker, sampling=request.talker_sampling,
+                prompt_ids=ids, layout=layout, voice=request.voice, sampling=request.talker_sampling,
                 seed=request.sampling.seed, max_frames=request.max_audio_frames, stream=request.stream, input_tokens=int(ids.shape[0]),
             )  # fmt: skip
             scheduler.outbox.stream(payload.request_id, setup)
@@ -570,7 +570,7 @@ class TalkerFeed(StreamInput):
             setup.prompt_ids, torch.tensor(reply), embeds[: length + 1], hidden[: length + 1]
         )
         prompt = build_talker_prompt(
-            model.talker, self.embed_tokens, model.config, rows, setup.speaker, setup.layout
+            model.talker, self.embed_tokens, model.config, rows, setup.voice, setup.layout
         )  # fmt: skip
         self.started, self.embeds, self.hidden = True, [embeds[length + 1 :]], []
         code0, predictor = talker_sampling_params(model.talker, setup.sampling, setup.seed)

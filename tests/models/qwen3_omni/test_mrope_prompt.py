@@ -82,7 +82,7 @@ def test_talker_prompt_errors_name_the_problem(loaded) -> None:
     chat = [151644, 872, 198, 5, 151645, 198, 151644, 77091, 198]
     args = (loaded.talker, loaded.thinker.model.embed_tokens, loaded.config)
     with pytest.raises(
-        ValueError, match=r"unknown speaker 'nobody'; known: \['aiden', 'chelsie', 'ethan'\]"
+        ValueError, match=r"unknown voice 'nobody'; known: \['aiden', 'chelsie', 'ethan'\]"
     ):
         build_talker_prompt(*args, rows_for(chat, [7, 8]), "nobody")
     with pytest.raises(ValueError, match="at least two reply tokens"):

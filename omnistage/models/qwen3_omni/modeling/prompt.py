@@ -10,7 +10,7 @@ hidden states:
   ``M(hidden)`` at audio/image/video placeholder positions, ``T(embedding)`` elsewhere;
 - **assistant tail** (9 rows) from the last ``<|im_start|>assistant`` of the prompt: text side
   ``T(im_start), T(assistant), T(newline), T(tts_pad) x4, T(tts_bos), T(first reply token)``
-  plus codec side ``0, 0, 0, C(nothink), C(think_bos), C(think_eos), C(speaker), C(pad), C(bos)``;
+  plus codec side ``0, 0, 0, C(nothink), C(think_bos), C(think_eos), C(voice), C(pad), C(bos)``;
 - **step rows** (the trailing text): ``T`` of the reply tokens after the first, then ``T(tts_eos)``; the talker
   adds row ``s`` to its input at decode step ``s``, then ``T(tts_pad)`` forever.
 
@@ -93,7 +93,7 @@ def build_talker_prompt(
     thinker_embed: torch.nn.Embedding,
     config: Qwen3OmniConfig,
     rows: ThinkerRows,
-    speaker: str,
+    voice: str,
     layout: MultimodalLayout = MultimodalLayout(),
 ) -> TalkerPrompt:
     """Args:
@@ -101,19 +101,19 @@ def build_talker_prompt(
         thinker_embed: the thinker's ``embed_tokens`` (tts_pad / tts_bos / tts_eos rows).
         config: the checkpoint config (special ids).
         rows: the thinker's output for this request.
-        speaker: a name of ``talker_config.speaker_id`` (any case).
+        voice: a name of ``talker_config.speaker_id`` (any case).
         layout: the prompt's multimodal layout (for the talker's MRoPE positions).
 
     Raises:
-        ValueError: unknown speaker (the message lists the known ones), no
+        ValueError: unknown voice (the message lists the known ones), no
             ``<|im_start|>assistant`` in the prompt, fewer than two reply tokens, or row counts
             that do not match the ids.
     """
     assert config.talker is not None
     tc = config.talker
-    key = speaker.lower()
+    key = voice.lower()
     if key not in tc.speaker_id:
-        raise ValueError(f"unknown speaker {speaker!r}; known: {sorted(tc.speaker_id)}")
+        raise ValueError(f"unknown voice {voice!r}; known: {sorted(tc.speaker_id)}")
     ids, reply = rows.prompt_ids.cpu(), rows.reply_ids.cpu()
     fed = ids.shape[0] + reply.shape[0] - 1
     if reply.shape[0] < 2:
