@@ -31,7 +31,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,7 +96,9 @@ AUDIO_EXPIRES_S = 3600
 class ChatServer(ModelServer):
     """The server's state for a chat model: its capabilities and requests."""
 
-    def __init__(self, model: ChatModelConfig, settings: ServerSettings, on_fatal=None) -> None:
+    def __init__(
+        self, model: ChatModelConfig, settings: ServerSettings, on_fatal: Callable[[str], None] | None = None
+    ) -> None:
         self.model: ChatModelConfig = model
         self.capabilities = model.capabilities()
         self.request_type = model.chat_request
@@ -200,8 +202,10 @@ class _ChatCall:
 
     async def _abort_on_disconnect(self, pieces: AsyncIterator[_Piece]) -> _Piece | None:
         """The next piece (None at the end), aborting the request if the client leaves."""
-        abort = lambda: self.server.pipeline.abort(self.handle.request_id)  # noqa: E731
-        return await watch_disconnect(anext(pieces, None), self.request, abort)
+        return await watch_disconnect(anext(pieces, None), self.request, self._abort)
+
+    def _abort(self) -> None:
+        self.server.pipeline.abort(self.handle.request_id)
 
     # -------------------------------------------------------------- whole reply
     async def respond_whole(self) -> JSONResponse:
@@ -320,7 +324,7 @@ class _ChatCall:
 
     def _close(self, error: BaseException | None) -> None:
         if not self.handle.finished:  # the client went away mid-stream
-            self.server.pipeline.abort(self.handle.request_id)
+            self._abort()
             error = RequestAbortedError("client disconnected")
         elif self.handle.error is not None and not isinstance(error, OmnistageError):
             error = self.handle.error

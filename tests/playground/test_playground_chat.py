@@ -90,21 +90,6 @@ def test_text_only_reply_plays_nothing(page, omni_server):
     assert state["state"] == "done" and state["reply"] and state["samplesReceived"] == 0, state
 
 
-def test_an_attached_audio_clip_is_in_the_prompt(page, omni_server, tmp_path: Path):
-    t = np.arange(16000) / 16000
-    clip = tmp_path / "tone.wav"
-    soundfile.write(clip, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000, subtype="FLOAT")
-    data = base64.b64encode(clip.read_bytes()).decode()
-    expected = whole_reply(omni_server, [{"type": "text", "text": MESSAGE},
-                                         {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}], "", 3)  # fmt: skip
-    open_playground(page, omni_server)
-    page.set_input_files("#chat-audio", str(clip))
-    state = send(page, MESSAGE, "", 3)
-    assert state["state"] == "done", state
-    assert state["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
-    assert state["reply"] == expected["choices"][0]["message"]["content"]
-
-
 def test_a_refused_request_shows_the_servers_message(page, omni_server):
     open_playground(page, omni_server)
     state = send(page, MESSAGE, "ethan", 10**6)
@@ -127,14 +112,25 @@ def test_stop_aborts_the_chat_request_on_the_server(page, omni_server):
 
 
 
-def test_an_attached_image_is_in_the_prompt(page, omni_server, tmp_path: Path):
-    picture = tmp_path / "dots.png"
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8), "RGB").save(picture)
-    uri = "data:image/png;base64," + base64.b64encode(picture.read_bytes()).decode()
-    expected = whole_reply(omni_server, [{"type": "text", "text": MESSAGE},
-                                         {"type": "image_url", "image_url": {"url": uri}}], "", 3)  # fmt: skip
+def _tone(path: Path) -> dict:
+    t = np.arange(16000) / 16000
+    soundfile.write(path, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000, subtype="FLOAT")
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(path.read_bytes()).decode(), "format": "wav"}}
+
+
+def _dots(path: Path) -> dict:
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (48, 64, 3), dtype=np.uint8), "RGB").save(path)
+    return {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()}}
+
+
+@pytest.mark.parametrize(("field", "name", "make"), [("#chat-audio", "tone.wav", _tone), ("#chat-image", "dots.png", _dots)])
+def test_an_attachment_is_in_the_prompt(page, omni_server, tmp_path: Path, field, name, make):
+    """The page sends the attached file as the part a direct request with it has: the same
+    prompt length and the same greedy reply."""
+    part = make(tmp_path / name)
+    expected = whole_reply(omni_server, [{"type": "text", "text": MESSAGE}, part], "", 3)
     open_playground(page, omni_server)
-    page.set_input_files("#chat-image", str(picture))
+    page.set_input_files(field, str(tmp_path / name))
     state = send(page, MESSAGE, "", 3)
     assert state["state"] == "done", state
     assert state["usage"]["prompt_tokens"] == expected["usage"]["prompt_tokens"]
