@@ -59,6 +59,13 @@ OPENAI_OPTIONAL_FIELDS: frozenset[str] = frozenset({"voice", "instructions", "sp
 OPENAI_PCM_SAMPLE_RATE = 24_000
 #: Formats whose output rate a request may choose (``sample_rate``).
 RESAMPLABLE_FORMATS: frozenset[str] = frozenset({"pcm", "wav"})
+#: Formats whose header states the audio's length. Streamed, that length can only be a
+#: placeholder (wav: RIFF and data sizes 0xFFFFFFFF, as OpenAI streams it; flac: total
+#: samples 0, "unknown"), and common readers take it at its word: Python's ``wave`` reports
+#: 0xFFFFFFFF bytes of frames (27 hours at 22.05 kHz) and soundfile (libsndfile) cannot read
+#: a streamed flac at all. So these stream only when the client asks for it; with ``stream``
+#: unset they are one whole file with exact sizes.
+LENGTH_HEADER_FORMATS: frozenset[str] = frozenset({"wav", "flac"})
 #: Wire aliases: alias -> canonical field name.
 FIELD_ALIASES: Mapping[str, str] = {"text": "input", "speaker": "voice"}
 
@@ -101,8 +108,9 @@ class SpeechRequest(BaseModel):
     )
     stream: bool | None = Field(
         default=None,
-        description="false: one whole file; true: chunks as they are made; null (OpenAI's "
-        "behaviour): stream whenever the model can stream the format",
+        description="false: one whole file; true: chunks as they are made; null: stream "
+        "whenever the model can stream the format, except wav and flac (whole files, so "
+        "their headers carry the exact length)",
     )
     stream_format: StreamFormat = Field(
         default="audio", description='"sse" streams JSON events and implies streaming'
@@ -368,7 +376,7 @@ def validate_speech_request(req: SpeechRequest, caps: SpeechCapabilities) -> Spe
     Returns:
         ``req`` with ``voice`` and ``language`` in the spelling ``caps`` declares, ``stream``
         resolved (unset: streamed when the model streams ``response_format``, as OpenAI
-        does), ignored fields reset to their defaults and named in ``ignored_fields``.
+        does, except :data:`LENGTH_HEADER_FORMATS`), ignored fields reset to their defaults and named in ``ignored_fields``.
 
     Raises:
         RequestValidationError: with ``param`` naming the field, when: ``model`` is not one
@@ -412,7 +420,8 @@ def _ignored_fields(req: SpeechRequest, caps: SpeechCapabilities) -> set[str]:
 
 def _resolve_stream(req: SpeechRequest, caps: SpeechCapabilities) -> bool:
     """``stream`` made explicit: unset means stream (OpenAI answers every speech request
-    with chunked audio) when the model can stream the format, else one whole file."""
+    with chunked audio) when the model can stream the format and its header does not state
+    the length (:data:`LENGTH_HEADER_FORMATS`), else one whole file."""
     if req.stream_format == "sse":
         if req.stream is False:
             raise RequestValidationError(
@@ -421,7 +430,10 @@ def _resolve_stream(req: SpeechRequest, caps: SpeechCapabilities) -> bool:
             )
         return True
     if req.stream is None:
-        return req.response_format in caps.stream_response_formats
+        return (
+            req.response_format in caps.stream_response_formats
+            and req.response_format not in LENGTH_HEADER_FORMATS
+        )
     return req.stream
 
 

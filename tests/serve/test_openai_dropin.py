@@ -4,6 +4,7 @@ the voice object form, output sample rates and the ignored-fields policy (tone m
 import base64
 import io
 import json
+import wave
 from collections.abc import Iterator
 
 import av
@@ -11,6 +12,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+import soundfile
 
 from omnistage.serve.app import ServerSettings
 from omnistage.serve.audio import float_to_s16, resample
@@ -70,13 +72,40 @@ def sse_deltas(lines: Iterator[str]) -> tuple[bytes, dict]:
     return b"".join(audio), done
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_sdk_streams_every_format_as_audio_by_default(tone_server, fmt):
+@pytest.mark.parametrize("fmt", ["pcm", "mp3", "opus", "aac"])
+def test_sdk_streams_a_format_without_a_length_header_by_default(tone_server, fmt):
     text = "formats!"
     with client(tone_server).audio.speech.with_streaming_response.create(
         model="tone-test", voice="sine", input=text, response_format=fmt
     ) as response:
         assert "x-finish-reason" not in response.headers  # streamed: no trailing facts
+        data = b"".join(response.iter_bytes(chunk_size=100))
+    assert_decodes_to_the_text(data, fmt, text)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_a_format_whose_header_states_the_length_is_a_whole_file_by_default(tone_server, fmt):
+    """A default request's wav/flac reads back with its true duration in ``wave`` and
+    soundfile (a streamed header can only say "unknown length", which they misread)."""
+    text = "a whole file, please"
+    response = speech(tone_server, {"input": text, "response_format": fmt})
+    assert response.headers["x-finish-reason"] == "stop"  # the whole-file response
+    n = len(expected_samples(text))
+    info = soundfile.info(io.BytesIO(response.content))
+    assert (info.frames, info.samplerate) == (n, SAMPLE_RATE)
+    if fmt == "wav":
+        with wave.open(io.BytesIO(response.content)) as w:
+            assert (w.getnframes(), w.getframerate()) == (n, SAMPLE_RATE)
+    assert_decodes_to_the_text(response.content, fmt, text)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_a_length_header_format_streams_when_asked(tone_server, fmt):
+    text = "streamed anyway"
+    with client(tone_server).audio.speech.with_streaming_response.create(
+        model="tone-test", voice="sine", input=text, response_format=fmt, extra_body={"stream": True}
+    ) as response:
+        assert "x-finish-reason" not in response.headers
         data = b"".join(response.iter_bytes(chunk_size=100))
     assert_decodes_to_the_text(data, fmt, text)
 
@@ -105,7 +134,7 @@ def test_whole_file_on_request_equals_the_stream(tone_server, fmt):
     assert whole.response.headers["x-finish-reason"] == "stop"
     samples, _ = decode(whole.content, fmt)
     if fmt in ("pcm", "wav", "flac"):
-        streamed, _ = decode(speech(tone_server, {"input": text, "response_format": fmt}).content, fmt)
+        streamed, _ = decode(speech(tone_server, {"input": text, "response_format": fmt, "stream": True}).content, fmt)
         assert np.array_equal(samples, streamed)
 
 
