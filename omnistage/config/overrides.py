@@ -75,6 +75,7 @@ STAGE_TOPOLOGY = frozenset(
         "stream_to",
         "stream_done_to_fn",
         "can_accept_stream_before_payload",
+        "accepts_client_input",
     }
 )
 # `name` and `model_path` identify what the model class built; changing them would leave

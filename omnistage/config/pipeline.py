@@ -111,6 +111,12 @@ class StageConfig(_Strict):
         description="dotted paths of the classes this stage takes on its stream edges; "
         "empty: undeclared",
     )
+    accepts_client_input: list[str] = Field(
+        default_factory=list,
+        description="dotted paths of the classes of the input a client sends into its "
+        "running request, which this stage takes (at most one stage per pipeline); "
+        "empty: it takes none",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -9,6 +9,11 @@ the client), :class:`StageFailed` and :class:`StageMark` (a point of a request's
 
 Stream chunks and stream-done may arrive at a stage BEFORE its payload (they travel on a
 different edge); see ``StageConfig.can_accept_stream_before_payload``.
+
+Client input: a request submitted with its input still open gets the rest from its
+client while it runs, as stream chunks and a stream-done whose ``source`` is
+:data:`CLIENT_SOURCE`, sent by the coordinator to the one stage that declares
+``StageConfig.accepts_client_input``.
 """
 
 from __future__ import annotations
@@ -17,6 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from omnistage.core.request import FinishReason
+
+CLIENT_SOURCE = "client"
+"""The ``source`` of the stream chunks and stream-done a client sends into its running
+request (no stage may have this name)."""
 
 
 @dataclass(frozen=True, slots=True)

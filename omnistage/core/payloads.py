@@ -3,6 +3,8 @@
 The audio output convention of a speech model: its terminal stage streams
 :class:`AudioChunk` items to the client and finishes with an :class:`AudioResult`.
 
+Client input: :class:`InputText` is the text a client adds to a request while it runs.
+
 The text output convention of a chat model: its text terminal stage streams
 :class:`TextDelta` items and finishes with a :class:`TextResult`; a chat model that speaks
 also has an audio terminal stage following the speech convention.
@@ -51,6 +53,15 @@ class AudioResult:
 class TextDelta:
     """Reply text streamed by a chat model's text terminal stage: ``text`` follows the
     text streamed before it (whole characters)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class InputText:
+    """More input text of a running request, from its client (a stream chunk from
+    :data:`~omnistage.core.messages.CLIENT_SOURCE`): ``text`` follows the text the request
+    was submitted with and every ``InputText`` before it; any split, even inside a word."""
 
     text: str
 

@@ -1,7 +1,9 @@
 """The coordinator: request lifecycle in the server process, on its asyncio loop.
 
 It admits requests (bounded: over the bound raises :class:`QueueFullError`), decides each
-request's terminal set, hands the request to the entry stage, collects terminal stream
+request's terminal set, hands the request to the entry stage, passes a client's further
+input into its running request to the stage that takes it (:meth:`Coordinator.send_input`,
+:meth:`Coordinator.end_input`), collects terminal stream
 output into a per-request queue (with a per-request and a global byte cap), merges the results of several
 terminal stages, enforces deadlines, and ends every request exactly once: success, error
 or abort. Any stage failure fails the request and aborts it at every stage (fail fast).
@@ -33,6 +35,7 @@ from omnistage.core.errors import (
     StreamBufferFullError,
 )
 from omnistage.core.messages import (
+    CLIENT_SOURCE,
     CoordinatorEvent,
     StageDead,
     StageFailed,
@@ -40,6 +43,7 @@ from omnistage.core.messages import (
     StagePayload,
     StageResult,
     StreamChunk,
+    StreamDone,
 )
 from omnistage.core.payloads import AudioChunk
 from omnistage.core.request import FinishReason, most_severe, new_request_id
@@ -173,6 +177,8 @@ class Coordinator:
         topology: the validated pipeline graph.
         dispatch: hands a payload to the entry stage (thread-safe, non-blocking).
         broadcast_abort: tells every stage (every process) to drop a request.
+        deliver_input: hands a client's input (a chunk or stream-done from
+            :data:`CLIENT_SOURCE`) to the topology's ``client_input_stage``.
         max_concurrent_requests: admission bound.
         stream_queue_max_bytes: global cap on queued stream bytes.
         stream_request_max_bytes: cap on one request's queued stream bytes (at most the
@@ -185,6 +191,7 @@ class Coordinator:
         topology: Topology,
         dispatch: Callable[[StagePayload], None],
         broadcast_abort: Callable[[str], None],
+        deliver_input: Callable[[StreamChunk | StreamDone], None],
         *,
         max_concurrent_requests: int,
         stream_queue_max_bytes: int,
@@ -194,6 +201,7 @@ class Coordinator:
         self.topology = topology
         self._dispatch = dispatch
         self._broadcast_abort = broadcast_abort
+        self._deliver_input = deliver_input
         self.max_concurrent_requests = max_concurrent_requests
         self.stream_queue_max_bytes = stream_queue_max_bytes
         self.stream_request_max_bytes = min(stream_request_max_bytes, stream_queue_max_bytes)
@@ -254,6 +262,37 @@ class Coordinator:
             self._finish(request_id, error=exc, finish_reason="error")
             raise
         return handle
+
+    def send_input(self, request_id: str, data: Any) -> bool:
+        """More input of a running request from its client (e.g. an
+        :class:`~omnistage.core.payloads.InputText`), to the stage that takes client input.
+        Input comes to that stage in the order it is sent, after the request's own.
+
+        Returns:
+            False if the request has ended (the input is dropped).
+
+        Raises:
+            RequestValidationError: no stage of this pipeline takes client input.
+            StageFailureError: the input cannot be sent to that stage's process (the
+                request fails).
+        """
+        return self._input(request_id, StreamChunk(request_id, CLIENT_SOURCE, data))
+
+    def end_input(self, request_id: str) -> bool:
+        """The client will send no more input for ``request_id`` (see :meth:`send_input`)."""
+        return self._input(request_id, StreamDone(request_id, CLIENT_SOURCE))
+
+    def _input(self, request_id: str, message: StreamChunk | StreamDone) -> bool:
+        if self.topology.client_input_stage is None:
+            raise RequestValidationError("this pipeline takes no input while a request runs", "input")
+        if request_id not in self.requests:
+            return False
+        try:
+            self._deliver_input(message)
+        except RelayError as exc:
+            self._finish(request_id, error=exc, finish_reason="error")
+            raise
+        return True
 
     def abort(self, request_id: str, reason: str = "aborted by the client") -> None:
         """End ``request_id`` as aborted and drop it at every stage; idempotent."""

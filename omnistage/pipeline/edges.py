@@ -4,7 +4,8 @@ enforced on every message a stage sends.
 A stage declares (dotted paths in :class:`~omnistage.config.pipeline.StageConfig`) the
 class of its payload data (``payload_type``), of its result (``result_type``), of the
 items it streams (``stream_types``) and of those it takes on its stream edges
-(``accepts_stream_types``). A ``next`` edge carries its source's ``result_type``, a
+(``accepts_stream_types``), and of the input its clients send into running requests
+(``accepts_client_input``). A ``next`` edge carries its source's ``result_type``, a
 ``stream_to`` edge its source's ``stream_types``. An edge is typed when both of its ends
 declare, and untyped when neither does; half a declaration is an error, because nothing
 could be proved about the edge.
@@ -37,6 +38,7 @@ class StageTypes:
     result: type | None
     streams: tuple[type, ...]
     accepts_streams: tuple[type, ...]
+    client_input: tuple[type, ...] = ()
 
     @classmethod
     def of(cls, stage: StageConfig) -> StageTypes:
@@ -51,6 +53,9 @@ class StageTypes:
             streams=tuple(import_type(p, stage=stage.name, what="stream_types") for p in stage.stream_types),
             accepts_streams=tuple(
                 import_type(p, stage=stage.name, what="accepts_stream_types") for p in stage.accepts_stream_types
+            ),
+            client_input=tuple(
+                import_type(p, stage=stage.name, what="accepts_client_input") for p in stage.accepts_client_input
             ),
         )
 

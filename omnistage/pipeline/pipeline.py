@@ -32,7 +32,13 @@ from typing import Any
 from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig
 from omnistage.core.errors import PipelineConfigError, PipelineUnhealthyError
-from omnistage.core.messages import StageFailed, StagePayload
+from omnistage.core.messages import (
+    CLIENT_SOURCE,
+    StageFailed,
+    StagePayload,
+    StreamChunk,
+    StreamDone,
+)
 from omnistage.pipeline import relay
 from omnistage.pipeline.coordinator import Coordinator, RequestHandle
 from omnistage.pipeline.host import StageHost, endpoint_name
@@ -139,6 +145,7 @@ class Pipeline:
             self.topology,
             self._dispatch,
             self._broadcast_abort,
+            self._deliver_input,
             max_concurrent_requests=config.max_concurrent_requests,
             stream_queue_max_bytes=config.stream_queue_max_bytes,
             stream_request_max_bytes=config.stream_request_max_bytes,
@@ -281,6 +288,18 @@ class Pipeline:
             request, request_id, timeout_s, collect=collect, received_at=received_at
         )
 
+    def send_input(self, request_id: str, data: Any) -> bool:
+        """More client input into a running request (:meth:`Coordinator.send_input`)."""
+        if self.coordinator is None:
+            raise PipelineUnhealthyError("the pipeline is not started")
+        return self.coordinator.send_input(request_id, data)
+
+    def end_input(self, request_id: str) -> bool:
+        """No more client input for ``request_id`` (:meth:`Coordinator.end_input`)."""
+        if self.coordinator is None:
+            raise PipelineUnhealthyError("the pipeline is not started")
+        return self.coordinator.end_input(request_id)
+
     def abort(self, request_id: str) -> None:
         """Abort a request everywhere; idempotent."""
         if self.coordinator is not None:
@@ -308,6 +327,10 @@ class Pipeline:
             live = [k for k in range(count) if endpoint_name(group, k, count) not in self.down]
             choice[group] = min(live or range(count), key=lambda k: (load[k], k))
         return choice
+
+    def _deliver_input(self, message: StreamChunk | StreamDone) -> None:
+        assert self.host is not None and self.topology.client_input_stage is not None
+        self.host.send(self.topology.client_input_stage, message, CLIENT_SOURCE)
 
     def _broadcast_abort(self, request_id: str) -> None:
         assert self.host is not None

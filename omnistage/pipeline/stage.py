@@ -1,7 +1,10 @@
 """StageRuntime: the I/O shell around a stage's scheduler.
 
 Inbound (from the host, any thread): fan-in collection and ``merge_fn``; stream chunks
-and stream-done (counted over the stage's stream sources, forwarded once); aborts
+and stream-done (counted over the stage's stream sources, forwarded once); the client's
+input into a running request (at the stage that declares ``accepts_client_input``: its
+chunks checked against those classes, its stream-done forwarded as it is, with
+``source`` :data:`~omnistage.core.messages.CLIENT_SOURCE`); aborts
 (idempotent, forwarded to the scheduler on every race path); tombstones that drop late
 messages. Outbound (the scheduler's :class:`~omnistage.scheduling.base.StageOutbox`, any
 thread): stream-done to the active stream targets before the payload goes on, routing
@@ -23,6 +26,7 @@ from omnistage.config.hooks import factory_args, import_callable
 from omnistage.config.pipeline import PipelineConfig, StageConfig
 from omnistage.core.errors import OmnistageError, StageFailureError
 from omnistage.core.messages import (
+    CLIENT_SOURCE,
     Abort,
     CoordinatorEvent,
     StageDead,
@@ -114,7 +118,7 @@ class StageRuntime:
         self._dones: dict[str, set[str]] = {}
         self._active: dict[str, _Active] = {}
         self._ended = Tombstones()
-        scheduler.bind(name, self, expects_stream=bool(self.stream_sources))
+        scheduler.bind(name, self, expects_stream=bool(self.stream_sources or self.types.client_input))
 
     # ------------------------------------------------------------------- inbound
     def deliver(self, message: StageInput, source: str) -> None:
@@ -184,6 +188,8 @@ class StageRuntime:
                 )
             if active is None and isinstance(message, StreamChunk) and message.request is not None:
                 self._known(request_id, message.request)
+        if source == CLIENT_SOURCE:
+            return self._client_input(message)
         if isinstance(message, StreamChunk):
             return message
         done = self._dones.setdefault(request_id, set())
@@ -192,6 +198,14 @@ class StageRuntime:
             return None
         del self._dones[request_id]
         return StreamDone(request_id, self.name)
+
+    def _client_input(self, message: StreamChunk | StreamDone) -> StreamChunk | StreamDone:
+        """The client's input, checked: only a stage that takes it, only its classes."""
+        if not self.types.client_input:
+            raise StageFailureError(self.name, "got client input, but declares no accepts_client_input")
+        if isinstance(message, StreamChunk):
+            check_message(self.name, "client input", message.data, self.types.client_input)
+        return message
 
     def _known(self, request_id: str, request: Any) -> _Active:
         active = self._active.get(request_id)

@@ -5,9 +5,12 @@ Static rules (each violation raises :class:`PipelineConfigError` naming the stag
 unique names; the entry stage exists and has no predecessor; exactly one of ``next`` /
 ``terminal``; every referenced stage exists; hooks only where meaningful (``route_fn``
 needs ``next``; ``wait_for_fn`` and ``merge_fn`` need ``wait_for``; ``stream_done_to_fn``
-needs ``stream_to``; ``can_accept_stream_before_payload`` needs a stream source); a stage
+needs ``stream_to``; ``can_accept_stream_before_payload`` needs a stream source or client
+input); a stage
 with several predecessors declares them all in ``wait_for`` (with a ``merge_fn``);
-terminal stages neither route nor stream to stages; the ``next`` graph is acyclic; every
+terminal stages neither route nor stream to stages; at most one stage takes client input
+(``accepts_client_input``) and no stage is named ``"client"`` (the client's stream
+source); the ``next`` graph is acyclic; every
 stage is reachable from the entry, so every path ends at a terminal stage; every edge's
 declared types agree (:mod:`omnistage.pipeline.edges`).
 
@@ -30,7 +33,7 @@ from typing import Any
 from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig, StageConfig
 from omnistage.core.errors import PipelineConfigError, StageFailureError
-from omnistage.core.messages import StagePayload
+from omnistage.core.messages import CLIENT_SOURCE, StagePayload
 from omnistage.pipeline.edges import StageTypes, check_edges
 
 
@@ -69,7 +72,14 @@ class Topology:
         for stage in config.stages:
             if stage.name in self.stages:
                 raise PipelineConfigError("duplicate stage name", stage.name)
+            if stage.name == CLIENT_SOURCE:
+                raise PipelineConfigError(f"{CLIENT_SOURCE!r} names the client's stream source, not a stage", stage.name)
             self.stages[stage.name] = stage
+        takers = [s.name for s in config.stages if s.accepts_client_input]
+        if len(takers) > 1:
+            raise PipelineConfigError(f"only one stage may take client input; {takers} declare accepts_client_input", takers[1])
+        #: the stage a client's input into its running request goes to (None: no such input)
+        self.client_input_stage: str | None = takers[0] if takers else None
         if not self.stages:
             raise PipelineConfigError("a pipeline needs at least one stage")
         self.entry = config.entry
@@ -136,9 +146,9 @@ class Topology:
         preds = self.predecessors.get(name, [])
         if name == self.entry and preds:
             raise PipelineConfigError(f"the entry stage cannot have predecessors ({preds})", name)
-        if stage.can_accept_stream_before_payload and not self.stream_sources.get(name):
+        if stage.can_accept_stream_before_payload and not (self.stream_sources.get(name) or stage.accepts_client_input):
             raise PipelineConfigError(
-                "`can_accept_stream_before_payload` is set but no stage streams to it", name
+                "`can_accept_stream_before_payload` is set but no stage streams to it and it takes no client input", name
             )
         if len(preds) > 1 and not stage.wait_for:
             raise PipelineConfigError(

@@ -30,7 +30,9 @@ Stream input (a stage with stream sources, e.g. the Omni talker fed by the think
 text streamed into a running Qwen3-TTS generation): each request gets a
 :class:`StreamInput` that turns its payload, stream chunks and stream-done into engine
 calls (:class:`RowFeed`): start the request (usually with ``more_rows``), append step rows
-to it while it runs, mark its rows complete. The default, :class:`RowStream`, starts it
+to it while it runs, mark its rows complete. A stage that takes client input (its
+client's text, e.g.) gets it the same way: chunks to ``on_chunk``, the end of the input to
+``on_input_done``. The default, :class:`RowStream`, starts it
 from the payload (``build_input``), appends each chunk's ``[K, H]`` tensor and completes
 on stream-done; a model subclasses :class:`StreamInput` for its own hand-off (e.g. a
 start once the first chunks arrived, before the payload). A request whose result is
@@ -51,7 +53,14 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.core.errors import OmnistageError
-from omnistage.core.messages import Abort, StageInput, StagePayload, StreamChunk, StreamDone
+from omnistage.core.messages import (
+    CLIENT_SOURCE,
+    Abort,
+    StageInput,
+    StagePayload,
+    StreamChunk,
+    StreamDone,
+)
 from omnistage.core.tombstones import Tombstones
 from omnistage.engine.engine import AREngine, StepOutput
 from omnistage.engine.sequence import GenerationInput, GenerationResult
@@ -146,6 +155,16 @@ class StreamInput(ABC):
     @abstractmethod
     def on_done(self) -> RowFeed:
         """Every stream source finished."""
+
+    def on_input_done(self) -> RowFeed:
+        """The client sent the last of its input (a stage that takes client input; its
+        chunks come to :meth:`on_chunk` with ``source``
+        :data:`~omnistage.core.messages.CLIENT_SOURCE`).
+
+        Raises:
+            TypeError: this adapter takes no client input.
+        """
+        raise TypeError(f"{type(self).__name__} takes no client input")
 
 
 class RowStream(StreamInput):
@@ -264,6 +283,8 @@ class ARScheduler(Scheduler):
                 feed = state.adapter.on_payload(message)
             elif isinstance(message, StreamChunk):
                 feed = state.adapter.on_chunk(message)
+            elif message.source == CLIENT_SOURCE:
+                feed = state.adapter.on_input_done()
             else:
                 feed = state.adapter.on_done()
             if feed.start is not None:

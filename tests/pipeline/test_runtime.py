@@ -187,3 +187,31 @@ async def test_random_aborts_under_concurrency_leave_nothing_behind(placement):
             if handle.request_id not in aborted:
                 assert not isinstance(outcome, BaseException), outcome
         await assert_no_request_state(pipeline)
+
+
+async def test_client_input_needs_a_stage_that_takes_it():
+    from omnistage.core.errors import RequestValidationError
+    from omnistage.core.payloads import InputText
+
+    async with linear_pipeline("in_process") as pipeline:
+        handle = pipeline.submit(toy.ToyRequest("abc"))
+        with pytest.raises(RequestValidationError, match="takes no input while a request runs"):
+            pipeline.send_input(handle.request_id, InputText("more"))
+        await handle.result()
+
+
+async def test_client_input_of_an_undeclared_class_fails_its_request_and_ended_requests_drop_it():
+    from omnistage.core.payloads import InputText
+
+    config = toy.linear_config()
+    config.stages[1].accepts_client_input = ["omnistage.core.payloads:InputText"]
+    config.stages[1].can_accept_stream_before_payload = True  # the input may overtake the payload
+    async with Pipeline(config) as pipeline:
+        done = pipeline.submit(toy.ToyRequest("abc"))
+        await done.result()
+        assert pipeline.send_input(done.request_id, InputText("late")) is False  # ended: dropped
+        slow = pipeline.submit(toy.ToyRequest("x" * 2000))
+        assert pipeline.send_input(slow.request_id, "not InputText") is True
+        with pytest.raises(StageFailureError, match="client input is str, but it declares .*InputText"):
+            await slow.result()
+        await assert_no_request_state(pipeline)

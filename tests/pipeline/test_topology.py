@@ -86,3 +86,18 @@ def test_consistency_check_catches_hooks_that_disagree():
     # The thinker streams to the talker for text-only requests, where the talker is never reached.
     streams_always = _edit(toy.omni_config(), "thinker", stream_done_to_fn=None)
     _fails(streams_always, "thinker", "stream targets this request reaches")
+
+
+INPUT_TEXT = ["omnistage.core.payloads:InputText"]
+
+
+def test_one_stage_at_most_takes_client_input():
+    config = _edit(_edit(toy.linear_config(), "encode", accepts_client_input=INPUT_TEXT), "double", accepts_client_input=INPUT_TEXT)
+    _fails(config, "double", "only one stage may take client input")
+    topology = build_topology(_edit(toy.linear_config(), "double", accepts_client_input=INPUT_TEXT, can_accept_stream_before_payload=True))
+    assert topology.client_input_stage == "double"
+    assert build_topology(toy.linear_config()).client_input_stage is None
+
+
+def test_no_stage_may_be_named_like_the_clients_stream_source():
+    _fails(_edit(toy.linear_config(), "accumulate", name="client"), "client", "the client's stream source")
