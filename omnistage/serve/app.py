@@ -129,9 +129,10 @@ class SpeechServer(ModelServer):
     def model_name(self) -> str:
         return self.capabilities.model_name
 
-    def prepare(self, body: bytes | Mapping[str, Any], owner: str) -> tuple[SpeechRequest, Any]:
+    def prepare(self, body: bytes | Mapping[str, Any], owner: str, *, live: bool = False) -> tuple[SpeechRequest, Any]:
         """A speech request body -> (validated request, the model's typed request): parse,
-        resolve a saved voice of ``owner``, validate, build. CPU only (run it in a thread).
+        resolve a saved voice of ``owner``, validate, build (``live``: as a request whose
+        text continues while it runs, ``build_live_request``). CPU only (run it in a thread).
 
         Raises:
             OmnistageError: 4xx naming the field, before any model work.
@@ -139,7 +140,8 @@ class SpeechServer(ModelServer):
         speech_request = parse_speech_request(body, self.request_type)
         speech_request = self.with_saved_voice(speech_request, owner)
         speech_request = validate_speech_request(speech_request, self.capabilities)
-        return speech_request, self.model.build_request(speech_request, self.settings.media_policy)
+        build = self.model.build_live_request if live else self.model.build_request
+        return speech_request, build(speech_request, self.settings.media_policy)
 
     def with_saved_voice(self, request: SpeechRequest, owner: str) -> SpeechRequest:
         """``request`` with its ``voice``, when it names one of ``owner``'s saved voices

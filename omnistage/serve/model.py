@@ -146,6 +146,15 @@ class SpeechModelConfig(ModelConfig):
         :class:`~omnistage.core.errors.RequestValidationError` here, before model work."""
         raise NotImplementedError
 
+    def build_live_request(self, request: SpeechRequest, media: MediaPolicy) -> Any:
+        """As :meth:`build_request`, for a request whose text continues while it runs
+        (``request.input`` is the text so far): the rest comes as
+        :class:`~omnistage.core.payloads.InputText` client input, then its end
+        (:meth:`omnistage.pipeline.pipeline.Pipeline.send_input` / ``end_input``). Called
+        only for a model whose capabilities declare ``live_text_input``; its pipeline has
+        the stage that takes the input (``accepts_client_input``)."""
+        raise NotImplementedError
+
     def with_saved_voice(self, request: SpeechRequest, audio: str, ref_text: str | None) -> SpeechRequest:
         """``request`` cloning a saved voice: ``audio`` is its clip as a data URI,
         ``ref_text`` its transcript (None: none was saved). Called only for a model whose

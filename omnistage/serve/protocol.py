@@ -226,6 +226,9 @@ class SpeechCapabilities(BaseModel):
         stream_response_formats: formats accepted when the request streams.
         saved_voices: the model clones voices from a clip, so it takes voices saved with
             ``POST /v1/audio/voices`` (its config implements ``with_saved_voice``).
+        live_text_input: a request's text can continue while it runs (its config
+            implements ``build_live_request``): a WebSocket session feeds its text into one
+            running request as it arrives, instead of sentence by sentence.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -242,6 +245,7 @@ class SpeechCapabilities(BaseModel):
     response_formats: frozenset[ResponseFormat] = RESPONSE_FORMATS
     stream_response_formats: frozenset[ResponseFormat] = frozenset({"pcm", "wav"})
     saved_voices: bool = False
+    live_text_input: bool = False
 
     @property
     def model_name(self) -> str:

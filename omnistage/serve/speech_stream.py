@@ -17,7 +17,15 @@ Server -> client::
     {"type": "session.done", "segments", "usage"}       # after input.done, once all audio is out
     {"type": "error", "error": {message, type, param, code}, "segment_index"?}  # then the socket closes
 
-Segments: the text is cut into sentences as it arrives (after ``.!?;`` and their CJK forms
+Live text (a model whose capabilities declare ``live_text_input``): the
+session is ONE request, admitted at the first text that is not blank, and every later
+delta enters that running request as it arrives (:class:`~omnistage.core.payloads.InputText`
+client input; ``input.done`` ends its input), so the model reads text that was not yet
+written when its audio began; one ``audio.start``/``audio.done`` pair (segment 0, its
+``text`` the text it started with). The session's text may have at most the model's
+``max_input_chars``.
+
+Segments (every other model): the text is cut into sentences as it arrives (after ``.!?;`` and their CJK forms
 when whitespace follows, at a newline, or at the last space before
 :data:`SEGMENT_MAX_CHARS`); each sentence becomes one speech request of the session's
 fields, admitted as soon as it is complete, so audio starts before the text is finished.
@@ -46,6 +54,7 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from starlette.concurrency import run_in_threadpool
 
 from omnistage.core.errors import OmnistageError, RequestAbortedError, RequestValidationError
+from omnistage.core.payloads import InputText
 from omnistage.pipeline.coordinator import RequestHandle
 from omnistage.serve.audio import StreamingAudioEncoder, audio_of_chunk
 from omnistage.serve.protocol import (
@@ -118,6 +127,7 @@ class _Segment:
     handle: RequestHandle
     received: float
     samples: int = 0
+    chars: int = 0  # characters of its text (live: all of the session's)
 
 
 @dataclass
@@ -133,13 +143,19 @@ class _Session:
     session_id: str = field(default_factory=lambda: f"sess_{secrets.token_hex(8)}")
     pending: asyncio.Queue[_Segment | None] = field(default_factory=asyncio.Queue)
     room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_PENDING_SEGMENTS + 1))
-    live: dict[str, _Segment] = field(default_factory=dict)
+    running: dict[str, _Segment] = field(default_factory=dict)
     usage: list[SpeechUsage] = field(default_factory=list)
     next_index: int = 0
+    live_segment: _Segment | None = None  # live text: the session's one request
+    opening: str = ""  # live text: what came before it was admitted
+
+    @property
+    def live(self) -> bool:
+        return self.server.capabilities.live_text_input
 
     async def admit(self, text: str) -> None:
-        """Admit one segment, once fewer than MAX_PENDING_SEGMENTS wait behind the one
-        being sent.
+        """Admit one segment (live text: the session's request, whose text continues),
+        once fewer than MAX_PENDING_SEGMENTS wait behind the one being sent.
 
         Raises:
             _SegmentError: the segment is invalid or the server cannot take it.
@@ -148,21 +164,23 @@ class _Session:
         received = time.perf_counter()
         body = {**self.fields, "input": text, "stream": True}
         try:
-            _, model_request = await run_in_threadpool(self.server.prepare, body, self.owner)
+            _, model_request = await run_in_threadpool(self.server.prepare, body, self.owner, live=self.live)
             handle = self.server.pipeline.submit(model_request)
         except OmnistageError as exc:
             self.room.release()
             self.server.metrics.request_rejected(exc.http_status)
             raise _SegmentError(self.next_index, exc) from exc
         self.server.metrics.request_started()
-        segment = _Segment(self.next_index, text, handle, received)
-        self.live[handle.request_id] = segment
+        segment = _Segment(self.next_index, text, handle, received, chars=len(text))
+        self.running[handle.request_id] = segment
+        if self.live:
+            self.live_segment = segment
         self.next_index += 1
         await self.pending.put(segment)
 
     def finish(self, segment: _Segment, error: OmnistageError | None, finish_reason: str = "stop") -> None:
         """Count ``segment``'s end in the metrics and forget it (once)."""
-        if self.live.pop(segment.handle.request_id, None) is None:
+        if self.running.pop(segment.handle.request_id, None) is None:
             return
         self.room.release()
         latency = time.perf_counter() - segment.received
@@ -175,7 +193,7 @@ class _Session:
 
     def abort_all(self) -> None:
         """Abort every segment not finished yet (the session ended early)."""
-        for segment in list(self.live.values()):
+        for segment in list(self.running.values()):
             if not segment.handle.finished:
                 self.server.pipeline.abort(segment.handle.request_id)
             segment.handle.close()
@@ -263,8 +281,9 @@ async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) 
 
 
 async def _read_text(session: _Session, sender: asyncio.Task) -> None:
-    """Admit segments as text arrives, until ``input.done``; a sender that fails first
-    ends the reading (its error is raised by awaiting it)."""
+    """Admit segments as text arrives (live text: feed it to the session's request), until
+    ``input.done``; a sender that fails first ends the reading (its error is raised by
+    awaiting it)."""
     while True:
         message = await _first(_receive(session.websocket), sender)
         kind = message.get("type")
@@ -272,7 +291,15 @@ async def _read_text(session: _Session, sender: asyncio.Task) -> None:
             text = message.get("text")
             if not isinstance(text, str):
                 raise RequestValidationError("input.text needs a string text", param="text")
+            if session.live:
+                await _feed_live(session, sender, text)
+                continue
             segments = session.segmenter.push(text)
+        elif kind == "input.done" and session.live:
+            if session.live_segment is not None:
+                session.server.pipeline.end_input(session.live_segment.handle.request_id)
+            await session.pending.put(None)
+            return
         elif kind == "input.done":
             segments = session.segmenter.flush()
         else:
@@ -282,6 +309,27 @@ async def _read_text(session: _Session, sender: asyncio.Task) -> None:
         if kind == "input.done":
             await session.pending.put(None)
             return
+
+
+async def _feed_live(session: _Session, sender: asyncio.Task, text: str) -> None:
+    """Live text: admit the session's request at its first non-blank text, then send it
+    each delta.
+
+    Raises:
+        RequestValidationError: the session's text is longer than ``max_input_chars``.
+    """
+    segment = session.live_segment
+    limit = session.server.capabilities.max_input_chars
+    total = (segment.chars if segment is not None else len(session.opening)) + len(text)
+    if total > limit:
+        raise RequestValidationError(f"a session's text may have at most {limit} characters", param="text")
+    if segment is not None:
+        segment.chars = total
+        session.server.pipeline.send_input(segment.handle.request_id, InputText(text))
+        return
+    session.opening += text
+    if session.opening.strip():
+        await _first(session.admit(session.opening), sender)
 
 
 async def _first(awaitable, sender: asyncio.Task):
@@ -310,7 +358,7 @@ async def _send_audio(session: _Session) -> None:
             session.finish(segment, exc)
             raise _SegmentError(segment.index, exc) from exc
         seconds = segment.samples / session.server.capabilities.sample_rate
-        usage = usage_of(result.outputs, len(segment.text), seconds)
+        usage = usage_of(result.outputs, segment.chars, seconds)
         session.usage.append(usage)
         session.finish(segment, None, result.finish_reason)
         await _send_json(websocket, {

@@ -149,4 +149,5 @@ def qwen3_tts_capabilities(
         response_formats=RESPONSE_FORMATS,
         stream_response_formats=RESPONSE_FORMATS,
         saved_voices=facts.model_type == "base",
+        live_text_input=True,
     )

@@ -40,7 +40,8 @@ from omnistage.serve.protocol import SpeechCapabilities
 
 _STAGES = "omnistage.models.qwen3_tts.stages"
 # what the edges carry (omnistage.pipeline.edges)
-GENERATION_INPUT = "omnistage.engine.sequence:GenerationInput"
+TALKER_START = "omnistage.models.qwen3_tts.payload_types:TalkerStart"
+INPUT_TEXT = "omnistage.core.payloads:InputText"
 GENERATION_SUMMARY = "omnistage.scheduling.ar:GenerationSummary"
 CODE_FRAMES = "omnistage.scheduling.ar:CodeFrames"
 VOCODER_SETUP = "omnistage.scheduling.vocoder:VocoderSetup"
@@ -101,7 +102,7 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                     next="tts_engine",
                     stream_to=["vocoder"],
                     payload_type=ENCODED_REFERENCE if clone else None,
-                    result_type=GENERATION_INPUT,
+                    result_type=TALKER_START,
                     stream_types=[VOCODER_SETUP],
                 ),
                 StageConfig(
@@ -113,7 +114,11 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                     ),
                     next="vocoder",
                     stream_to=["vocoder"],
-                    payload_type=GENERATION_INPUT,
+                    # a live request's text comes from its client while it runs, and
+                    # may come before preprocessing is done with its prompt
+                    accepts_client_input=[INPUT_TEXT],
+                    can_accept_stream_before_payload=True,
+                    payload_type=TALKER_START,
                     result_type=GENERATION_SUMMARY,
                     stream_types=[CODE_FRAMES],
                 ),
@@ -137,6 +142,11 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
         assert self.model_path is not None
         max_model_len = self.stage("tts_engine").factory.args.get("max_model_len", MAX_MODEL_LEN)
         return _limits(self.model_path, int(max_model_len))
+
+    def build_live_request(self, request: Qwen3TTSSpeechRequest, media: MediaPolicy) -> Qwen3TTSRequest:
+        """``request`` whose text continues while it runs, fed one token per frame (streaming
+        text mode; ``non_streaming_mode: true`` is a 400)."""
+        return build_qwen3_tts_request(request, self._facts(), media, self._limits(), more_text=True)
 
     def with_saved_voice(
         self, request: Qwen3TTSSpeechRequest, audio: str, ref_text: str | None

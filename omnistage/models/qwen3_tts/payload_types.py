@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from omnistage.engine.sampler import SamplingParams
+from omnistage.engine.sequence import GenerationInput
 from omnistage.models.qwen3_tts.capabilities import ModelType
+
+if TYPE_CHECKING:  # the prompt module needs transformers: not loaded to serve a schema
+    from omnistage.models.qwen3_tts.modeling.prompt import PromptHead
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,10 @@ class Qwen3TTSRequest:
         initial_codec_chunk_frames: frames of the first vocoder chunk (>= 0); None = the
             vocoder's default ramp.
         stream: the response is streamed.
+        more_text: the text continues after the request started (a live WebSocket
+            session): ``text`` is what came first, the rest arrives as
+            :class:`~omnistage.core.payloads.InputText` and ends with the client's end of
+            input; ``frame_cap`` then follows the whole text once it is known.
     """
 
     text: str
@@ -74,6 +83,7 @@ class Qwen3TTSRequest:
     frame_cap: int
     initial_codec_chunk_frames: int | None
     stream: bool
+    more_text: bool = False
 
     @property
     def icl(self) -> bool:
@@ -108,3 +118,40 @@ class EncodedReference:
 
     x_vector: torch.Tensor
     ref_codes: torch.Tensor
+
+
+@dataclass(frozen=True)
+class LivePrompt:
+    """A request whose text is still arriving, as the ``tts_engine`` stage starts it
+    (:class:`~.live_text.LiveTextFeed`).
+
+    Attributes:
+        head: the talker prompt before its text.
+        text: the text the request came with (more follows).
+        sampling: its sampling; ``max_new_tokens`` is the frames reserved (the client's
+            cap, else the checkpoint's ``max_new_tokens``) until the whole text is known.
+        min_new_tokens: frames before EOS may stop it.
+        text_cap_limit: the highest text-proportional cap (the checkpoint's
+            ``max_new_tokens``), applied to the whole text once it is known
+            (:func:`~.request_builders.text_frame_cap`); None: the client set
+            ``max_new_tokens``, which stays.
+    """
+
+    head: PromptHead
+    text: str
+    sampling: Qwen3TTSSampling
+    min_new_tokens: int
+    text_cap_limit: int | None
+
+
+@dataclass(frozen=True)
+class TalkerStart:
+    """``preprocessing`` -> ``tts_engine``: exactly one of ``whole`` (the request's whole
+    input: its text is complete) and ``live`` (its text is still arriving)."""
+
+    whole: GenerationInput | None = None
+    live: LivePrompt | None = None
+
+    def __post_init__(self) -> None:
+        if (self.whole is None) == (self.live is None):
+            raise ValueError("a TalkerStart is either whole or live")

@@ -247,16 +247,26 @@ def load_request_limits(model_path: str | Path, max_model_len: int) -> RequestLi
 
 
 def build_qwen3_tts_request(
-    request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy, limits: RequestLimits
+    request: Qwen3TTSSpeechRequest,
+    facts: Qwen3TTSModelFacts,
+    media: MediaPolicy,
+    limits: RequestLimits,
+    *,
+    more_text: bool = False,
 ) -> Qwen3TTSRequest:
     """Validate ``request`` for the checkpoint ``facts`` describes and the pipeline
     ``limits`` describes (rules: module docstring).
+
+    ``more_text``: the text continues while the request runs (a live session); it is fed
+    in streaming text mode, one token per frame, so ``non_streaming_mode`` defaults to
+    false and ``true`` is refused (the whole text would have to be in the prompt first).
 
     Blocks on reference audio (fetch, decode): the server calls it from a worker thread.
 
     Raises:
         RequestValidationError: naming the field (``instructions``, ``ref_audio``,
-            ``references``, ``ref_text``, ``seed``, ``max_new_tokens``, ``input``).
+            ``references``, ``ref_text``, ``seed``, ``max_new_tokens``, ``input``,
+            ``non_streaming_mode``).
         PayloadTooLargeError: reference audio over the media policy's byte cap or longer
             than :data:`MAX_REF_SECONDS` (or the policy's duration cap, if lower).
     """
@@ -264,6 +274,12 @@ def build_qwen3_tts_request(
     _check_reference_fields(request)
     _check_generation_limits(request)
     instructions = _instructions(request, facts)
+    if more_text and request.non_streaming_mode:
+        raise RequestValidationError(
+            "text sent as it is written is fed one token per frame (non_streaming_mode false); "
+            "non_streaming_mode true needs the whole text first: send it to /v1/audio/speech",
+            param="non_streaming_mode",
+        )
     ref_audio, ref_text, x_vector_only = _voice_clone(request, facts, media)
     built = Qwen3TTSRequest(
         text=request.input,
@@ -278,7 +294,7 @@ def build_qwen3_tts_request(
         non_streaming_mode=(
             request.non_streaming_mode
             if request.non_streaming_mode is not None
-            else facts.model_type != "base"
+            else facts.model_type != "base" and not more_text
         ),
         sampling=SamplingOverrides(
             temperature=request.temperature,
@@ -292,6 +308,7 @@ def build_qwen3_tts_request(
         frame_cap=max_frames_for_text(request.input),
         initial_codec_chunk_frames=request.initial_codec_chunk_frames,
         stream=request.streaming,
+        more_text=more_text,
     )
     _check_fits(built, limits)
     return built
@@ -492,10 +509,21 @@ def resolve_sampling(
 def frames_to_generate(request: Qwen3TTSRequest, default_max_new_tokens: int) -> int:
     """The request's frame cap: the client's ``max_new_tokens``, else the text's cap
     (``frame_cap``) within generation_config.json's ``max_new_tokens``, raised to an
-    explicit ``min_new_tokens`` (the client asked for it)."""
+    explicit ``min_new_tokens`` (the client asked for it). A request with ``more_text``
+    reserves generation_config's ``max_new_tokens`` until its whole text is known (the
+    engine holds KV for it; ``tts_engine`` then lowers the cap to the whole text's)."""
     if request.max_new_tokens is not None:
         return request.max_new_tokens
-    return max(min(request.frame_cap, default_max_new_tokens), request.min_new_tokens)
+    if request.more_text:  # the text's cap is known once the text is: reserve the most
+        return max(default_max_new_tokens, request.min_new_tokens)
+    return text_frame_cap(request.frame_cap, default_max_new_tokens, request.min_new_tokens)
+
+
+def text_frame_cap(frame_cap: int, limit: int, min_new_tokens: int) -> int:
+    """Frames a request without a client ``max_new_tokens`` may make: its text's cap
+    (:func:`max_frames_for_text`) at most ``limit`` (generation_config's
+    ``max_new_tokens``), raised to an explicit ``min_new_tokens`` (the client asked for it)."""
+    return max(min(frame_cap, limit), min_new_tokens)
 
 
 def sampling_params(

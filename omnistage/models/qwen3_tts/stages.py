@@ -5,10 +5,12 @@ preprocessing -> tts_engine -> vocoder.
   request's reference clip -> x-vector + reference codes (:class:`ReferenceEncoder`),
   clips of concurrent requests in one batch, cached by content.
 - ``preprocessing`` (threaded, 8 workers): the typed request -> the talker prompt (a
-  :class:`~omnistage.engine.sequence.GenerationInput`). It also streams the vocoder its setup (first chunk size, the ICL reference codes as left
+  :class:`TalkerStart`: the whole :class:`~omnistage.engine.sequence.GenerationInput`, or
+  for a request whose text is still arriving the prompt before its text). It also streams the vocoder its setup (first chunk size, the ICL reference codes as left
   context, stream or not) at once, so the vocoder is ready before the first frame.
 - ``tts_engine`` (the AR engine): one frame of 16 codes per step, each streamed to the
-  vocoder as it exists; its result (a summary: the frames travelled already) becomes the
+  vocoder as it exists; the client's text of a live request enters here while it runs
+  (:mod:`.live_text`); its result (a summary: the frames travelled already) becomes the
   vocoder's payload, and the framework carries its finish_reason ("length") to the client.
 - ``vocoder`` (terminal, streaming): exact incremental decoding, chunk ramp 1, 2, 4, 8.
 
@@ -35,7 +37,8 @@ from omnistage.engine.sequence import GenerationInput
 from omnistage.engine.vocoder_arena import DEFAULT_CONTEXT_CACHE_SIZE, StreamingDecoderArena
 from omnistage.models.qwen3_tts.capabilities import MAX_MODEL_LEN, SAMPLE_RATE, Qwen3TTSModelFacts
 from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
-from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, TalkerPrompt
+from omnistage.models.qwen3_tts.live_text import LiveTextFeed
+from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, PromptHead
 from omnistage.models.qwen3_tts.modeling.speaker_encoder import SpeakerEncoder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.encoder import (
@@ -49,8 +52,10 @@ from omnistage.models.qwen3_tts.modeling.weights import (
 )
 from omnistage.models.qwen3_tts.payload_types import (
     EncodedReference,
+    LivePrompt,
     Qwen3TTSRequest,
     SamplingOverrides,
+    TalkerStart,
 )
 from omnistage.models.qwen3_tts.request_builders import (
     REFERENCE_MIN_NEW_TOKENS,
@@ -173,7 +178,7 @@ def create_reference_encoder_stage(
 
 
 def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 8) -> ThreadedScheduler:
-    """Request (and, for Base, its :class:`EncodedReference`) -> :class:`GenerationInput`
+    """Request (and, for Base, its :class:`EncodedReference`) -> :class:`TalkerStart`
     (and the vocoder's setup, streamed at once)."""
     model_path = _model_path(ctx)
     where = resolve_device(ctx)
@@ -182,40 +187,49 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 8) -> 
     facts, defaults = Qwen3TTSModelFacts.from_config(checkpoint.config), checkpoint.generation
 
     @torch.inference_mode()
-    def compute(payload: StagePayload) -> GenerationInput:
+    def compute(payload: StagePayload) -> TalkerStart:
         request: Qwen3TTSRequest = payload.request
-        prompt = _prompt(builder, payload.data, request)
+        head = _head(builder, payload.data, request)
         sampling = resolve_sampling(request, defaults, facts)
+        if request.more_text:
+            # its input tokens are the prompt's positions before the text (still coming)
+            known = head.positions_before_text
+            setup = VocoderSetup(request.initial_codec_chunk_frames or 0, head.ref_codes, request.stream, known)
+            scheduler.outbox.stream(payload.request_id, setup)
+            text_cap_limit = defaults.max_new_tokens if request.max_new_tokens is None else None
+            return TalkerStart(live=LivePrompt(head, request.text, sampling, request.min_new_tokens, text_cap_limit))
+        prompt = builder.whole(head, request.text)
         positions = prompt.prefill.shape[0] + prompt.step_rows.shape[0]
         setup = VocoderSetup(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
         scheduler.outbox.stream(payload.request_id, setup)
-        return GenerationInput(
+        return TalkerStart(whole=GenerationInput(
             prompt=prompt.prefill,
             sampling=sampling.talker,
             max_new_tokens=sampling.max_new_tokens,
             step_rows=prompt.step_rows if prompt.step_rows.shape[0] else None,
             pad_embed=prompt.tts_pad,
             predictor_sampling=sampling.code_predictor,
-        )
+        ))  # fmt: skip
 
     scheduler = ThreadedScheduler(compute, num_workers)
     return scheduler
 
 
-def _prompt(builder: PromptBuilder, reference: EncodedReference | None, request: Qwen3TTSRequest) -> TalkerPrompt:
-    """The talker prompt of ``request``'s mode (shared/reference/qwen3-tts.md, section 4)."""
+def _head(builder: PromptBuilder, reference: EncodedReference | None, request: Qwen3TTSRequest) -> PromptHead:
+    """The talker prompt of ``request``'s mode before its text (shared/reference/qwen3-tts.md,
+    section 4)."""
     non_streaming_mode = request.non_streaming_mode
     if request.model_type == "custom_voice":
         assert request.voice is not None
-        return builder.custom_voice(request.text, request.voice, request.language, request.instructions, non_streaming_mode)
+        return builder.custom_voice_head(request.voice, request.language, request.instructions, non_streaming_mode)
     if request.model_type == "voice_design":
         assert request.instructions is not None
-        return builder.voice_design(request.text, request.instructions, request.language, non_streaming_mode)
+        return builder.voice_design_head(request.instructions, request.language, non_streaming_mode)
     assert reference is not None, "Base pipelines run the reference_encoder stage first"
     x_vector, ref_codes = reference.x_vector, reference.ref_codes
     if request.icl:
-        return builder.voice_clone(request.text, x_vector, request.language, request.ref_text, ref_codes, non_streaming_mode)
-    return builder.voice_clone(request.text, x_vector, request.language, non_streaming_mode=non_streaming_mode)
+        return builder.voice_clone_head(x_vector, request.language, request.ref_text, ref_codes, non_streaming_mode)
+    return builder.voice_clone_head(x_vector, request.language, non_streaming_mode=non_streaming_mode)
 
 
 # --------------------------------------------------------------------------- tts_engine
@@ -262,7 +276,9 @@ def create_tts_engine_stage(
         cuda_graph_batch_sizes=None if cuda_graphs else (),
         graph_sampling=_default_step_sampling(checkpoint),
     )
-    return ARScheduler(AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config))
+    builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
+    engine = AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config)
+    return ARScheduler(engine, stream_input=lambda request_id: LiveTextFeed(builder))
 
 
 def _default_step_sampling(checkpoint: LoadedCheckpoint) -> tuple[StepSampling, ...]:

@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from omnistage.models.qwen3_tts.modeling.config import Qwen3TTSConfig
 from omnistage.models.qwen3_tts.modeling.talker import Talker
 
-__all__ = ["PromptBuilder", "PromptSize", "PromptTokens", "TalkerPrompt"]
+__all__ = ["PromptBuilder", "PromptHead", "PromptSize", "PromptTokens", "TalkerPrompt"]
 
 AUTO = "auto"
 
@@ -143,6 +143,53 @@ class PromptTokens:
         return list(self.tokenizer(template)["input_ids"])
 
 
+@dataclass(frozen=True)
+class PromptHead:
+    """A talker prompt up to its target text, and what that text's rows are laid against
+    (:meth:`PromptBuilder.with_text` completes it).
+
+    Attributes:
+        instructions: ``([I, H],)`` the instructions' rows, or ``()``; the role's rows
+            follow them (they come from the text's tokenization, :meth:`PromptTokens.target`).
+        codec_rows: ``[C, H]`` the codec prefix and speaker rows after the role.
+        codec_bos: ``[H]`` ``C(codec_bos)``.
+        codec_pad: ``[H]`` ``C(codec_pad)``.
+        tts_pad, tts_eos: ``[H]`` the text track's pad and end rows.
+        non_streaming_mode: the whole text goes into the prefill.
+        ref_ids: ICL: the reference transcript's token ids; else None.
+        icl_codec: ICL: ``[1 + R, H]`` ``C(codec_bos)`` then the reference frames' sums; else None.
+        ref_codes: ICL: ``[R, 16] int64`` the reference frames; else None.
+    """
+
+    instructions: tuple[torch.Tensor, ...]
+    codec_rows: torch.Tensor
+    codec_bos: torch.Tensor
+    codec_pad: torch.Tensor
+    tts_pad: torch.Tensor
+    tts_eos: torch.Tensor
+    non_streaming_mode: bool
+    ref_ids: list[int] | None = None
+    icl_codec: torch.Tensor | None = None
+    ref_codes: torch.Tensor | None = None
+
+    @property
+    def positions_before_text(self) -> int:
+        """Prefill positions before the target text: instructions, the role's 3 tokens,
+        the codec prefix and speaker."""
+        return sum(rows.shape[0] for rows in self.instructions) + 3 + self.codec_rows.shape[0]
+
+    def ids_to_start(self) -> int | None:
+        """Target-text tokens the prefill holds when the text is longer (so a prompt can
+        start with them while the rest is still arriving): 1 in streaming text mode, in
+        ICL the reference frames not covered by the transcript's tokens; None in
+        non-streaming mode (the whole text is in the prefill)."""
+        if self.non_streaming_mode:
+            return None
+        if self.icl_codec is None or self.ref_ids is None:
+            return 1
+        return max(0, self.icl_codec.shape[0] - len(self.ref_ids))
+
+
 class PromptBuilder:
     """Builds :class:`TalkerPrompt` s for one loaded checkpoint.
 
@@ -167,23 +214,11 @@ class PromptBuilder:
         """CustomVoice: a built-in ``voice`` (case-insensitive). Dialect speakers switch the
         language id to their dialect when ``language`` is chinese or auto. The reference's
         wrapper drops the instructions for 0.6B CustomVoice models; here that is an error."""
-        self._require_type("custom_voice")
-        talker = self.config.talker
-        name = voice.lower()
-        if name not in talker.spk_id:
-            raise ValueError(f"unknown voice {voice!r}; this model has {sorted(talker.spk_id)}")
-        if instructions and self.config.tts_model_size == "0b6":
-            raise ValueError("instructions are not supported by 0.6B CustomVoice models")
-        language_id = self.tokens.language_id(language, name)
-        speaker_row = self.talker.codec_embed(self._ids([talker.spk_id[name]]))[0]
-        return self._build(text, language_id, speaker_row, instructions or None, non_streaming_mode)
+        return self.whole(self.custom_voice_head(voice, language, instructions, non_streaming_mode), text)
 
     def voice_design(self, text: str, instructions: str, language: str = AUTO, non_streaming_mode: bool = True) -> TalkerPrompt:
         """VoiceDesign: the voice is described by ``instructions`` (required); no speaker vector."""
-        self._require_type("voice_design")
-        if not instructions:
-            raise ValueError("VoiceDesign needs non-empty instructions describing the voice")
-        return self._build(text, self.tokens.language_id(language), None, instructions, non_streaming_mode)
+        return self.whole(self.voice_design_head(instructions, language, non_streaming_mode), text)
 
     def voice_clone(
         self,
@@ -197,6 +232,41 @@ class PromptBuilder:
         """Base: x-vector-only (``ref_text`` and ``ref_codes`` both ``None``) or ICL (both
         given: ``ref_codes [R, 16] int64`` from the speech tokenizer's encoder, ``ref_text``
         its transcript). ``x_vector``: ``[H]`` from the speaker encoder."""
+        return self.whole(self.voice_clone_head(x_vector, language, ref_text, ref_codes, non_streaming_mode), text)
+
+    # -- heads: a prompt up to its target text -----------------------------------------
+
+    def custom_voice_head(
+        self, voice: str, language: str = AUTO, instructions: str | None = None, non_streaming_mode: bool = True
+    ) -> PromptHead:
+        """:meth:`custom_voice`'s prompt before its text."""
+        self._require_type("custom_voice")
+        talker = self.config.talker
+        name = voice.lower()
+        if name not in talker.spk_id:
+            raise ValueError(f"unknown voice {voice!r}; this model has {sorted(talker.spk_id)}")
+        if instructions and self.config.tts_model_size == "0b6":
+            raise ValueError("instructions are not supported by 0.6B CustomVoice models")
+        language_id = self.tokens.language_id(language, name)
+        speaker_row = self.talker.codec_embed(self._ids([talker.spk_id[name]]))[0]
+        return self._head(language_id, speaker_row, instructions or None, non_streaming_mode)
+
+    def voice_design_head(self, instructions: str, language: str = AUTO, non_streaming_mode: bool = True) -> PromptHead:
+        """:meth:`voice_design`'s prompt before its text."""
+        self._require_type("voice_design")
+        if not instructions:
+            raise ValueError("VoiceDesign needs non-empty instructions describing the voice")
+        return self._head(self.tokens.language_id(language), None, instructions, non_streaming_mode)
+
+    def voice_clone_head(
+        self,
+        x_vector: torch.Tensor,
+        language: str = AUTO,
+        ref_text: str | None = None,
+        ref_codes: torch.Tensor | None = None,
+        non_streaming_mode: bool = False,
+    ) -> PromptHead:
+        """:meth:`voice_clone`'s prompt before its text."""
         self._require_type("base")
         if (ref_codes is None) != (not ref_text):
             raise ValueError("ICL needs both ref_text and ref_codes; x-vector-only mode needs neither")
@@ -208,7 +278,63 @@ class PromptBuilder:
             raise ValueError(f"x_vector must be [{hidden}], got {tuple(x_vector.shape)}")
         speaker_row = x_vector.to(self._device, self._dtype)
         icl = None if ref_codes is None else (ref_text, ref_codes.to(self._device, torch.int64))
-        return self._build(text, self.tokens.language_id(language), speaker_row, None, non_streaming_mode, icl)
+        return self._head(self.tokens.language_id(language), speaker_row, None, non_streaming_mode, icl)
+
+    # -- the target text ----------------------------------------------------------------
+
+    def text_rows(self, ids: list[int]) -> torch.Tensor:
+        """``[len(ids), H]`` text-track rows ``T(ids)``."""
+        return self.talker.text_embed(self._ids(ids))
+
+    def whole(self, head: PromptHead, text: str) -> TalkerPrompt:
+        """``head`` with the whole ``text``."""
+        if not text:
+            raise ValueError("text is empty")
+        role_ids, ids = self.tokens.target(text)
+        return self.with_text(head, role_ids, ids, complete=True)
+
+    @torch.no_grad()
+    def with_text(self, head: PromptHead, role_ids: list[int], ids: list[int], complete: bool) -> TalkerPrompt:
+        """``head`` with the role ``role_ids`` and the target text ``ids``
+        (:meth:`PromptTokens.target`): all of it (``complete``), or while the text
+        is still arriving its first ``ids``, at least :meth:`PromptHead.ids_to_start` of
+        them; the rest then follows as step rows (:meth:`text_rows`, and ``tts_eos`` last),
+        which give the very prompt the whole text gives.
+
+        Raises:
+            ValueError: ``complete`` with no ids; fewer ids than the head needs to start
+                (or a non-streaming head) while incomplete.
+        """
+        if complete and not ids:
+            raise ValueError("text is empty")
+        needed = head.ids_to_start()
+        if not complete and (needed is None or len(ids) < needed):
+            raise ValueError(f"the prompt needs {needed or 'all'} text tokens before it starts, got {len(ids)}")
+        eos = head.tts_eos[None] if complete else head.tts_eos[None][:0]
+        pad_row = head.tts_pad
+        parts = [*head.instructions, self.text_rows(role_ids), head.codec_rows]
+        trailing = pad_row[None][:0]
+        if head.icl_codec is not None:
+            assert head.ref_ids is not None
+            text_rows = torch.cat((self.text_rows(head.ref_ids + ids), eos))
+            codec_rows_icl = head.icl_codec
+            n_text, n_codec = text_rows.shape[0], codec_rows_icl.shape[0]
+            if head.non_streaming_mode:
+                pads = head.codec_pad.expand(n_text, -1)
+                parts += [text_rows + pads, codec_rows_icl + pad_row]
+            elif n_text > n_codec or not complete:
+                parts.append(text_rows[:n_codec] + codec_rows_icl)
+                trailing = text_rows[n_codec:]
+            else:
+                padded = torch.cat((text_rows, pad_row.expand(n_codec - n_text, -1)))
+                parts.append(padded + codec_rows_icl)
+        elif head.non_streaming_mode:
+            text_rows = torch.cat((self.text_rows(ids), eos))
+            parts += [text_rows + head.codec_pad, (pad_row + head.codec_bos)[None]]
+        else:
+            parts.append(self.text_rows(ids[:1]) + head.codec_bos)
+            trailing = torch.cat((self.text_rows(ids[1:]), eos))
+        return TalkerPrompt(prefill=torch.cat(parts), step_rows=trailing, tts_pad=pad_row, ref_codes=head.ref_codes)
 
     # -- construction --------------------------------------------------------------------
 
@@ -228,19 +354,15 @@ class PromptBuilder:
         return torch.tensor(ids, dtype=torch.int64, device=self._device)
 
     @torch.no_grad()
-    def _build(
+    def _head(
         self,
-        text: str,
         language_id: int | None,
         speaker_row: torch.Tensor | None,
         instructions: str | None,
         non_streaming_mode: bool,
         icl: tuple[str, torch.Tensor] | None = None,
-    ) -> TalkerPrompt:
-        if not text:
-            raise ValueError("text is empty")
+    ) -> PromptHead:
         cfg, t = self.config, self.config.talker
-        role_ids, text_ids = self.tokens.target(text)
         T, C = self.talker.text_embed, self.talker.codec_embed
         pad_row, bos_row, eos_row = T(self._ids([cfg.tts_pad_id, cfg.tts_bos_id, cfg.tts_eos_id]))
 
@@ -254,35 +376,16 @@ class PromptBuilder:
         codec_rows.append(C(self._ids([t.codec_pad_id, t.codec_bos_id])))
         codec = torch.cat(codec_rows)
         text_track = torch.cat((pad_row.expand(codec.shape[0] - 2, -1), bos_row[None]))
-        parts = [T(self._ids(role_ids)), text_track + codec[:-1]]
-        if instructions is not None:
-            parts.insert(0, T(self._ids(self.tokens.instructions(instructions))))
-
-        trailing = pad_row[None][:0]
+        instruction_rows = () if instructions is None else (
+            T(self._ids(self.tokens.instructions(instructions))),
+        )
+        ref_ids = icl_codec = ref_codes = None
         if icl is not None:
             ref_text, ref_codes = icl
             ref_ids = self.tokens.ref_text(ref_text)
-            text_rows = torch.cat((T(self._ids(ref_ids + text_ids)), eos_row[None]))
-            codec_rows_icl = torch.cat((C(self._ids([t.codec_bos_id])), self.talker.frame_embedding(ref_codes)))
-            n_text, n_codec = text_rows.shape[0], codec_rows_icl.shape[0]
-            if non_streaming_mode:
-                pads = C(self._ids([t.codec_pad_id])).expand(n_text, -1)
-                parts += [text_rows + pads, codec_rows_icl + pad_row]
-            elif n_text > n_codec:
-                parts.append(text_rows[:n_codec] + codec_rows_icl)
-                trailing = text_rows[n_codec:]
-            else:
-                padded = torch.cat((text_rows, pad_row.expand(n_codec - n_text, -1)))
-                parts.append(padded + codec_rows_icl)
-        elif non_streaming_mode:
-            text_rows = torch.cat((T(self._ids(text_ids)), eos_row[None]))
-            parts += [text_rows + C(self._ids([t.codec_pad_id])), (pad_row + codec[-1])[None]]
-        else:
-            parts.append(T(self._ids(text_ids[:1])) + codec[-1:])
-            trailing = torch.cat((T(self._ids(text_ids[1:])), eos_row[None]))
-        return TalkerPrompt(
-            prefill=torch.cat(parts),
-            step_rows=trailing,
-            tts_pad=pad_row,
-            ref_codes=None if icl is None else icl[1],
-        )
+            icl_codec = torch.cat((C(self._ids([t.codec_bos_id])), self.talker.frame_embedding(ref_codes)))
+        return PromptHead(
+            instructions=instruction_rows, codec_rows=text_track + codec[:-1], codec_bos=codec[-1], codec_pad=C(self._ids([t.codec_pad_id]))[0],
+            tts_pad=pad_row, tts_eos=eos_row, non_streaming_mode=non_streaming_mode,
+            ref_ids=ref_ids, icl_codec=icl_codec, ref_codes=ref_codes,
+        )  # fmt: skip
