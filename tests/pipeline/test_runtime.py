@@ -16,7 +16,7 @@ from omnistage.core.errors import (
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.testing import toy
 from omnistage.testing.leaks import assert_no_request_state
-from tests.pipeline.conftest import linear_pipeline, omni_pipeline
+from tests.pipeline.conftest import LINEAR_PROCESSES, linear_pipeline, omni_pipeline
 
 pytestmark = pytest.mark.anyio
 
@@ -200,10 +200,10 @@ async def test_client_input_needs_a_stage_that_takes_it():
         await handle.result()
 
 
-async def test_client_input_of_an_undeclared_class_fails_its_request_and_ended_requests_drop_it():
+async def test_client_input_of_an_undeclared_class_fails_its_request_and_ended_requests_drop_it(placement):
     from omnistage.core.payloads import InputText
 
-    config = toy.linear_config()
+    config = toy.linear_config(LINEAR_PROCESSES if placement == "multi_process" else None)
     config.stages[1].accepts_client_input = ["omnistage.core.payloads:InputText"]
     config.stages[1].can_accept_stream_before_payload = True  # the input may overtake the payload
     async with Pipeline(config) as pipeline:
