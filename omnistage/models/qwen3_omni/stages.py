@@ -54,6 +54,7 @@ from omnistage.models.qwen3_omni.payload_types import (
     ThinkerPrompt,
 )
 from omnistage.models.qwen3_omni.processing import Qwen3OmniProcessor
+from omnistage.models.qwen3_omni.request_builders import DEFAULT_MAX_AUDIO_FRAMES
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import SimpleScheduler, StreamingScheduler, StreamState, ThreadedScheduler
 from omnistage.scheduling.ar import (
@@ -237,7 +238,8 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> 
         if route(request).speaks:
             setup = AudioSetup(
                 prompt_ids=ids, layout=layout, voice=request.voice, sampling=request.talker_sampling,
-                seed=request.sampling.seed, max_frames=request.max_audio_frames, stream=request.stream, input_tokens=int(ids.shape[0]),
+                seed=request.sampling.seed, max_frames=talker_max_frames(request), stream=request.stream,
+                input_tokens=int(ids.shape[0]),
             )  # fmt: skip
             scheduler.outbox.stream(payload.request_id, setup)
         return ThinkerPrompt(
@@ -337,12 +339,14 @@ def create_audio_encoder_stage(
 def engine_config(
     max_num_seqs: int, kv_cache_bytes: int, max_model_len: int, cuda_graphs: bool,
     graph_sampling: tuple[tuple[SamplingParams, SamplingParams], ...],
+    num_step_rows: int = EngineConfig.num_step_rows,
 ) -> EngineConfig:
     """The thinker's and the talker's engine config. With ``cuda_graphs`` (used on CUDA
     only) decode steps and prefill tails run as CUDA graphs per batch bucket (1, 2, 4, 8,
     then every 8 up to ``max_num_seqs``), captured at start-up for the general sampler and
     for the step sampling of each ``(code 0, code predictor)`` pair of ``graph_sampling``
-    (the stage's common requests); any other mix is captured when first used."""
+    (the stage's common requests); any other mix is captured when first used.
+    ``num_step_rows``: the step-row pool (the talker's: :func:`talker_step_rows`)."""
     variants = tuple(
         StepSampling(SamplerFeatures.of([code0]), SamplerFeatures.of([predictor]))
         for code0, predictor in graph_sampling
@@ -350,7 +354,19 @@ def engine_config(
     return EngineConfig(
         kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=variants,
+        num_step_rows=num_step_rows,
     )  # fmt: skip
+
+
+def talker_step_rows(max_num_seqs: int) -> int:
+    """The talker's step-row pool: ``max_num_seqs`` requests of the most frames a request
+    may ask for (:data:`~.request_builders.DEFAULT_MAX_AUDIO_FRAMES`), so the pool never
+    admits fewer requests than ``max_num_seqs``. A streamed talker request keeps one row a
+    frame from its admission (``GenerationInput.more_rows``); with the engine's default
+    pool (65536 rows) a talker of ``max_num_seqs`` 32 ran 16 requests and the others waited
+    for a whole reply (H200, text prompt at concurrency 32: TTFA p50 6-7 s). 2 KiB a row at
+    real dimensions: 256 MiB at 32 requests."""
+    return max_num_seqs * DEFAULT_MAX_AUDIO_FRAMES
 
 
 def thinker_graph_sampling(stop_id: int) -> tuple[tuple[SamplingParams, SamplingParams], ...]:
@@ -487,6 +503,15 @@ def talker_frame_cap(reply_tokens: int) -> int:
     return TALKER_LEAD_FRAMES + TALKER_FRAMES_PER_TOKEN * reply_tokens
 
 
+def talker_max_frames(request: Qwen3OmniRequest) -> int:
+    """The talker request's frame limit, known before the reply: the request's
+    ``max_audio_frames``, and at most :func:`talker_frame_cap` of a ``max_tokens`` reply
+    (the reply cap applied later can only be lower). The engine reserves KV and step rows
+    for this many frames when it admits the request, so a short ``max_tokens`` reserves
+    little (48 tokens: 505 frames, not 4096)."""
+    return min(request.max_audio_frames, talker_frame_cap(request.max_tokens))
+
+
 class TalkerFeed(StreamInput):
     """One request's talker hand-off: :class:`AudioSetup` from preprocessing, then the
     thinker's :class:`FrameWithHidden` items (module docstring). The thinker's
@@ -613,7 +638,8 @@ def create_talker_stage(
     assert embed is not None  # language_parts loads one or the other
     engine = AREngine(
         TalkerEngineModel(talker),
-        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, talker_graph_sampling(talker)),
+        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, talker_graph_sampling(talker),
+                      talker_step_rows(max_num_seqs)),
     )  # fmt: skip
     return ARScheduler(
         engine, stream_input=lambda request_id: TalkerFeed(model, embed, talker_start_tokens)
