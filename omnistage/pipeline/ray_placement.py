@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 import uuid
@@ -140,6 +142,7 @@ class RayPlacement(Placement):
         self._replaced: list[tuple[str, str]] = []  # deaths learnt from a restart's hello
         self._owns_ray = False
         self._ray_environ: dict[str, str] = {}
+        self._temp_dir: str | None = None  # a private instance's session files
         self._transport: ZmqTransport | None = None
         self._node_id = ""
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -155,7 +158,9 @@ class RayPlacement(Placement):
                 wants = self.bundles()
                 custom = {k: sum(b.get(k, 0.0) for b in wants) for b in wants for k in b if k not in ("CPU", "GPU")}
                 cpus = max(float(os.cpu_count() or 1), sum(b.get("CPU", 0.0) for b in wants))
-                options |= {"address": "local", "num_cpus": cpus, "resources": custom, "_node_ip_address": "127.0.0.2"}
+                self._temp_dir = tempfile.mkdtemp(prefix="omnistage-ray-")  # its sessions' files, removed by stop()
+                options |= {"address": "local", "num_cpus": cpus, "resources": custom, "_node_ip_address": "127.0.0.2",
+                            "_temp_dir": self._temp_dir}  # fmt: skip
                 logger.info("starting a private Ray instance (%g logical CPUs, %s)", cpus, custom or "no custom resources")
             else:
                 options["address"] = config.ray_address
@@ -276,6 +281,9 @@ class RayPlacement(Placement):
             for name in [k for k in os.environ if k.startswith("RAY_")]:
                 del os.environ[name]
             os.environ.update(self._ray_environ)
+        if self._temp_dir is not None:
+            shutil.rmtree(self._temp_dir, ignore_errors=True)
+            self._temp_dir = None
 
     # --------------------------------------------------------------- control plane
     def on_control(self, envelope: Envelope, body: Any) -> None:
