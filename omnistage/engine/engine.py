@@ -72,6 +72,10 @@ class EngineConfig:
             pauses to capture them on first use.
         use_triton: Triton decode attention (None: on CUDA when installed).
         overlap: resolve step t while step t+1 runs (None: on CUDA).
+        prefix_caching: share the KV blocks of prompt prefixes between requests whose
+            inputs have ``cache_prompt`` (a known voice's reference prefix is computed
+            once); registered blocks nobody holds are evicted when the pool needs them
+            (:mod:`omnistage.engine.block_manager`).
     """
 
     kv_cache_bytes: int | None = None
@@ -87,6 +91,7 @@ class EngineConfig:
     graph_sampling: tuple[StepSampling, ...] = ()
     use_triton: bool | None = None
     overlap: bool | None = None
+    prefix_caching: bool = True
 
 
 @dataclass(frozen=True)
@@ -144,7 +149,7 @@ class AREngine:
         self._check_kv_pool_holds_one_request(config)
         self.scheduler = BatchScheduler(
             self.kv_blocks, self.row_blocks, config.max_num_seqs, config.max_waiting,
-            config.max_prefill_tokens, config.prefill_hold_ms / 1000,
+            config.max_prefill_tokens, config.prefill_hold_ms / 1000, config.prefix_caching,
         )
         self.runner = ModelRunner(
             model, self.cache, decode_attention_for(spec.device, config.use_triton), config.max_num_seqs,
@@ -157,6 +162,7 @@ class AREngine:
         with torch.no_grad():
             self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling) if is_cuda and sizes else None
         self._in_flight: _InFlight | None = None
+        self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix cache, ever
 
     def _check_kv_pool_holds_one_request(self, config: EngineConfig) -> None:
         if self.kv_blocks.blocks_needed(config.max_model_len) > self.kv_blocks.num_blocks:
@@ -332,6 +338,10 @@ class AREngine:
                 for rows in pending:
                     self._store_rows(seq, rows)
             last, slot_ids, layers = self.runner.prefill(seqs)
+            for seq in seqs:  # their KV is written (in stream order): later prompts may share it
+                self.prefix_hit_tokens += seq.num_cached
+                if seq.prompt_keys:
+                    self.kv_blocks.register(seq.request_id, seq.prompt_keys)
             if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
                 codes = self.graphs.frame_tail(last, slot_ids, sampling)
             else:

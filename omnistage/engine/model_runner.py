@@ -229,28 +229,36 @@ class ModelRunner:
     # --------------------------------------------------------------- device side
     def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One variable-length forward over the prompts of ``seqs`` (admitted, nothing
-        scheduled yet). Returns the last hidden ``[B, H]`` and the slot ids ``[B] int64``
-        (the inputs of :meth:`frame_tail`, which makes frame 0), and the states of
-        ``spec.hidden_layers`` ``[N, K, H]`` of every prompt token (None without any).
-        The requests' hidden additions are added at their rows of the batch."""
+        scheduled yet), each from its first token not in the prefix cache
+        (``seq.num_cached``; those before it are attended to from their shared blocks).
+        Returns the last hidden ``[B, H]`` and the slot ids ``[B] int64`` (the inputs of
+        :meth:`frame_tail`, which makes frame 0), and the states of ``spec.hidden_layers``
+        ``[N, K, H]`` of every computed prompt token (None without any). The requests'
+        hidden additions are added at their rows of the batch."""
         device, size = self.spec.device, self.cache.block_size
-        lengths = [s.prompt_len for s in seqs]
-        positions = [t for n in lengths for t in range(n)]
-        kv_slots = [s.kv_slot(t, size) for s in seqs for t in range(s.prompt_len)]
+        lengths = [s.prompt_len - s.num_cached for s in seqs]
+        positions = [t for s in seqs for t in range(s.num_cached, s.prompt_len)]
+        kv_slots = [s.kv_slot(t, size) for s in seqs for t in range(s.num_cached, s.prompt_len)]
+        # with a cached prefix: every context token's slot, for attention over the prefix
+        context = [s.kv_slot(t, size) for s in seqs for t in range(s.prompt_len)] if any(s.num_cached for s in seqs) else []
         ends = [end - 1 for end in itertools.accumulate(lengths)]
         per_seq = [s.slot for s in seqs] + ends
         n, b = len(positions), len(seqs)
         if self.rope_deltas is None:
-            flat = _upload(positions + kv_slots + per_seq, device)
+            flat = _upload(positions + kv_slots + context + per_seq, device)
             positions_d, kv_slots_d = flat[: 2 * n].view(2, n)
+            context_d = flat[2 * n : 2 * n + len(context)]
         else:
             # float32: multimodal positions may be fractional
-            positions_d = _upload(torch.cat([_prompt_positions(s) for s in seqs], dim=1), device)
-            flat = _upload(kv_slots + per_seq, device)
-            kv_slots_d = flat[:n]
+            positions_d = _upload(torch.cat([_prompt_positions(s)[:, s.num_cached :] for s in seqs], dim=1), device)
+            flat = _upload(kv_slots + context + per_seq, device)
+            kv_slots_d, context_d = flat[:n], flat[n : n + len(context)]
         slot_ids, last = flat[flat.shape[0] - 2 * b :].view(2, b)
-        embeds = torch.cat([self._prompt_embeds(s) for s in seqs])
-        self.attn.prepare_prefill(kv_slots_d, lengths)
+        embeds = torch.cat([self._prompt_embeds(s)[s.num_cached :] for s in seqs])
+        if context:
+            self.attn.prepare_prefill(kv_slots_d, lengths, context_d, [s.prompt_len for s in seqs])
+        else:
+            self.attn.prepare_prefill(kv_slots_d, lengths)
         hidden, layers = self._forward(embeds, positions_d, _batch_additions(seqs, lengths, self.spec))
         return hidden[last], slot_ids, layers
 

@@ -5,8 +5,7 @@ Two kinds of forward, announced by the runner before the first layer:
 
 - prefill (:meth:`PagedAttention.prepare_prefill`): whole prompts of several requests,
   concatenated (variable lengths); each new token attends causally within its own
-  sequence. There is no cached prefix yet (no prefix caching), so attention needs only
-  the new tokens. On CUDA in half precision it is ONE variable-length flash-attention
+  sequence. Without a cached prefix, attention needs only the new tokens. On CUDA in half precision it is ONE variable-length flash-attention
   call per layer (``torch.nn.attention.varlen.varlen_attn``, cumulative sequence
   offsets); elsewhere, and where a start-up probe finds that kernel missing or wrong, one
   causal SDPA call per sequence (:func:`varlen_prefill_attention`, also the test oracle; a
@@ -14,6 +13,10 @@ Two kinds of forward, announced by the runner before the first layer:
   block-diagonal ``[N, N]`` mask was simpler, but a mask sends SDPA to its math path,
   which materializes ``Hq x N x N`` scores: at 64 coalesced voice-clone prompts, ~6,400
   tokens, that ran an H200 out of memory.)
+  With a cached prefix (prefix caching: a sequence's first tokens are in shared blocks,
+  only the rest is new), each new token attends to its sequence's whole context, the
+  prefix read from the pool: :func:`prefix_prefill_attention`, one SDPA call per
+  sequence with a lower-right causal mask.
 - decode (:meth:`PagedAttention.prepare_decode`): one new token per sequence, attending to
   its whole cached context through its block table.
 
@@ -85,6 +88,29 @@ def varlen_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         qs, ks, vs = (t[start : start + n].transpose(0, 1) for t in (q, k, v))
         outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa).transpose(0, 1))
         start += n
+    return torch.cat(outs)
+
+
+def prefix_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, context_slots: torch.Tensor,
+    seq_lens: list[int], context_lens: list[int],
+) -> torch.Tensor:
+    """Causal attention of new tokens over their sequences' whole contexts: q ``[N, Hq,
+    D]`` (the new tokens, concatenated), ``k_cache``/``v_cache`` ``[S, Hkv, D]`` (one
+    layer of the pool, the new tokens' k/v already written), ``context_slots [C] int64``
+    (each sequence's context slots in order, concatenated), ``seq_lens`` (new tokens per
+    sequence) and ``context_lens`` (context tokens, new ones included, the new being the
+    last). Token ``i`` of ``n`` new ones in a context of ``L`` attends to context tokens
+    ``0 .. L - n + i``. Returns ``[N, Hq, D]``."""
+    gqa = k_cache.shape[1] != q.shape[1]
+    outs, start, context_start = [], 0, 0
+    for n, length in zip(seq_lens, context_lens, strict=True):
+        slots = context_slots[context_start : context_start + length]
+        qs = q[start : start + n].transpose(0, 1)
+        ks, vs = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)
+        mask = torch.ones(n, length, dtype=torch.bool, device=q.device).tril(length - n)
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, enable_gqa=gqa).transpose(0, 1))
+        start, context_start = start + n, context_start + length
     return torch.cat(outs)
 
 
@@ -176,15 +202,23 @@ class PagedAttention:
         self._slots = torch.empty(0, dtype=torch.int64)
         self._seq_lens: list[int] | None = None  # set for a prefill forward
         self._cu_seqlens: torch.Tensor | None = None  # set for a fused prefill forward
+        self._context: tuple[torch.Tensor, list[int]] | None = None  # a prefill over cached prefixes
         self._block_tables = self._context_lens = self._slots
 
-    def prepare_prefill(self, slot_mapping: torch.Tensor, seq_lens: list[int]) -> None:
-        """A prefill forward of ``N`` tokens: ``slot_mapping [N] int64`` and the lengths of
-        its sequences (host ints summing to ``N``, in token order)."""
+    def prepare_prefill(
+        self, slot_mapping: torch.Tensor, seq_lens: list[int],
+        context_slots: torch.Tensor | None = None, context_lens: list[int] | None = None,
+    ) -> None:
+        """A prefill forward of ``N`` new tokens: ``slot_mapping [N] int64`` and the new
+        tokens of each sequence (host ints summing to ``N``, in token order); where some
+        sequences begin with a cached prefix, also every sequence's context slots
+        (``context_slots``, concatenated, device int64) and lengths (``context_lens``,
+        host ints; see :func:`prefix_prefill_attention`)."""
         self._slots = slot_mapping
         self._seq_lens = list(seq_lens)
         self._cu_seqlens = None
-        if self.fused_prefill is not False and slot_mapping.is_cuda:
+        self._context = None if context_slots is None else (context_slots, list(context_lens or ()))
+        if self._context is None and self.fused_prefill is not False and slot_mapping.is_cuda:
             offsets = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32).pin_memory()
             self._cu_seqlens = offsets.to(slot_mapping.device, non_blocking=True)
 
@@ -195,12 +229,14 @@ class PagedAttention:
         # (the runner passes a column of its [B, 3] step index)
         self._slots, self._block_tables = slot_mapping, block_tables.contiguous()
         self._context_lens = context_lens.contiguous()
-        self._seq_lens = None
+        self._seq_lens, self._context = None, None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         k_cache.index_copy_(0, self._slots, k)
         v_cache.index_copy_(0, self._slots, v)
+        if self._seq_lens is not None and self._context is not None:
+            return prefix_prefill_attention(q, k_cache, v_cache, self._context[0], self._seq_lens, self._context[1])
         if self._seq_lens is not None:
             if self.fused_prefill is None:
                 self.fused_prefill = flash_varlen_usable(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])

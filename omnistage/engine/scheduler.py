@@ -25,7 +25,7 @@ from typing import Literal
 from omnistage.core.errors import QueueFullError
 from omnistage.core.request import FinishReason
 from omnistage.engine.block_manager import BlockManager
-from omnistage.engine.sequence import Sequence, SequenceStatus
+from omnistage.engine.sequence import Sequence, SequenceStatus, block_keys
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,10 @@ class BatchScheduler:
     max_prefill_tokens: prompt tokens per prefill at most (a longer single prompt still
         runs alone).
     prefill_hold_s: the coalescing window (seconds).
+    prefix_caching: admit a request with ``inputs.cache_prompt`` on the registered blocks
+        its prompt begins with (see :mod:`omnistage.engine.block_manager`); only the
+        rest of its prompt is prefilled, and only that counts against
+        ``max_prefill_tokens``.
     """
 
     def __init__(
@@ -53,8 +57,10 @@ class BatchScheduler:
         max_waiting: int,
         max_prefill_tokens: int,
         prefill_hold_s: float,
+        prefix_caching: bool = False,
     ) -> None:
         self.kv_blocks, self.row_blocks = kv_blocks, row_blocks
+        self.prefix_caching = prefix_caching
         self.max_waiting, self.max_prefill_tokens, self.prefill_hold_s = max_waiting, max_prefill_tokens, prefill_hold_s
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -127,20 +133,34 @@ class BatchScheduler:
         tokens = 0
         while self.waiting and self._free_slots:
             seq = self.waiting[0]
-            if admitted and tokens + seq.prompt_len > self.max_prefill_tokens:
+            cached = self._cached_blocks(seq)
+            computed = seq.prompt_len - len(cached) * self.kv_blocks.block_size
+            if admitted and tokens + computed > self.max_prefill_tokens:
                 break
             if not (
-                self.kv_blocks.can_allocate(seq.reserved_tokens)
+                self.kv_blocks.can_allocate(seq.reserved_tokens, cached)
                 and self.row_blocks.can_allocate(seq.inputs.num_step_rows)
             ):
                 break
             self.waiting.popleft()
-            seq.block_table = self.kv_blocks.allocate(seq.request_id, seq.reserved_tokens)
+            seq.block_table = self.kv_blocks.allocate(seq.request_id, seq.reserved_tokens, cached)
+            seq.num_cached = seq.prompt_len - computed
             self.row_blocks.allocate(seq.request_id, seq.inputs.num_step_rows)
             seq.row_slots = self.row_blocks.slots(seq.request_id)
             seq.slot = self._free_slots.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
-            tokens += seq.prompt_len
+            tokens += computed
         return admitted
+
+    def _cached_blocks(self, seq: Sequence) -> list[int]:
+        """The registered blocks ``seq``'s prompt begins with (its last token excluded:
+        the prefill must compute it), with prefix caching on."""
+        keys = seq.inputs.row_keys
+        if not self.prefix_caching or keys is None:
+            return []
+        size = self.kv_blocks.block_size
+        if not seq.prompt_keys:
+            seq.prompt_keys = block_keys(keys, size)
+        return self.kv_blocks.match(seq.prompt_keys[: (seq.prompt_len - 1) // size])

@@ -23,6 +23,7 @@ states at chosen prompt positions after each of its first layers, during its pre
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +85,12 @@ class GenerationInput:
             them (``spec.hidden_addition_layers``); None: none.
         return_hidden: the engine returns the states of the model's ``hidden_layers`` for
             every prompt and fed-back token (``StepOutput.hidden``).
+        cache_prompt: the prompt's KV may be shared with other requests whose prompts
+            begin with the same embeddings (prefix caching, where the engine has it on):
+            its rows are hashed (:class:`PromptDigest`; the prompt is not to be written to
+            afterwards), so the cache key is the content itself and one request's KV is
+            never served for another's different prompt (architecture rule 8). Not with
+            ``positions``, ``hidden_additions`` or ``return_hidden``.
     """
 
     prompt: torch.Tensor
@@ -97,6 +104,8 @@ class GenerationInput:
     rope_delta: float = 0
     return_hidden: bool = False
     hidden_additions: HiddenAdditions | None = None
+    cache_prompt: bool = False
+    digest: PromptDigest | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.prompt.dim() not in (1, 2) or self.prompt.shape[0] < 1:
@@ -127,6 +136,17 @@ class GenerationInput:
                 "the code predictor's sampling takes no repetition penalty, stop ids or min_new_tokens",
                 "predictor_sampling",
             )
+        if self.cache_prompt:
+            if self.positions is not None or self.hidden_additions is not None or self.return_hidden:
+                raise RequestValidationError(
+                    "cache_prompt takes no positions, hidden_additions or return_hidden", "cache_prompt"
+                )
+            object.__setattr__(self, "digest", PromptDigest(self.prompt))
+
+    @property
+    def row_keys(self) -> tuple[bytes, ...] | None:
+        """With ``cache_prompt``: one digest per prompt row (:func:`prompt_row_keys`)."""
+        return None if self.digest is None else self.digest.keys()
 
     @property
     def num_given_rows(self) -> int:
@@ -145,6 +165,57 @@ class GenerationInput:
     def num_step_rows(self) -> int:
         """Rows the request keeps in the step-row pool: :attr:`row_capacity` and the pad row."""
         return self.row_capacity + 1
+
+
+class PromptDigest:
+    """A prompt's :func:`prompt_row_keys`, made without waiting for the device: a CUDA
+    prompt is copied to pinned host memory behind the work that makes it and hashed on
+    first use (the engine's admission, by when the copy is long done); serialized for
+    another process, it is hashed first."""
+
+    def __init__(self, prompt: torch.Tensor) -> None:
+        self._keys: tuple[bytes, ...] | None = None
+        self._ready: torch.cuda.Event | None = None
+        if prompt.is_cuda:
+            self._host = torch.empty(prompt.shape, dtype=prompt.dtype, pin_memory=True)
+            self._host.copy_(prompt.detach(), non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = prompt.detach()
+
+    def keys(self) -> tuple[bytes, ...]:
+        if self._keys is None:
+            if self._ready is not None:
+                self._ready.synchronize()
+            self._keys = prompt_row_keys(self._host)
+            self._host, self._ready = torch.empty(0), None
+        return self._keys
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"_keys": self.keys(), "_ready": None, "_host": torch.empty(0)}
+
+
+def prompt_row_keys(prompt: torch.Tensor) -> tuple[bytes, ...]:
+    """One 16-byte BLAKE2b digest per prompt row (``[L, H]`` embeddings or ``[L]`` ids, any
+    device: copied to the host once) of the row's bytes, its dtype and its width."""
+    host = prompt.detach().to("cpu").contiguous()
+    if host.dtype in (torch.bfloat16, torch.float16):  # numpy has no bfloat16: the same bytes as int16
+        host = host.view(torch.int16)
+    rows = host.reshape(host.shape[0], -1).numpy()
+    salt = f"{prompt.dtype}:{rows.shape[1]}".encode()
+    return tuple(hashlib.blake2b(row.tobytes(), digest_size=16, key=salt).digest() for row in rows)
+
+
+def block_keys(row_keys: tuple[bytes, ...], block_size: int) -> list[bytes]:
+    """Keys of the prompt's full blocks: block ``i``'s names its rows and, chained, every
+    row before them (the KV of a token depends on the tokens before it and on its
+    position, which the chain fixes too)."""
+    keys, previous = [], b""
+    for start in range(0, len(row_keys) - block_size + 1, block_size):
+        previous = hashlib.blake2b(previous + b"".join(row_keys[start : start + block_size]), digest_size=16).digest()
+        keys.append(previous)
+    return keys
 
 
 @dataclass(frozen=True)
@@ -184,6 +255,10 @@ class Sequence:
         rows_complete: no more rows will come (always, unless ``inputs.more_rows``).
         pending_rows: rows appended while it waits for admission (host side until then).
         num_scheduled: steps launched so far (= frames that are or will be produced).
+        num_cached: leading prompt tokens whose KV came from the prefix cache (a multiple
+            of the block size; never the whole prompt: its last token is computed).
+        prompt_keys: :func:`block_keys` of its prompt (with ``inputs.cache_prompt`` and the
+            engine's prefix caching on), registered once its prefill is launched.
         frames: ``[1, G] int64`` frames emitted so far (host tensors).
         stop_ids: ``inputs.sampling.stop_token_ids`` as a set (host-side stop check).
         finish_reason: set once it finished.
@@ -201,6 +276,8 @@ class Sequence:
     rows_complete: bool = True
     pending_rows: list[torch.Tensor] = field(default_factory=list)
     num_scheduled: int = 0
+    num_cached: int = 0
+    prompt_keys: list[bytes] = field(default_factory=list)
     frames: list[torch.Tensor] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     frame_cap: int | None = None

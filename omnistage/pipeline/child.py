@@ -8,7 +8,7 @@ import logging
 import multiprocessing
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omnistage.config.hooks import import_callable
@@ -50,13 +50,24 @@ def run_child(
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{endpoint}] %(levelname)s %(name)s: %(message)s")
     stopped = threading.Event()
 
-    def send_event(event: CoordinatorEvent) -> None:
+    def send_event(events: Sequence[CoordinatorEvent]) -> None:
+        """One message for the whole sequence (a terminal stage's chunks of a step); if
+        it cannot be serialized, each event alone, so only the request whose event cannot
+        be (e.g. a result that cannot be pickled) fails."""
+        ids = {event.request_id for event in events}
         try:
-            transport.send(MAIN_GROUP, "event", event, request_id=event.request_id)
-        except RelayError as exc:  # e.g. a result that cannot be pickled: the request fails
+            transport.send(MAIN_GROUP, "event", tuple(events), request_id=ids.pop() if len(ids) == 1 else "")
+        except RelayError:
+            for event in events:
+                send_alone(event)
+
+    def send_alone(event: CoordinatorEvent) -> None:
+        try:
+            transport.send(MAIN_GROUP, "event", (event,), request_id=event.request_id)
+        except RelayError as exc:
             stage = event.source if isinstance(event, StreamChunk) else event.stage
             failed = StageFailed(event.request_id, stage, exc)
-            transport.send(MAIN_GROUP, "event", failed, request_id=event.request_id)
+            transport.send(MAIN_GROUP, "event", (failed,), request_id=event.request_id)
 
     host = StageHost(endpoint, routes, coordinator_sink=send_event, hold_until_built=True, replicas=replicas)
     transport = ZmqTransport(endpoint, addresses, prefix, host.on_message, host.on_undeliverable, bind=bind)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -299,9 +299,14 @@ class Coordinator:
         if request_id in self.requests:
             self._finish(request_id, error=RequestAbortedError(reason), finish_reason="abort")
 
-    def post(self, event: CoordinatorEvent) -> None:
-        """Thread-safe: deliver a stage event to the loop."""
-        self.loop.call_soon_threadsafe(self.on_event, event)
+    def post(self, events: Sequence[CoordinatorEvent]) -> None:
+        """Thread-safe: deliver stage events (in order) to the loop, as ONE wake-up of
+        the loop however many there are (a terminal stage's chunks of a whole step)."""
+        self.loop.call_soon_threadsafe(self._on_events, tuple(events))
+
+    def _on_events(self, events: tuple[CoordinatorEvent, ...]) -> None:
+        for event in events:
+            self.on_event(event)
 
     def on_event(self, event: CoordinatorEvent) -> None:
         if isinstance(event, StageDead):

@@ -15,7 +15,7 @@ sends the request's messages to the replicas it runs on.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from omnistage.core.errors import StageFailureError
@@ -35,7 +35,8 @@ class StageHost:
     """Args:
     group: this process's group name (``"main"`` for the server process).
     routes: stage name -> group name of the process that runs it.
-    coordinator_sink: receives coordinator events (thread-safe callable).
+    coordinator_sink: receives coordinator events, a sequence of them per call (one
+        stage step's), in order (thread-safe callable).
     hold_until_built: hold stage and abort messages until :meth:`stages_built` (a stage
         process, whose transport starts before its stages exist).
     replicas: replica count of each process group that has more than one.
@@ -45,7 +46,7 @@ class StageHost:
         self,
         group: str,
         routes: dict[str, str],
-        coordinator_sink: Callable[[CoordinatorEvent], None],
+        coordinator_sink: Callable[[Sequence[CoordinatorEvent]], None],
         *,
         hold_until_built: bool = False,
         replicas: dict[str, int] | None = None,
@@ -82,8 +83,8 @@ class StageHost:
             if request_id not in self._ended:
                 self.assignments.setdefault(request_id, replicas)
 
-    def to_coordinator(self, event: CoordinatorEvent) -> None:
-        self.coordinator_sink(event)
+    def to_coordinator(self, events: Sequence[CoordinatorEvent]) -> None:
+        self.coordinator_sink(events)
 
     # -------------------------------------------------------------------------
     def abort_local(self, request_id: str) -> None:
@@ -121,7 +122,7 @@ class StageHost:
         elif envelope.kind == "abort":
             self.abort_local(body)
         elif envelope.kind == "event":
-            self.coordinator_sink(body)
+            self.coordinator_sink(body)  # a tuple of events
         elif self.on_control is not None:
             self.on_control(envelope, body)
 
@@ -131,7 +132,7 @@ class StageHost:
         if envelope.request_id:
             where = envelope.target or "transport"
             cause = f"a {envelope.kind} message from {envelope.source or 'another process'} could not be delivered: {error!r}"
-            self.coordinator_sink(StageFailed(envelope.request_id, where, StageFailureError(where, cause)))
+            self.coordinator_sink([StageFailed(envelope.request_id, where, StageFailureError(where, cause))])
 
     def live_state(self) -> dict[str, dict[str, list[str]]]:
         """Per-request state of the local stages (only stages that hold some), and the

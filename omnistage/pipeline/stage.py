@@ -53,7 +53,8 @@ class StageLinks(Protocol):
 
     def send(self, target: str, message: StageInput, source: str) -> None: ...
 
-    def to_coordinator(self, event: CoordinatorEvent) -> None: ...
+    def to_coordinator(self, events: Sequence[CoordinatorEvent]) -> None:
+        """Hand ``events`` (in order) to the coordinator as one delivery."""
 
 
 @dataclass(frozen=True)
@@ -270,12 +271,14 @@ class StageRuntime:
         try:
             for target, message in batches:
                 self.links.send(target, message, self.name)
-            for event in events:
-                self.links.to_coordinator(event)
+            if events:  # a terminal stage's chunks of the whole step: one delivery
+                self.links.to_coordinator(events)
         except RelayError as exc:  # every request of the batch fails (none is half-sent)
+            failed = []
             for request_id in dict.fromkeys(request_id for request_id, _ in items):
                 self._release_now(request_id)
-                self.links.to_coordinator(StageFailed(request_id, self.name, exc))
+                failed.append(StageFailed(request_id, self.name, exc))
+            self.links.to_coordinator(failed)
 
     def _stream_locked(
         self, request_id: str, data: Any, outgoing: Outgoing, events: list[CoordinatorEvent]
@@ -315,7 +318,7 @@ class StageRuntime:
         self._emit(request_id, [], [event])
 
     def dead(self, error: BaseException) -> None:
-        self.links.to_coordinator(StageDead(self.name, f"{type(error).__name__}: {error}"))
+        self.links.to_coordinator([StageDead(self.name, f"{type(error).__name__}: {error}")])
 
     def _fail_locked(self, request_id: str, error: OmnistageError) -> StageFailed:
         self._release(request_id)
@@ -327,11 +330,11 @@ class StageRuntime:
         try:
             for target, message in outgoing:
                 self.links.send(target, message, self.name)
-            for event in events:
-                self.links.to_coordinator(event)
+            if events:
+                self.links.to_coordinator(events)
         except RelayError as exc:
             self._release_now(request_id)
-            self.links.to_coordinator(StageFailed(request_id, self.name, exc))
+            self.links.to_coordinator([StageFailed(request_id, self.name, exc)])
 
     def _release_now(self, request_id: str) -> None:
         with self._lock:

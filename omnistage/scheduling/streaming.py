@@ -4,7 +4,9 @@ Per request it keeps a :class:`StreamState` that may be created by the first chu
 stream-done or the payload, in any order (chunks and done may arrive before the payload).
 Each tick takes every message already in the inbox, ingests them, and runs :meth:`step`
 once on all touched requests, inside the batch boundary, so a subclass can process
-several requests' due work as one batch. A request finishes (:meth:`complete`) once it has
+several requests' due work as one batch. The stream items a tick emits leave as one
+message per stream target (:meth:`StageOutbox.stream_many`), not one per request: sent at
+the end of the tick, or before a result that follows them. A request finishes (:meth:`complete`) once it has
 its payload and, when the stage has stream sources, its stream-done. Finished and aborted
 requests leave a tombstone: late chunks never recreate state.
 """
@@ -50,6 +52,7 @@ class StreamingScheduler(Scheduler):
         super().__init__(release_callback)
         self.states: dict[str, StreamState] = {}
         self._ended = Tombstones()
+        self._emitted: list[tuple[str, Any]] = []  # this tick's stream items, not sent yet
 
     def live_requests(self) -> set[str]:
         return set(self.states)
@@ -63,12 +66,20 @@ class StreamingScheduler(Scheduler):
         return state.payload is not None and (state.done or not self.expects_stream)
 
     def emit(self, state: StreamState, data: Any) -> None:
-        self.outbox.stream(state.request_id, data)
+        """A stream item of ``state``'s request, sent with the tick's others."""
+        self._emitted.append((state.request_id, data))
 
     def complete(self, state: StreamState, data: Any, finish_reason: FinishReason = "stop") -> None:
-        """Finish ``state``'s request with ``data``; its state is dropped."""
+        """Finish ``state``'s request with ``data`` (after the items emitted before it);
+        its state is dropped."""
+        self._flush()
         self._release_state(state.request_id)
         self.outbox.result(state.request_id, data, finish_reason)
+
+    def _flush(self) -> None:
+        if self._emitted:
+            items, self._emitted = self._emitted, []
+            self.outbox.stream_many(items)
 
     def _release_state(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -96,7 +107,10 @@ class StreamingScheduler(Scheduler):
 
     def _tick(self, states: list[StreamState]) -> None:
         ids = [s.request_id for s in states]
-        if not self.run_batch(ids, lambda: self.step(states)):
+        ok = self.run_batch(ids, lambda: self.step(states))
+        # a failed batch's requests have ended: what they emitted is dropped by the runtime
+        self._flush()
+        if not ok:
             for request_id in ids:
                 self._release_state(request_id)
 

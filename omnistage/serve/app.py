@@ -496,9 +496,14 @@ class _SpeechCall:
         """The response format's bytes as the chunks arrive, then the encoder's tail (only
         after the request succeeded: a failed stream never looks complete)."""
         encoder = StreamingAudioEncoder(self.speech.response_format, self.sample_rate, self.output_rate)
+        # pcm is a float -> int16 conversion (and a soxr resample when asked): tens of us
+        # per chunk, less than a hop to the thread pool and back, which was almost half
+        # of the event loop's busy time at 16 streams (py-spy of a CPU server);
+        # a codec's encoder (PyAV) keeps the pool so it never blocks the loop
+        inline = self.speech.response_format == "pcm"
         async for samples in self._audio_chunks(first, stream):
             self.samples_sent += len(samples)
-            data = await run_in_threadpool(encoder.push, samples)
+            data = encoder.push(samples) if inline else await run_in_threadpool(encoder.push, samples)
             if data:
                 self._first_audio()
                 yield data

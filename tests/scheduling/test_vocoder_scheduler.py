@@ -80,6 +80,7 @@ class Outbox:
     streams: dict[str, list[tuple[np.ndarray, dict]]] = field(default_factory=dict)
     results: dict[str, tuple[AudioResult, str]] = field(default_factory=dict)
     failures: dict[str, BaseException] = field(default_factory=dict)
+    batches: list[list[str]] = field(default_factory=list)  # request ids of each stream_many
     ended: threading.Condition = field(default_factory=threading.Condition)
 
     def result(self, request_id, data, finish_reason="stop"):
@@ -90,6 +91,11 @@ class Outbox:
     def stream(self, request_id, data):
         assert isinstance(data, AudioChunk)
         self.streams.setdefault(request_id, []).append((data.samples, {"sample_rate": data.sample_rate}))
+
+    def stream_many(self, items):
+        self.batches.append([request_id for request_id, _ in items])
+        for request_id, data in items:
+            self.stream(request_id, data)
 
     def fail(self, request_id, error):
         with self.ended:
@@ -189,6 +195,20 @@ def test_due_requests_with_the_same_chunk_length_decode_as_one_batch(make) -> No
     # a, b and c's first frame: one batch of 1-frame chunks; then c's next 2 frames alone
     assert arena.calls == [(3, 1), (1, 2)]
     assert [len(outbox.audio(r)) for r in "abc"] == [SPF, SPF, 3 * SPF]
+
+
+def test_the_audio_chunks_of_one_tick_leave_as_one_batch(make) -> None:
+    scheduler, outbox = make(FakeArena(num_slots=4), start=False)
+    for r in "abc":
+        scheduler.put(_payload(r))
+        scheduler.put(_chunk(r, _codes(1, seed=ord(r))))
+    scheduler.put(StreamDone("a", "tts_engine"))
+    scheduler.start()
+    outbox.wait("a")
+    _settle(scheduler)
+    # one message for the three first chunks (a's included, sent before a's result)
+    assert outbox.batches[0] == ["a", "b", "c"]
+    assert [len(outbox.audio(r)) for r in "abc"] == [SPF] * 3
 
 
 def test_left_context_is_never_emitted(make) -> None:

@@ -209,6 +209,9 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 8) -> 
             step_rows=prompt.step_rows if prompt.step_rows.shape[0] else None,
             pad_embed=prompt.tts_pad,
             predictor_sampling=sampling.code_predictor,
+            # a voice's prompt begins with the same rows every time (role, speaker,
+            # reference): the engine computes their KV once (prefix caching)
+            cache_prompt=True,
         ))  # fmt: skip
 
     scheduler = ThreadedScheduler(compute, num_workers)
@@ -244,6 +247,7 @@ def create_tts_engine_stage(
     prefill_hold_ms: float = 5.0,
     max_model_len: int = MAX_MODEL_LEN,
     cuda_graphs: bool = True,
+    prefix_caching: bool = True,
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine.
 
@@ -256,6 +260,9 @@ def create_tts_engine_stage(
     (a tiny checkpoint: 256 bytes per token; the real 0.6B in fp32: 229 KB).
     ``max_model_len``: prompt + frames per request at most (:data:`MAX_MODEL_LEN`; the
     request builder refuses a request over it before any model work).
+    ``prefix_caching``: the KV of full blocks of prompt rows is shared between requests
+    whose prompts begin with the same rows (a known voice's prefix is not prefilled
+    again; keyed by the rows' content).
     """
     where = resolve_device(ctx)
     model_path = _model_path(ctx)
@@ -275,6 +282,7 @@ def create_tts_engine_stage(
         prefill_hold_ms=prefill_hold_ms,
         cuda_graph_batch_sizes=None if cuda_graphs else (),
         graph_sampling=_default_step_sampling(checkpoint),
+        prefix_caching=prefix_caching,
     )
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
     engine = AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config)

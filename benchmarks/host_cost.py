@@ -1,0 +1,159 @@
+"""Host CPU time per streamed request, by thread, of a served Qwen3-TTS (CPU, no GPU needed).
+
+The served bound measured on the H200 (benchmarks/README.md) is the host: the HTTP
+process writing streams and the stage hosts' per-request-per-step Python work, not the
+GPU. On a CPU the model's own compute dominates the wall clock, so wall times cannot show
+that work; CPU time can. This script serves a tiny random Qwen3-TTS Base with
+``omnistage serve``, drives one closed-loop level with ``omnistage bench speed``
+(streaming pcm, voice clone with a cached reference, ``--frames`` frames per request)
+and reads every thread's CPU time (``/proc/<pid>/task/<tid>/stat``, utime + stime) before
+and after the level. Threads are named with ``py-spy dump`` (``pip install py-spy``), and
+grouped:
+
+- ``http``: the asyncio loop (``MainThread``: coordinator, responses, sockets) and the
+  AnyIO worker threads (``run_in_threadpool``);
+- ``stage-<name>``: a stage's compute thread (the engine's and the vocoder's include the
+  model's compute, which on a CPU is most of it);
+- ``preprocessing workers``; ``native``: threads Python does not know (torch's
+  intra-op pool, ZMQ).
+
+It prints and writes (``--output``) CPU milliseconds per request per group. The numbers
+compare two runs on the same machine (e.g. main against a branch); they are not absolute.
+
+    python benchmarks/host_cost.py --output /tmp/host_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from qwen3_tts_gpu import REF_TEXT, TEXT, reference_wav  # noqa: E402 -- the same requests as the GPU run
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_s(pid: int) -> dict[int, float]:
+    """CPU seconds (user + system) of every thread of ``pid``, by thread id."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return out
+
+
+def thread_names(pid: int) -> dict[int, str]:
+    """Python thread names by OS thread id (``py-spy dump --json``)."""
+    done = subprocess.run(["py-spy", "dump", "--json", "-p", str(pid)], capture_output=True, text=True, check=True)
+    return {t["os_thread_id"]: t.get("thread_name") or "?" for t in json.loads(done.stdout) if t.get("os_thread_id")}
+
+
+def group_of(name: str | None) -> str:
+    if name is None:
+        return "native"
+    if name == "MainThread" or name.startswith("AnyIO worker"):
+        return "http"
+    if name.startswith("preprocessing-w"):
+        return "preprocessing workers"
+    return name
+
+
+def serve(model_dir: Path, port: int, conc: int, log: Path, extra: list[str]) -> subprocess.Popen:
+    cmd = [
+        sys.executable, "-m", "omnistage.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
+        "--allowed-local-media-path", str(model_dir.parent), "--max_concurrent_requests", "512",
+        "--tts_engine.factory.args.max_num_seqs", str(conc), "--vocoder.factory.args.num_slots", str(conc),
+        "--log-level", "warning", *extra,
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in 300 s")
+
+
+def bench(port: int, conc: int, n: int, frames: int, ref: Path, out: Path, warmup: int) -> dict:
+    meta = out.with_suffix(".lst")
+    meta.write_text(f"s0|{REF_TEXT}||{TEXT}\n", encoding="utf-8")
+    fields = {"ref_audio": str(ref), "ref_text": REF_TEXT, "max_new_tokens": frames, "min_new_tokens": frames, "language": "english"}
+    cmd = [
+        sys.executable, "-m", "omnistage.cli", "bench", "speed", "--base-url", f"http://127.0.0.1:{port}",
+        "--warmup", str(warmup), "--stream", "--concurrency", str(conc), "--num-requests", str(n),
+        "--output", str(out), "--meta-lst", str(meta),
+    ]  # fmt: skip
+    for key, value in fields.items():
+        cmd += ["--extra", f"{key}={json.dumps(value)}"]
+    subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return json.loads(out.read_text())["levels"][0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--frames", type=int, default=60)
+    parser.add_argument("--port", type=int, default=8731)
+    parser.add_argument("--output", type=Path)
+    parser.add_argument("--serve-arg", action="append", default=[], help="extra omnistage serve argument (repeatable)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = work / "qwen3_tts_tiny_base"
+        subprocess.run(
+            [sys.executable, "-m", "omnistage.cli", "init-random", "--arch", "Qwen3TTSForConditionalGeneration",
+             "--size", "tiny", "--type", "base", str(model_dir)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        ref = work / "reference.wav"
+        ref.write_bytes(reference_wav(7))
+        proc = serve(model_dir, args.port, args.concurrency, work / "server.log", args.serve_arg)
+        try:
+            bench(args.port, args.concurrency, args.concurrency, args.frames, ref, work / "warm.json", warmup=2)
+            names = thread_names(proc.pid)
+            before = thread_cpu_s(proc.pid)
+            t0 = time.perf_counter()
+            level = bench(args.port, args.concurrency, args.requests, args.frames, ref, work / "level.json", warmup=0)
+            wall = time.perf_counter() - t0
+            after = thread_cpu_s(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    ok = level["num_ok"]
+    groups: dict[str, float] = {}
+    for tid, cpu in after.items():
+        group = group_of(names.get(tid))
+        groups[group] = groups.get(group, 0.0) + cpu - before.get(tid, 0.0)
+    per_request = {g: round(1e3 * s / ok, 2) for g, s in sorted(groups.items(), key=lambda kv: -kv[1])}
+    report = {
+        "concurrency": args.concurrency, "requests_ok": ok, "frames": args.frames, "wall_s": round(wall, 1),
+        "cpu_ms_per_request": per_request, "cpu_ms_per_request_total": round(sum(per_request.values()), 2),
+        "ttfa_ms": level["ttfa_ms"], "audio_throughput": level["audio_throughput"],
+        "ttfa_phases_ms": level.get("ttfa_phases_ms"), "serve_args": args.serve_arg,
+    }  # fmt: skip
+    print(json.dumps(report, indent=2))
+    if args.output:
+        args.output.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
