@@ -8,8 +8,12 @@ request would mean replaying every fed-back frame embedding, and a stream that s
 sentence is worse for TTS than a request that waits a little longer to start. The head of
 the queue blocks the others (no overtaking), so big requests cannot starve.
 
-Each step is either one prefill of every admissible waiting request (prefill first, as in
-nano-vllm) or one decode of every running request. Prefills are coalesced: while the oldest
+Each step is either one prefill of admissible waiting requests (prefill first, as in
+nano-vllm; at most ``max_prefill_tokens`` computed prompt tokens, the per-step prefill
+budget) or one decode of every running request. A prefill is never followed by another
+while running requests can decode: a burst of arrivals larger than one step's budget is
+prefilled a budget at a time, with a decode step between, so the running streams keep
+getting a frame at least every other step instead of stalling until the burst is in. Prefills are coalesced: while the oldest
 waiting request has waited less than ``prefill_hold_s`` and the waiting requests could not
 fill the free slots, the running requests decode and newcomers gather. An idle engine
 (nothing running) prefills at once: there is nothing to keep decoding meanwhile. Finishing, aborting
@@ -66,6 +70,7 @@ class BatchScheduler:
         self.running: list[Sequence] = []
         self._free_slots: deque[int] = deque(range(max_num_seqs))
         self._by_id: dict[str, Sequence] = {}
+        self._after_prefill = False  # the last batch was a prefill
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``.
@@ -89,10 +94,11 @@ class BatchScheduler:
 
     def schedule(self, now: float) -> ScheduledBatch | None:
         """The next step's batch, or None when there is nothing to run now."""
-        admitted = self._admit(now)
+        decode = [s for s in self.running if s.schedulable]
+        admitted = [] if self._after_prefill and decode else self._admit(now)
+        self._after_prefill = bool(admitted)
         if admitted:
             return ScheduledBatch("prefill", admitted)
-        decode = [s for s in self.running if s.schedulable]
         return ScheduledBatch("decode", decode) if decode else None
 
     def hold_remaining(self, now: float) -> float | None:

@@ -276,6 +276,34 @@ def test_prefill_does_not_wait_when_the_waiting_requests_fill_every_free_slot():
     assert engine.schedule(now=0.0).batch.kind == "prefill"
 
 
+def test_running_streams_keep_getting_frames_while_a_burst_is_prefilled_a_budget_at_a_time():
+    engine = engine_for(max_num_seqs=8, max_prefill_tokens=8)
+    arrivals = {0: [("z", request(3, 30, seed=9))], 2: [(f"b{i}", request(5, 6, seed=i)) for i in range(6)]}
+    kinds, z_frames = [], []
+    streamed: dict = {}
+    results, step = {}, 0
+    while engine.has_work() or step <= 2:
+        for request_id, inputs in arrivals.get(step, []):
+            engine.add_request(request_id, inputs)
+        plan = engine.schedule()
+        kinds.append(plan.batch.kind if plan.batch else None)
+        outputs = engine.execute(plan)
+        z_frames.append(any(o.request_id == "z" and o.frame is not None for o in outputs))
+        for out in outputs:
+            if out.frame is not None:
+                streamed.setdefault(out.request_id, []).append(out.frame)
+            if out.result is not None:
+                results[out.request_id] = out.result
+        step += 1
+    burst = kinds[2:14]  # six prefills of one request each (5 + 5 tokens > the budget of 8)
+    assert burst.count("prefill") == 6 and "prefill prefill" not in " ".join(map(str, burst))
+    assert all(any(z_frames[i : i + 2]) for i in range(2, 14))  # z never waits two steps
+    for request_id, inputs in [*arrivals[0], *arrivals[2]]:
+        assert torch.equal(results[request_id].codes, reference_generate(MULTI, inputs).codes), request_id
+        assert torch.equal(torch.cat(streamed[request_id]), results[request_id].codes)
+    assert_nothing_held(engine)
+
+
 # ---------------------------------------------------------------------------- GPU
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
