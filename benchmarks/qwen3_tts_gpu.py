@@ -11,10 +11,18 @@ cannot end it early):
 1. closed loop at each ``--concurrency`` level;
 2. open loop (Poisson arrivals) at ``--open-fraction`` (0.8) of the saturation rate, the
    best request throughput the closed levels reached;
-3. TTFA with a FRESH 3 s reference per request (encoded on the request path), one at a time;
-4. GPU memory.
+3. concurrency 1 with a different target text per request (``--texts`` of them): the
+   voice's prompt prefix is a prefix-cache hit, the rest is prefilled (with one fixed
+   text the whole prompt but its last block is a hit);
+4. TTFA with a FRESH 3 s reference per request (encoded on the request path), one at a time;
+5. the same concurrency-1 levels and concurrency 64 on a second server with prefix
+   caching off (``--tts_engine.factory.args.prefix_caching false``), if the budget allows
+   (``--no-prefix-off`` skips it);
+6. GPU memory.
 
-Every level records the server's TTFA decomposition (``X-Timeline``: admission,
+Every level records the server's CPU time per request and its CPU use (CPU seconds per
+wall second of the server process and its children, from ``/proc``: above 1 means more
+than one thread's worth of host work), and the server's TTFA decomposition (``X-Timeline``: admission,
 preprocessing, engine queue, prefill + first frame, first vocoder chunk, client). Then
 ``benchmarks/peers_gpu.py`` measures faster-qwen3-tts streaming TTFA (chunk 1 is its
 smallest) on the first size's checkpoint, in the image's own transformers, and the ratio
@@ -53,6 +61,16 @@ from omnistage.bench import BenchSample, SpeechTarget
 from omnistage.bench.speed import SpeechResult, mean_phases, request_speech
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it runs far away into the quiet green forest."
+VARIED_TEXTS = [  # as long as TEXT (about the same prompt length), each different
+    "A small red boat drifts slowly down the wide river, and the children wave from the old stone bridge.",
+    "Every morning the baker opens his shop early, and the smell of warm bread fills the narrow street.",
+    "The train leaves the station at noon, crosses the snowy mountains, and reaches the coast by evening.",
+    "She painted the kitchen a bright yellow color, then hung three tiny mirrors above the wooden table.",
+    "Heavy rain fell all night on the village, but by sunrise the sky was clear and the birds were singing.",
+    "Our team finished the long project on time, and everyone celebrated with pizza in the meeting room.",
+    "The museum keeps a giant whale skeleton in its main hall, lit from below by soft blue lamps.",
+    "He forgot his umbrella at the library again, so he walked home through the park in the drizzle.",
+]
 REF_TEXT = "This is the voice you should sound like in every sentence."
 SAMPLE_RATE = 24000
 
@@ -112,8 +130,11 @@ class GpuSampler(threading.Thread):
         return {"gpu_peak_mib": self.peak, "gpu_util_mean": float(np.mean(self.utils)) if self.utils else None}
 
 
-def start_server(model_dir: Path, port: int, max_conc: int, log: Path, split: bool = False) -> tuple[subprocess.Popen, float]:
-    """``split``: the engine and the vocoder in processes of their own."""
+def start_server(
+    model_dir: Path, port: int, max_conc: int, log: Path, split: bool = False, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen, float]:
+    """``split``: the engine and the vocoder in processes of their own; ``extra``: more
+    ``omnistage serve`` arguments."""
     cmd = [
         sys.executable, "-m", "omnistage.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
         "--allowed-local-media-path", str(model_dir.parent),
@@ -125,6 +146,7 @@ def start_server(model_dir: Path, port: int, max_conc: int, log: Path, split: bo
     ]  # fmt: skip
     if split:
         cmd += ["--tts_engine.process", "engine", "--vocoder.process", "vocoder"]
+    cmd += list(extra)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     while time.perf_counter() - start < 600:
@@ -140,12 +162,50 @@ def start_server(model_dir: Path, port: int, max_conc: int, log: Path, split: bo
     raise RuntimeError("server did not become healthy in 600 s")
 
 
-def bench_level(port: int, frames: int, ref: Path, out: Path, conc: int | None = None, rate: float | None = None, n: int | None = None) -> dict:
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of ``pid`` and its live children (stage processes)."""
+    total = 0.0
+    for p in [pid, *_children(pid)]:
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except FileNotFoundError:
+        return []
+    return [k for c in kids for k in (c, *_children(c))]
+
+
+def with_server_cpu(server_pid: int, level_fn) -> dict:
+    """Run ``level_fn()`` (a level dict) and add the server's CPU time per successful
+    request (ms) and its CPU use (CPU s per wall s) over the level."""
+    cpu0, t0 = process_cpu_s(server_pid), time.perf_counter()
+    level = level_fn()
+    cpu, wall = process_cpu_s(server_pid) - cpu0, time.perf_counter() - t0
+    if "error" not in level and level.get("num_ok"):
+        level["server_cpu_ms_per_request"] = round(1e3 * cpu / level["num_ok"], 2)
+        level["server_cpu_use"] = round(cpu / wall, 2)
+    return level
+
+
+def bench_level(
+    port: int, frames: int, ref: Path, out: Path, conc: int | None = None, rate: float | None = None,
+    n: int | None = None, texts: tuple[str, ...] = (TEXT,),
+) -> dict:
     """One ``omnistage bench speed`` level: closed loop at ``conc`` or open loop at ``rate``
     requests per second (``n`` requests); ``ref`` is a WAV under the server's allowed local
     media directory (a 3 s data URI is longer than one command-line argument may be). A
     level that fails is recorded (``{"concurrency"/"rate": ..., "error": ...}``), not raised,
-    so the levels after it still run."""
+    so the levels after it still run. ``texts``: the target texts, cycled through."""
     fields = {"ref_audio": str(ref), "ref_text": REF_TEXT, "max_new_tokens": frames, "min_new_tokens": frames, "language": "english"}
     cmd = [
         sys.executable, "-m", "omnistage.cli", "bench", "speed", "--base-url", f"http://127.0.0.1:{port}",
@@ -158,7 +218,7 @@ def bench_level(port: int, frames: int, ref: Path, out: Path, conc: int | None =
     for key, value in fields.items():
         cmd += ["--extra", f"{key}={json.dumps(value)}"]
     meta = out.with_suffix(".lst")
-    meta.write_text(f"s0|{REF_TEXT}||{TEXT}\n", encoding="utf-8")
+    meta.write_text("".join(f"s{i}|{REF_TEXT}||{text}\n" for i, text in enumerate(texts)), encoding="utf-8")
     cmd += ["--meta-lst", str(meta)]
     out.unlink(missing_ok=True)
     done = subprocess.run(cmd, capture_output=True, text=True)
@@ -232,7 +292,8 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
                 continue
             sampler = GpuSampler()
             sampler.start()
-            level = bench_level(port, args.frames, ref, Path(args.work_dir) / f"bench_{size}_c{conc}.json", conc=conc)
+            out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
+            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc))  # noqa: B023 -- called at once
             record["levels"].append(level | sampler.stop())
             save()
         saturation = max((lv["request_throughput"] for lv in record["levels"] if "error" not in lv), default=0.0)
@@ -242,7 +303,8 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         if rate > 0 and budget.fits(args.open_seconds + 2 * args.frames * 0.08 + 10 + args.reserve_s):
             sampler = GpuSampler()
             sampler.start()
-            level = bench_level(port, args.frames, ref, Path(args.work_dir) / f"bench_{size}_open.json", rate=rate, n=n)
+            out = Path(args.work_dir) / f"bench_{size}_open.json"
+            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, rate=rate, n=n))
             record["open_loop"] = level | sampler.stop() | {"fraction_of_saturation": args.open_fraction}
         else:
             record["skipped"].append("open loop")
@@ -254,10 +316,50 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         else:
             record["skipped"].append("fresh reference")
         save()
+        if budget.fits(2 * level_cost_s(1, args.frames) + args.reserve_s):
+            record["varied_text_c1"] = varied_text_level(port, proc.pid, args, ref, f"{size}_varied")
+        else:
+            record["skipped"].append("varied texts")
+        save()
     finally:
         proc.terminate()
         proc.wait(30)
+    off_cost = startup_s + 3 * level_cost_s(1, args.frames) + level_cost_s(64, args.frames)
+    if args.prefix_off and budget.fits(off_cost + args.reserve_s):
+        try:
+            record["prefix_caching_off"] = prefix_off_levels(model_dir, port, args, ref, size, log)
+        except RuntimeError as exc:  # the second server did not start: recorded, the run goes on
+            record["prefix_caching_off"] = {"error": str(exc)}
+    elif args.prefix_off:
+        record["skipped"].append("prefix caching off")
+    save()
     return model_dir
+
+
+def varied_text_level(port: int, pid: int, args: argparse.Namespace, ref: Path, tag: str) -> dict:
+    """Concurrency 1, a different target text per request (the voice's prefix is shared)."""
+    out = Path(args.work_dir) / f"bench_{tag}.json"
+    texts = tuple(VARIED_TEXTS)
+    return with_server_cpu(pid, lambda: bench_level(port, args.frames, ref, out, conc=1, n=len(texts), texts=texts))
+
+
+def prefix_off_levels(model_dir: Path, port: int, args: argparse.Namespace, ref: Path, size: str, log: Path) -> dict:
+    """A second server with prefix caching off: concurrency 1 (fixed text, varied texts)
+    and 64, to set beside the same levels with it on."""
+    log = log.with_name(log.stem + "_prefix_off.log")
+    proc, startup_s = start_server(model_dir, port + 1, max(args.concurrency), log, args.split, ("--tts_engine.factory.args.prefix_caching", "false"))
+    try:
+        work = Path(args.work_dir)
+        record: dict = {"server_startup_s": round(startup_s, 1), "levels": []}
+        for conc in (1, 64):
+            if conc in args.concurrency:
+                out = work / f"bench_{size}_off_c{conc}.json"
+                record["levels"].append(with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc)))  # noqa: B023 -- called at once
+        record["varied_text_c1"] = varied_text_level(port + 1, proc.pid, args, ref, f"{size}_off_varied")
+        return record
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def run_peer(model_dir: Path, args: argparse.Namespace, results: dict, save, timeout_s: float) -> None:
@@ -322,6 +424,12 @@ def print_table(results: dict, frames: int) -> None:
                 f"{rtf['p99']:>8.3f} {lv['audio_throughput']:>10.1f} {lv['request_throughput']:>7.2f} {per_frame:>9.2f} {lv['num_failed']:>5}"
                 f"  GPU util {lv.get('gpu_util_mean') or 0:.0f}%"
             )
+        cpu = "  ".join(
+            f"c={lv['concurrency']}: {lv['server_cpu_ms_per_request']} ms/req, use {lv['server_cpu_use']}"
+            for lv in levels if "server_cpu_ms_per_request" in lv
+        )
+        print(f"\n{r['size']}: server CPU per request and CPU use (CPU s per wall s): {cpu}")
+        print_prefix_comparison(r)
         print(f"\n{r['size']}: mean TTFA by phase, ms (phase named by the mark that ends it)")
         for lv in levels:
             if "error" not in lv and lv.get("ttfa_phases_ms"):
@@ -344,6 +452,26 @@ def print_table(results: dict, frames: int) -> None:
             print(f"peer error: {err}")
 
 
+def print_prefix_comparison(r: dict) -> None:
+    """TTFA p50 / p99 with prefix caching on and off, level by level."""
+
+    def ttfa(lv: dict | None) -> str:
+        if not lv or "error" in lv:
+            return "-"
+        return f"{lv['ttfa_ms']['p50']:.1f} / {lv['ttfa_ms']['p99']:.1f}"
+
+    off = r.get("prefix_caching_off", {})
+    rows = [("c=1 same text", "c", 1), ("c=64 same text", "c", 64), ("c=1 varied texts", "v", 1)]
+    print(f"{r['size']}: prefix caching (known voice), TTFA p50 / p99 ms:  on | off")
+    for name, kind, conc in rows:
+        if kind == "c":
+            on_lv = next((lv for lv in r.get("levels", []) if lv.get("concurrency") == conc), None)
+            off_lv = next((lv for lv in off.get("levels", []) if lv.get("concurrency") == conc), None)
+        else:
+            on_lv, off_lv = r.get("varied_text_c1"), off.get("varied_text_c1")
+        print(f"  {name:>18}: {ttfa(on_lv):>16} | {ttfa(off_lv)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
@@ -362,6 +490,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the whole script on a tiny checkpoint (--sizes tiny --no-peer)")
     parser.add_argument("--split", action="store_true", help="serve with the engine and the vocoder in processes of their own")
     parser.add_argument("--peer-timeout-s", type=float, default=150.0)
+    parser.add_argument("--prefix-off", action=argparse.BooleanOptionalAction, default=True, help="also serve with prefix caching off (a second start-up) for the on/off comparison")
     parser.add_argument("--tf-site", default="/tmp/site_tf", help="PYTHONPATH entry of transformers 5.24 (dropped for the peer)")
     args = parser.parse_args()
     budget = Budget(args.budget_s)
