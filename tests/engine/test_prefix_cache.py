@@ -2,12 +2,15 @@
 KV (keyed by the embeddings' content) and generates exactly what a fresh prefill does;
 shared blocks are counted, freed with their last holder, evicted only when unheld."""
 
+import pytest
 import torch
 
 from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput, block_keys, prompt_row_keys
+from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 from tests.engine.test_engine import DTYPE, GREEDY, MULTI, assert_nothing_held, engine_for, run
 
 PREFIX = torch.randn(40, 32, generator=torch.Generator().manual_seed(5), dtype=DTYPE)  # 2 full blocks of 16 and 8 rows
@@ -113,3 +116,28 @@ def test_block_keys_chain_every_row_before_them():
     changed = prompt_row_keys(torch.cat([torch.tensor([99]), torch.arange(1, 12)]))
     assert len(block_keys(rows, 4)) == 3 and len(block_keys(rows, 5)) == 2
     assert all(a != b for a, b in zip(block_keys(rows, 4), block_keys(changed, 4), strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_prefix_reuse_with_graphs_and_overlap_equals_a_fresh_prefill(monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = ToyTalker(ToyARConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16), torch.float32, "cuda")
+    prefix = torch.randn(40, 64, generator=torch.Generator().manual_seed(5)).cuda()
+
+    def voice(seed: int) -> GenerationInput:
+        g = torch.Generator().manual_seed(seed)
+        prompt = torch.cat([prefix, torch.randn(5 + seed % 3, 64, generator=g).cuda()])
+        return GenerationInput(prompt, GREEDY, 10, step_rows=torch.randn(3, 64, generator=g).cuda(),
+                               pad_embed=torch.randn(64, generator=g).cuda(), cache_prompt=True)
+
+    config = EngineConfig(kv_cache_bytes=16 << 20, max_num_seqs=4, max_model_len=128, prefill_hold_ms=0.0,
+                          cuda_graph_batch_sizes=(1, 2, 4))
+    engine = AREngine(model, config)
+    first = run(engine, {0: [("a", voice(1))]})
+    later = run(engine, {0: [("b", voice(2)), ("c", voice(3))], 2: [("d", voice(4))]})
+    assert engine.prefix_hit_tokens == 3 * 32
+    for request_id, inputs in [("a", voice(1)), ("b", voice(2)), ("c", voice(3)), ("d", voice(4))]:
+        got = (first | later)[request_id].codes.cpu()
+        assert torch.equal(got, reference_generate(model, inputs).codes.cpu()), request_id
+    assert_nothing_held(engine)
