@@ -15,7 +15,10 @@ grouped:
 - ``stage-<name>``: a stage's compute thread (the engine's and the vocoder's include the
   model's compute, which on a CPU is most of it);
 - ``preprocessing workers``; ``native``: threads Python does not know (torch's
-  intra-op pool, ZMQ).
+  intra-op pool, ZMQ);
+- with stage processes (e.g. ``--serve-arg=--tts_engine.process --serve-arg=engine``),
+  their stage threads by name, their other Python threads (``stage process plumbing``:
+  the ZMQ sender and receiver, the main thread) and their native threads.
 
 It prints and writes (``--output``) CPU milliseconds per request per group. The numbers
 compare two runs on the same machine (e.g. main against a branch); they are not absolute.
@@ -42,6 +45,15 @@ from qwen3_tts_gpu import REF_TEXT, TEXT, reference_wav  # noqa: E402 -- the sam
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def server_pids(pid: int) -> list[int]:
+    """``pid`` and its descendants (a split placement's stage processes)."""
+    try:
+        kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except FileNotFoundError:
+        return [pid]
+    return [pid, *(p for kid in kids for p in server_pids(kid))]
+
+
 def thread_cpu_s(pid: int) -> dict[int, float]:
     """CPU seconds (user + system) of every thread of ``pid``, by thread id."""
     out = {}
@@ -60,9 +72,11 @@ def thread_names(pid: int) -> dict[int, str]:
     return {t["os_thread_id"]: t.get("thread_name") or "?" for t in json.loads(done.stdout) if t.get("os_thread_id")}
 
 
-def group_of(name: str | None) -> str:
+def group_of(name: str | None, child: bool) -> str:
     if name is None:
-        return "native"
+        return "native (stage processes)" if child else "native"
+    if child:  # a stage process: its stage threads keep their names, the rest is plumbing
+        return name if name.startswith("stage-") else "stage process plumbing"
     if name == "MainThread" or name.startswith("AnyIO worker"):
         return "http"
     if name.startswith("preprocessing-w"):
@@ -129,20 +143,22 @@ def main() -> None:
         proc = serve(model_dir, args.port, args.concurrency, work / "server.log", args.serve_arg)
         try:
             bench(args.port, args.concurrency, args.concurrency, args.frames, ref, work / "warm.json", warmup=2)
-            names = thread_names(proc.pid)
-            before = thread_cpu_s(proc.pid)
+            pids = server_pids(proc.pid)
+            names = {pid: thread_names(pid) for pid in pids}
+            before = {pid: thread_cpu_s(pid) for pid in pids}
             t0 = time.perf_counter()
             level = bench(args.port, args.concurrency, args.requests, args.frames, ref, work / "level.json", warmup=0)
             wall = time.perf_counter() - t0
-            after = thread_cpu_s(proc.pid)
+            after = {pid: thread_cpu_s(pid) for pid in pids}
         finally:
             proc.terminate()
             proc.wait(30)
     ok = level["num_ok"]
     groups: dict[str, float] = {}
-    for tid, cpu in after.items():
-        group = group_of(names.get(tid))
-        groups[group] = groups.get(group, 0.0) + cpu - before.get(tid, 0.0)
+    for pid, threads in after.items():
+        for tid, cpu in threads.items():
+            group = group_of(names[pid].get(tid), pid != proc.pid)
+            groups[group] = groups.get(group, 0.0) + cpu - before[pid].get(tid, 0.0)
     per_request = {g: round(1e3 * s / ok, 2) for g, s in sorted(groups.items(), key=lambda kv: -kv[1])}
     report = {
         "concurrency": args.concurrency, "requests_ok": ok, "frames": args.frames, "wall_s": round(wall, 1),

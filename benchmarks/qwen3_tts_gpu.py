@@ -15,10 +15,14 @@ cannot end it early):
    voice's prompt prefix is a prefix-cache hit, the rest is prefilled (with one fixed
    text the whole prompt but its last block is a hit);
 4. TTFA with a FRESH 3 s reference per request (encoded on the request path), one at a time;
-5. the same concurrency-1 levels and concurrency 64 on a second server with prefix
-   caching off (``--tts_engine.factory.args.prefix_caching false``), if the budget allows
+5. concurrency 64 and 128 on a second server with the other placement (the engine and
+   the vocoder in processes of their own, or all in one process with ``--split``), if the
+   budget allows (``--no-other-placement`` skips it): the measurement that decides where
+   the HTTP work and the engine's host loop should live;
+6. the same concurrency-1 levels and concurrency 64 on a server with prefix caching off
+   (``--tts_engine.factory.args.prefix_caching false``), if the budget allows
    (``--no-prefix-off`` skips it);
-6. GPU memory.
+7. GPU memory.
 
 Every level records the server's CPU time per request and its CPU use (CPU seconds per
 wall second of the server process and its children, from ``/proc``: above 1 means more
@@ -324,12 +328,19 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
     finally:
         proc.terminate()
         proc.wait(30)
+    other = not args.split  # the placement the main server did not use
+    place_cost = startup_s + level_cost_s(64, args.frames) + level_cost_s(128, args.frames)
+    if args.other_placement and budget.fits(place_cost + args.reserve_s):
+        record["other_placement"] = second_server(
+            model_dir, port, args, ref, log, f"{size}_{'split' if other else 'one'}", other, (), (64, 128), varied=False
+        ) | {"placement": "engine and vocoder in processes of their own" if other else "one process"}
+    elif args.other_placement:
+        record["skipped"].append("other placement")
+    save()
     off_cost = startup_s + 3 * level_cost_s(1, args.frames) + level_cost_s(64, args.frames)
     if args.prefix_off and budget.fits(off_cost + args.reserve_s):
-        try:
-            record["prefix_caching_off"] = prefix_off_levels(model_dir, port, args, ref, size, log)
-        except RuntimeError as exc:  # the second server did not start: recorded, the run goes on
-            record["prefix_caching_off"] = {"error": str(exc)}
+        off_args = ("--tts_engine.factory.args.prefix_caching", "false")
+        record["prefix_caching_off"] = second_server(model_dir, port, args, ref, log, f"{size}_off", args.split, off_args, (1, 64), varied=True)
     elif args.prefix_off:
         record["skipped"].append("prefix caching off")
     save()
@@ -343,19 +354,29 @@ def varied_text_level(port: int, pid: int, args: argparse.Namespace, ref: Path, 
     return with_server_cpu(pid, lambda: bench_level(port, args.frames, ref, out, conc=1, n=len(texts), texts=texts))
 
 
-def prefix_off_levels(model_dir: Path, port: int, args: argparse.Namespace, ref: Path, size: str, log: Path) -> dict:
-    """A second server with prefix caching off: concurrency 1 (fixed text, varied texts)
-    and 64, to set beside the same levels with it on."""
-    log = log.with_name(log.stem + "_prefix_off.log")
-    proc, startup_s = start_server(model_dir, port + 1, max(args.concurrency), log, args.split, ("--tts_engine.factory.args.prefix_caching", "false"))
+def second_server(
+    model_dir: Path, port: int, args: argparse.Namespace, ref: Path, log: Path, tag: str, split: bool,
+    extra: tuple[str, ...], concs: tuple[int, ...], varied: bool,
+) -> dict:
+    """Another server on the same checkpoint (``split`` placement, ``extra`` serve
+    arguments): the closed levels ``concs`` that ``--concurrency`` has, and with
+    ``varied`` the varied-text level, to set beside the main server's. A server that does
+    not start is recorded (``{"error": ...}``), not raised."""
+    try:
+        proc, startup_s = start_server(model_dir, port + 1, max(args.concurrency), log.with_name(f"server_{tag}.log"), split, extra)
+    except RuntimeError as exc:
+        return {"error": str(exc)}
     try:
         work = Path(args.work_dir)
-        record: dict = {"server_startup_s": round(startup_s, 1), "levels": []}
-        for conc in (1, 64):
-            if conc in args.concurrency:
-                out = work / f"bench_{size}_off_c{conc}.json"
-                record["levels"].append(with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc)))  # noqa: B023 -- called at once
-        record["varied_text_c1"] = varied_text_level(port + 1, proc.pid, args, ref, f"{size}_off_varied")
+        record: dict = {"server_startup_s": round(startup_s, 1), "serve_args": list(extra), "levels": []}
+        for conc in (c for c in concs if c in args.concurrency):
+            sampler = GpuSampler()
+            sampler.start()
+            out = work / f"bench_{tag}_c{conc}.json"
+            level = with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc))  # noqa: B023 -- called at once
+            record["levels"].append(level | sampler.stop())
+        if varied:
+            record["varied_text_c1"] = varied_text_level(port + 1, proc.pid, args, ref, f"{tag}_varied")
         return record
     finally:
         proc.terminate()
@@ -430,6 +451,7 @@ def print_table(results: dict, frames: int) -> None:
         )
         print(f"\n{r['size']}: server CPU per request and CPU use (CPU s per wall s): {cpu}")
         print_prefix_comparison(r)
+        print_placement_comparison(r)
         print(f"\n{r['size']}: mean TTFA by phase, ms (phase named by the mark that ends it)")
         for lv in levels:
             if "error" not in lv and lv.get("ttfa_phases_ms"):
@@ -472,6 +494,26 @@ def print_prefix_comparison(r: dict) -> None:
         print(f"  {name:>18}: {ttfa(on_lv):>16} | {ttfa(off_lv)}")
 
 
+def print_placement_comparison(r: dict) -> None:
+    """The main server's placement beside the other one, at the levels both ran."""
+    other = r.get("other_placement")
+    if not other:
+        return
+    if "error" in other:
+        print(f"{r['size']}: other placement did not start: {other['error'][-300:]}")
+        return
+    print(f"{r['size']}: placement, TTFA p50 / p99 ms, audio s/s, server CPU use:  {r.get('placement')} | {other['placement']}")
+    for lv in other["levels"]:
+        main_lv = next((m for m in r.get("levels", []) if m.get("concurrency") == lv.get("concurrency")), None)
+
+        def cell(x: dict | None) -> str:
+            if not x or "error" in x:
+                return "-"
+            return f"{x['ttfa_ms']['p50']:.1f} / {x['ttfa_ms']['p99']:.1f}, {x['audio_throughput']:.1f}, {x.get('server_cpu_use')}"
+
+        print(f"  c={lv.get('concurrency')}: {cell(main_lv)} | {cell(lv)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", required=True)
@@ -490,6 +532,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the whole script on a tiny checkpoint (--sizes tiny --no-peer)")
     parser.add_argument("--split", action="store_true", help="serve with the engine and the vocoder in processes of their own")
     parser.add_argument("--peer-timeout-s", type=float, default=150.0)
+    parser.add_argument("--other-placement", action=argparse.BooleanOptionalAction, default=True, help="also serve with the other placement (one process vs --split) at concurrency 64 and 128")
     parser.add_argument("--prefix-off", action=argparse.BooleanOptionalAction, default=True, help="also serve with prefix caching off (a second start-up) for the on/off comparison")
     parser.add_argument("--tf-site", default="/tmp/site_tf", help="PYTHONPATH entry of transformers 5.24 (dropped for the peer)")
     args = parser.parse_args()

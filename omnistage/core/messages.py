@@ -72,6 +72,12 @@ class StreamChunk:
     data: Any
     request: Any = None
 
+    def __reduce__(self) -> tuple:
+        # by constructor arguments: a step's batch holds one chunk per stream, and the
+        # default of a slots dataclass (a setstate walking its fields) was most of the
+        # unpickle time
+        return StreamChunk, (self.request_id, self.source, self.data, self.request)
+
 
 @dataclass(frozen=True, slots=True)
 class StreamBatch:

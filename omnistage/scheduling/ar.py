@@ -50,6 +50,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from omnistage.core.errors import OmnistageError
@@ -79,6 +80,20 @@ class CodeFrames:
     """
 
     codes: torch.Tensor
+
+    def __reduce__(self) -> tuple:
+        # To another process a host tensor travels as the numpy array of its own rows: a
+        # frame is a view of its step's [B, G] tensor, and torch pickles a view's whole
+        # storage (through torch.save) each time. At 128 streams that made one step's
+        # frames 2.1 MB and 24 ms to pickle (35 ms with the unpickle) on the engine's
+        # thread; as arrays: 128 x 128 bytes (benchmarks/README.md, "split placement").
+        if self.codes.is_cuda:
+            return CodeFrames, (self.codes,)
+        return _code_frames_from_numpy, (self.codes.numpy().copy(),)
+
+
+def _code_frames_from_numpy(codes: np.ndarray) -> CodeFrames:
+    return CodeFrames(torch.from_numpy(codes))
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,10 @@ shared memory (CPU) or CUDA IPC (GPU), chosen from the tensor's device."""
 import pytest
 import torch
 
+from omnistage.core.messages import StreamBatch, StreamChunk
+from omnistage.pipeline import relay
 from omnistage.pipeline.pipeline import Pipeline
+from omnistage.scheduling.ar import CodeFrames
 from omnistage.testing import toy
 from omnistage.testing.leaks import assert_no_request_state
 
@@ -42,3 +45,17 @@ async def test_cuda_tensor_crosses_processes_by_cuda_ipc_and_stays_on_the_gpu():
 async def test_cuda_tensor_in_process_is_not_copied():
     device, same_memory, total = await outputs("cuda:0", (None, None))
     assert device == "cuda:0" and same_memory and total == EXPECTED_SUM
+
+
+def test_a_steps_code_frames_cross_processes_as_their_own_rows():
+    """The frames of one engine step are views of its ``[B, G]`` tensor; each must travel as
+    its own 16 codes, not with the step's whole storage (which made a 128-stream step
+    2 MB to pickle)."""
+    step = torch.randint(0, 2048, (128, 16))
+    batch = StreamBatch("engine", tuple(StreamChunk(f"r{i}", "engine", CodeFrames(step[i : i + 1])) for i in range(128)))
+    data = relay.dumps(batch, "test_code_frames_")
+    assert len(data) < 64 * 1024  # 128 x 128 bytes of codes plus framing
+    got = relay.loads(data)
+    for i, chunk in enumerate(got.chunks):
+        assert chunk.request_id == f"r{i}" and chunk.source == "engine"
+        assert chunk.data.codes.dtype == torch.int64 and torch.equal(chunk.data.codes, step[i : i + 1])
