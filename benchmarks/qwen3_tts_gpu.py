@@ -446,7 +446,7 @@ def print_table(results: dict, frames: int) -> None:
                 f"  GPU util {lv.get('gpu_util_mean') or 0:.0f}%"
             )
         cpu = "  ".join(
-            f"c={lv['concurrency']}: {lv['server_cpu_ms_per_request']} ms/req, use {lv['server_cpu_use']}"
+            f"{_load_name(lv)}: {lv['server_cpu_ms_per_request']} ms/req, use {lv['server_cpu_use']}"
             for lv in levels if "server_cpu_ms_per_request" in lv
         )
         print(f"\n{r['size']}: server CPU per request and CPU use (CPU s per wall s): {cpu}")
@@ -472,6 +472,10 @@ def print_table(results: dict, frames: int) -> None:
             print(f"our c=1 TTFA p50 / faster-qwen3-tts streaming chunk 1 TTFA: {results['ttfa_ratio_ours_to_peer_chunk1']:.3f}")
         for err in [*peer.get("errors", []), *([peer["error"]] if "error" in peer else [])]:
             print(f"peer error: {err}")
+
+
+def _load_name(lv: dict) -> str:
+    return f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s"
 
 
 def print_prefix_comparison(r: dict) -> None:
