@@ -60,10 +60,14 @@ class ChatAudio:
 @dataclass(frozen=True, eq=False)
 class ChatVideo:
     """A video file's bytes, read under the media policy and not decoded here: the model's
-    request builder samples its frames (in the decoder pool) as its processor needs."""
+    request builder samples its frames as its processor needs, in the decoder pool
+    (:func:`omnistage.serve.media.decode_video`) under ``policy`` and the model's
+    ``max_seconds`` (``ChatCapabilities.max_video_seconds``)."""
 
     data: bytes
     param: str
+    policy: MediaPolicy
+    max_seconds: float
 
 
 ChatContent = ChatText | ChatImage | ChatAudio | ChatVideo
@@ -115,4 +119,4 @@ def _load_part(
         audio = decode_audio(data, policy, where, max_duration_s=caps.max_audio_seconds)
         return ChatAudio(audio.samples, audio.sample_rate, param)
     where = f"{param}.video_url.url"
-    return ChatVideo(read_media_url(part.video_url.url, policy, where, "video"), param)
+    return ChatVideo(read_media_url(part.video_url.url, policy, where, "video"), param, policy, caps.max_video_seconds)

@@ -22,7 +22,10 @@ __all__ = [
     "DecodeRefused",
     "DecodeReply",
     "DecodedAudio",
+    "DecodedVideo",
+    "VideoDecodeJob",
     "FRAME_HEADER",
+    "FrameSampling",
     "decode_frame",
     "encode_frame",
 ]
@@ -75,6 +78,58 @@ class DecodedImage(msgspec.Struct, tag="image", frozen=True):
     height: int
 
 
+class FrameSampling(msgspec.Struct, frozen=True):
+    """Which frames of a video a :class:`VideoDecodeJob` keeps, and its caps.
+
+    ``count = total / rate * fps`` clamped to ``[ceil(min_frames / frame_factor) *
+    frame_factor, floor(min(max_frames, total) / frame_factor) * frame_factor]`` and rounded
+    down to a multiple of ``frame_factor`` (at least one multiple), at indices
+    ``round(linspace(0, total - 1, count))`` (half to even): Qwen-VL's sampling.
+
+    Attributes:
+        fps: frames kept per second of video.
+        min_frames, max_frames, frame_factor: the count's bounds and multiple.
+        max_frames_decoded: refuse (``too_large``) a video of more frames than this.
+        max_duration_s: refuse (``too_large``) a video longer than this (frames / rate), s.
+    """
+
+    fps: float
+    min_frames: int
+    max_frames: int
+    frame_factor: int
+    max_frames_decoded: int
+    max_duration_s: float
+
+
+class VideoDecodeJob(msgspec.Struct, tag="video", frozen=True):
+    """Decode one video's first video stream (any container/codec FFmpeg reads) and keep
+    the RGB frames ``sampling`` picks.
+
+    Attributes:
+        data: the encoded file's bytes.
+        sampling: which frames are kept, and the frame and duration caps.
+        max_pixels: refuse (``too_large``) frames of more pixels than this (the stream's
+            declared size is checked before decoding, each frame's too).
+        memory_bytes: address space the job may add to the worker's (RLIMIT_AS), bytes.
+    """
+
+    data: bytes
+    sampling: FrameSampling
+    max_pixels: int
+    memory_bytes: int
+
+
+class DecodedVideo(msgspec.Struct, tag="video", frozen=True):
+    """``frames``: ``[count, height, width, 3]`` uint8 RGB, row-major; ``fps``: frames per
+    second of the kept sequence (the stream's rate x count / total)."""
+
+    frames: bytes
+    count: int
+    width: int
+    height: int
+    fps: float
+
+
 class DecodeRefused(msgspec.Struct, tag="refused", frozen=True):
     """The worker could not decode the input (a client error): ``reason`` says why;
     ``too_large`` marks a cap (duration) rather than a malformed input."""
@@ -84,9 +139,9 @@ class DecodeRefused(msgspec.Struct, tag="refused", frozen=True):
 
 
 #: Every job kind.
-DecodeJob = AudioDecodeJob | ImageDecodeJob
+DecodeJob = AudioDecodeJob | ImageDecodeJob | VideoDecodeJob
 #: Every reply kind.
-DecodeReply = DecodedAudio | DecodedImage | DecodeRefused
+DecodeReply = DecodedAudio | DecodedImage | DecodedVideo | DecodeRefused
 
 _encoder = msgspec.msgpack.Encoder()
 

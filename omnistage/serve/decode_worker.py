@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import math
 import os
 import resource
 import sys
@@ -25,10 +26,12 @@ from omnistage.serve.decode_jobs import (
     AudioDecodeJob,
     DecodedAudio,
     DecodedImage,
+    DecodedVideo,
     DecodeJob,
     DecodeRefused,
     DecodeReply,
     ImageDecodeJob,
+    VideoDecodeJob,
     decode_frame,
     encode_frame,
 )
@@ -106,7 +109,69 @@ def decode_image(job: ImageDecodeJob) -> DecodeReply:
     return DecodedImage(np.ascontiguousarray(rgb).tobytes(), int(rgb.shape[1]), int(rgb.shape[0]))
 
 
-_DECODERS = {AudioDecodeJob: decode_audio, ImageDecodeJob: decode_image}
+def decode_video(job: VideoDecodeJob) -> DecodeReply:
+    """Decode ``job.data``'s first video stream and keep the frames the job samples (see
+    :class:`~omnistage.serve.decode_jobs.FrameSampling`): two passes, counting then keeping only the sampled frames as
+    RGB, so memory is bounded by the kept frames, not by the video's length."""
+    try:
+        total, rate = _video_frames(job, keep=None)[1:]
+        sampling = job.sampling
+        factor = sampling.frame_factor
+        if total < factor:
+            return DecodeRefused(f"has {total} video frame(s); at least {factor} are needed")
+        low = math.ceil(sampling.min_frames / factor) * factor
+        high = math.floor(min(sampling.max_frames, total) / factor) * factor
+        count = max(factor, math.floor(min(max(total / rate * sampling.fps, low), high, total) / factor) * factor)
+        index = np.round(np.linspace(0, total - 1, count)).astype(np.int64).tolist()
+        kept = _video_frames(job, keep=set(index))[0]
+    except _Refused as refused:
+        return refused.reply
+    except MemoryError:
+        raise
+    except Exception as exc:  # untrusted bytes: any decoder failure is a client error
+        return DecodeRefused(f"{type(exc).__name__}: {exc}")
+    frames = np.ascontiguousarray(np.stack([kept[i] for i in index]), dtype=np.uint8)
+    return DecodedVideo(frames.tobytes(), count, int(frames.shape[2]), int(frames.shape[1]), count / total * rate)
+
+
+class _Refused(Exception):
+    def __init__(self, reply: DecodeRefused) -> None:
+        self.reply = reply
+
+
+def _video_frames(job: VideoDecodeJob, keep: set[int] | None) -> tuple[dict[int, np.ndarray], int, float]:
+    """``(RGB frames at the indices in keep, frames in the stream, frame rate)``; raises
+    :class:`_Refused` on a cap or a stream without video or frame rate."""
+    frames: dict[int, np.ndarray] = {}
+    count = 0
+    with av.open(io.BytesIO(job.data), "r") as container:
+        if not container.streams.video:
+            raise _Refused(DecodeRefused("contains no video stream"))
+        stream = container.streams.video[0]
+        rate = float(stream.average_rate or stream.guessed_rate or 0)
+        if rate <= 0:
+            raise _Refused(DecodeRefused("declares no frame rate"))
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width * height > job.max_pixels:
+            raise _Refused(DecodeRefused(
+                f"has {width}x{height} pixel frames; the limit is {job.max_pixels} pixels", too_large=True
+            ))  # fmt: skip
+        for frame in container.decode(stream):
+            if count == job.sampling.max_frames_decoded:
+                raise _Refused(DecodeRefused(f"has more than {job.sampling.max_frames_decoded} video frames", too_large=True))
+            if count + 1 > job.sampling.max_duration_s * rate:
+                raise _Refused(DecodeRefused(f"is longer than the limit of {job.sampling.max_duration_s:g} s", too_large=True))
+            if frame.width * frame.height > job.max_pixels:
+                raise _Refused(DecodeRefused(
+                    f"has {frame.width}x{frame.height} pixel frames; the limit is {job.max_pixels} pixels", too_large=True
+                ))  # fmt: skip
+            if keep is not None and count in keep:
+                frames[count] = frame.to_ndarray(format="rgb24")
+            count += 1
+    return frames, count, rate
+
+
+_DECODERS = {AudioDecodeJob: decode_audio, ImageDecodeJob: decode_image, VideoDecodeJob: decode_video}
 
 
 def _address_space_bytes() -> int:

@@ -68,15 +68,19 @@ from omnistage.serve.decode_jobs import (
     DecodeJob,
     DecodeRefused,
     DecodeReply,
+    FrameSampling,
     ImageDecodeJob,
+    VideoDecodeJob,
 )
 from omnistage.serve.decoding import DecoderCrashed, DecoderTimeout, shared_pool
 
 __all__ = [
     "MediaPolicy",
     "ReferenceAudio",
+    "SampledVideo",
     "decode_audio",
     "decode_image",
+    "decode_video",
     "load_reference_audio",
     "read_base64",
     "read_media_url",
@@ -129,6 +133,15 @@ class ReferenceAudio:
     @property
     def duration_s(self) -> float:
         return len(self.samples) / self.sample_rate
+
+
+@dataclass(frozen=True, eq=False)
+class SampledVideo:
+    """Frames sampled from a video: ``frames`` ``[T, H, W, 3]`` uint8 RGB; ``fps`` frames
+    per second of the sampled sequence."""
+
+    frames: np.ndarray
+    fps: float
 
 
 def load_reference_audio(
@@ -606,8 +619,27 @@ def decode_image(data: bytes, policy: MediaPolicy, param: str) -> np.ndarray:
     return np.frombuffer(reply.rgb, dtype=np.uint8).reshape(reply.height, reply.width, 3)
 
 
+def decode_video(data: bytes, policy: MediaPolicy, param: str, sampling: FrameSampling) -> SampledVideo:
+    """Decode a video's first video stream (any container/codec FFmpeg reads) and sample its
+    frames (:class:`~.decode_jobs.FrameSampling`) in a decoder worker process; frames
+    are capped at ``policy.max_image_pixels`` pixels each.
+
+    Raises:
+        PayloadTooLargeError: more frames than ``sampling.max_frames_decoded``, longer than
+            ``sampling.max_duration_s``, or frames above the pixel cap.
+        RequestValidationError: no video stream, no frame rate, fewer frames than
+            ``frame_factor``, undecodable, over ``policy.decode_memory_bytes``, or the
+            decoder crashed or ran past ``policy.decode_timeout_s``, naming ``param``.
+    """
+    job = VideoDecodeJob(data, sampling, policy.max_image_pixels, policy.decode_memory_bytes)
+    reply = _run_job(job, policy, param, _VIDEO_HINT)
+    frames = np.frombuffer(reply.frames, dtype=np.uint8).reshape(reply.count, reply.height, reply.width, 3)
+    return SampledVideo(frames, reply.fps)
+
+
 _AUDIO_HINT = ("audio", "send wav, flac, mp3, ogg/opus, m4a or another common audio format")
 _IMAGE_HINT = ("an image", "send png, jpeg, webp, gif or another common image format")
+_VIDEO_HINT = ("video", "send mp4, webm, mkv or another common video format")
 
 
 def _run_job(job: DecodeJob, policy: MediaPolicy, param: str, hint: tuple[str, str]) -> DecodeReply:

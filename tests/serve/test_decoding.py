@@ -11,12 +11,20 @@ import signal
 import threading
 import time
 
+import av
 import numpy as np
 import pytest
 import soundfile as sf
 
 from omnistage.core.errors import RequestValidationError
-from omnistage.serve.decode_jobs import AudioDecodeJob, DecodedAudio, DecodeRefused
+from omnistage.serve.decode_jobs import (
+    AudioDecodeJob,
+    DecodedAudio,
+    DecodedVideo,
+    DecodeRefused,
+    FrameSampling,
+    VideoDecodeJob,
+)
 from omnistage.serve.decoding import DecoderCrashed, DecoderPool, DecoderTimeout, request_id_var
 from omnistage.serve.media import MediaPolicy, load_reference_audio
 
@@ -121,3 +129,39 @@ def test_load_reference_audio_turns_a_timeout_into_a_400_naming_the_field():
         load_reference_audio(data, MediaPolicy(decode_timeout_s=1e-6), "speaker_audio")
     assert err.value.http_status == 400 and err.value.param == "speaker_audio"
     assert "could not be decoded" in str(err.value)
+
+
+def mp4(frames: int, rate: int, width: int = 64, height: int = 48) -> bytes:
+    """A video whose frame ``i`` is all gray level ``16 * i``."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=rate)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            pixels = np.full((height, width, 3), 16 * i, dtype=np.uint8)
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(stream.encode())
+    return buffer.getvalue()
+
+
+def video_job(data: bytes, max_pixels: int = 1 << 20, **caps) -> VideoDecodeJob:
+    fields = {"fps": 2.0, "min_frames": 4, "max_frames": 768, "frame_factor": 2, "max_frames_decoded": 1000,
+              "max_duration_s": 60.0, **caps}  # fmt: skip
+    return VideoDecodeJob(data, FrameSampling(**fields), max_pixels, memory_bytes=256 << 20)
+
+
+def test_a_video_job_keeps_the_sampled_frames_and_refuses_over_its_caps(pool):
+    reply = pool.run(video_job(mp4(12, 2)), timeout_s=30)  # 6 s at 2 fps: every frame kept
+    assert isinstance(reply, DecodedVideo) and (reply.count, reply.height, reply.width) == (12, 48, 64)
+    assert reply.fps == pytest.approx(2.0)
+    frames = np.frombuffer(reply.frames, np.uint8).reshape(12, 48, 64, 3)
+    assert np.all(np.diff(frames[:, 24, 32, 0].astype(int)) > 8)  # in order, one per frame
+    halved = pool.run(video_job(mp4(12, 4)), timeout_s=30)  # 3 s at 4 fps: 6 of 12 frames
+    assert isinstance(halved, DecodedVideo) and halved.count == 6 and halved.fps == pytest.approx(2.0)
+    for caps, reason in (({"max_frames_decoded": 10}, "more than 10 video frames"),
+                         ({"max_duration_s": 5.0}, "longer than the limit of 5 s"),
+                         ({"max_pixels": 64 * 47}, "64x48 pixel frames")):  # fmt: skip
+        refused = pool.run(video_job(mp4(12, 2), **caps), timeout_s=30)
+        assert isinstance(refused, DecodeRefused) and refused.too_large and reason in refused.reason
+    garbage = pool.run(video_job(b"\x00garbage" * 100), timeout_s=30)
+    assert isinstance(garbage, DecodeRefused) and not garbage.too_large

@@ -148,13 +148,12 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
 
 
     def capabilities(self) -> ChatCapabilities:
-        """Text, images and audio in (video: its frames are not decoded in the decoder pool
-        yet); speech in the talker config's speakers (its voices); the thinker's ``max_tokens`` limits."""
+        """Text, images, audio and video in; speech in the talker config's speakers (its voices); the thinker's ``max_tokens`` limits."""
         assert self.model_path is not None
         return ChatCapabilities(
             model_names=(Path(self.model_path).name, "qwen3-omni"), model_type="qwen3_omni",
-            input_modalities=frozenset({"text", "image", "audio"}), audio_output=True, voices=_voices(self.model_path),
-            sample_rate=SAMPLE_RATE, supported_fields=frozenset({"top_k", "seed", "max_audio_seconds"}),
+            input_modalities=frozenset({"text", "image", "audio", "video"}), audio_output=True, voices=_voices(self.model_path),
+            sample_rate=SAMPLE_RATE, supported_fields=frozenset({"top_k", "seed", "max_audio_seconds", "use_audio_in_video"}),
             max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=DEFAULT_MAX_TOKENS,
         )  # fmt: skip
 

@@ -25,14 +25,12 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import av
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
@@ -42,9 +40,11 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize,
 )
 
-from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.core.errors import RequestValidationError
 from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoderConfig, output_lengths
+from omnistage.serve.decode_jobs import FrameSampling
 from omnistage.serve.media import MediaPolicy, decode_audio, resample
+from omnistage.serve.media import decode_video as decode_media_video
 
 SAMPLE_RATE = 16000  # Hz, the feature extractor's input
 POSITION_IDS_PER_SECOND = 13  # thinker positions per second of video (config.json)
@@ -141,75 +141,38 @@ def decode_video(
     sampling: VideoSampling = VideoSampling(),
     with_audio: bool = False,
     policy: MediaPolicy = MediaPolicy(),
+    max_duration_s: float | None = None,
 ) -> DecodedVideo:
-    """Decode a video with PyAV and sample its frames as Qwen does: ``n = total / video_fps *
-    fps`` frames, clamped to ``[min_frames, min(max_frames, total)]`` and rounded down to a
-    multiple of ``frame_factor``, at indices ``round(linspace(0, total - 1, n))``.
+    """Decode a video in the decoder worker pool (:func:`omnistage.serve.media.decode_video`)
+    and sample its frames as Qwen does: ``n = total / video_fps * fps`` frames, clamped to
+    ``[min_frames, min(max_frames, total)]`` and rounded down to a multiple of
+    ``frame_factor``, at indices ``round(linspace(0, total - 1, n))``.
 
     Args:
         data: the file's bytes (any container FFmpeg reads).
         param: the request field, named in errors.
         sampling: frame rate and bounds.
         with_audio: also decode the audio track, resampled to 16 kHz mono.
-        policy: the media policy (its duration cap applies to the audio track).
+        policy: the media policy (pixel, memory and time limits of the decode; its
+            duration cap applies to the audio track).
+        max_duration_s: the video's duration cap, seconds (None: ``policy.max_duration_s``).
 
     Raises:
         RequestValidationError: no video stream, undecodable data, fewer frames than
             ``frame_factor``, or no audio track when ``with_audio``.
-        PayloadTooLargeError: more than ``sampling.max_decoded_frames`` frames.
+        PayloadTooLargeError: more than ``sampling.max_decoded_frames`` frames, longer
+            than the duration cap, frames above ``policy.max_image_pixels``.
     """
-    # two decoding passes: count, then keep only the sampled frames as RGB (memory
-    # bounded by max_frames, not by the video's length)
-    total, rate = _decode_frames(data, param, sampling.max_decoded_frames, keep=None)[1:]
-    if total < sampling.frame_factor:
-        raise RequestValidationError(
-            f"{param} has {total} video frame(s); at least {sampling.frame_factor} are needed",
-            param=param,
-        )
-    factor = sampling.frame_factor
-    wanted = total / rate * sampling.fps
-    low = math.ceil(sampling.min_frames / factor) * factor
-    high = math.floor(min(sampling.max_frames, total) / factor) * factor
-    count = max(factor, math.floor(min(max(wanted, low), high, total) / factor) * factor)
-    index = torch.linspace(0, total - 1, count).round().long().tolist()
-    kept = _decode_frames(data, param, sampling.max_decoded_frames, keep=set(index))[0]
+    limits = FrameSampling(
+        sampling.fps, sampling.min_frames, sampling.max_frames, sampling.frame_factor, sampling.max_decoded_frames,
+        policy.max_duration_s if max_duration_s is None else max_duration_s,
+    )  # fmt: skip
+    video = decode_media_video(data, policy, param, limits)
     audio = None
     if with_audio:
         track = decode_audio(data, policy, param)
         audio = resample(track.samples, track.sample_rate, SAMPLE_RATE)
-    return DecodedVideo(np.stack([kept[i] for i in index]), count / total * rate, audio)
-
-
-def _decode_frames(
-    data: bytes, param: str, limit: int, keep: set[int] | None
-) -> tuple[dict[int, np.ndarray], int, float]:
-    """Decode every frame of the first video stream: ``(RGB frames at the indices in
-    keep, frames decoded, frame rate)``."""
-    frames: dict[int, np.ndarray] = {}
-    count = 0
-    try:
-        with av.open(io.BytesIO(data), "r") as container:
-            if not container.streams.video:
-                raise RequestValidationError(f"{param} contains no video stream", param=param)
-            stream = container.streams.video[0]
-            rate = float(stream.average_rate or stream.guessed_rate or 0)
-            for frame in container.decode(stream):
-                if count == limit:
-                    raise PayloadTooLargeError(
-                        f"{param} has more than {limit} video frames", param=param
-                    )
-                if keep is not None and count in keep:
-                    frames[count] = frame.to_ndarray(format="rgb24")
-                count += 1
-    except RequestValidationError:
-        raise
-    except (av.FFmpegError, ValueError, OSError) as exc:
-        raise RequestValidationError(
-            f"{param} could not be decoded as video ({type(exc).__name__}: {exc})", param=param
-        ) from None
-    if rate <= 0:
-        raise RequestValidationError(f"{param} declares no frame rate", param=param)
-    return frames, count, rate
+    return DecodedVideo(video.frames, video.fps, audio)
 
 
 # ----------------------------------------------------------------------------- features

@@ -21,6 +21,7 @@ from omnistage.models.qwen3_omni.processing import (
     ChatMessage,
     ChatPart,
     Qwen3OmniProcessor,
+    decode_video,
 )
 from omnistage.serve.chat_media import ChatAudio, ChatContent, ChatImage, ChatText, ChatTurn
 from omnistage.serve.chat_protocol import ChatCompletionRequest
@@ -36,13 +37,17 @@ _SEED_MAX = 2**31 - 1  # the engine sampler's seed range
 
 class Qwen3OmniChatRequest(ChatCompletionRequest):
     """``POST /v1/chat/completions`` for Qwen3-Omni: OpenAI's fields and the framework's
-    ``top_k``, with ``seed`` in the sampler's range, plus its own ``max_audio_seconds``."""
+    ``top_k``, with ``seed`` in the sampler's range, plus its own ``max_audio_seconds`` and
+    ``use_audio_in_video``."""
 
     seed: int | None = Field(default=None, ge=0, le=_SEED_MAX, description="sampler seed (0..2**31-1)")
     max_audio_seconds: float | None = Field(
         default=None, gt=0.0, le=DEFAULT_MAX_AUDIO_FRAMES / FRAMES_PER_SECOND,
         description="speech of the reply at most, seconds (12.5 talker frames per second)",
     )  # fmt: skip
+    use_audio_in_video: bool = Field(
+        default=False, description="every video's audio track is in the prompt too (interleaved by time)"
+    )
 
 
 @dataclass(frozen=True)
@@ -67,8 +72,10 @@ def build_chat_request(
     config: Qwen3OmniConfig,
     limits: ChatLimits,
 ) -> Qwen3OmniRequest:
-    """The pipeline's request: the turns' text and audio (resampled to the feature
-    extractor's 16 kHz) as :class:`ChatMessage` s, the voice (the first of the talker
+    """The pipeline's request: the turns' text, audio (resampled to the feature
+    extractor's 16 kHz), images and videos (their frames sampled as the processor's
+    :class:`~.processing.VideoSampling` says, in the decoder pool, with their audio track
+    when ``use_audio_in_video``) as :class:`ChatMessage` s, the voice (the first of the talker
     config's speakers when the request names none), sampling and caps, checked against the thinker
     and talker stages' ``max_model_len`` as their engines count (:func:`check_lengths`).
 
@@ -80,12 +87,15 @@ def build_chat_request(
     rounding below a whole frame forgiven: 0.56 s is 7 frames).
 
     Raises:
-        RequestValidationError: video content (``messages.<i>.content.<j>``: its frames
-            are not decoded in the decoder pool yet; the framework refuses it first, from
-            the capabilities), an audio too short for the feature extractor, or a request
-            over a stage's ``max_model_len`` (:func:`check_lengths`).
+        RequestValidationError: an undecodable video (``messages.<i>.content.<j>.video_url.url``),
+            one without an audio track when ``use_audio_in_video``, an audio too short for
+            the feature extractor, or a request over a stage's ``max_model_len``
+            (:func:`check_lengths`).
+        PayloadTooLargeError: a video over its frame, duration or pixel cap.
     """
-    messages = tuple(ChatMessage(turn.role, tuple(_part(p) for p in turn.parts)) for turn in turns)
+    messages = tuple(
+        ChatMessage(turn.role, tuple(_part(p, processor, req.use_audio_in_video) for p in turn.parts)) for turn in turns
+    )
     temperature = 0.0 if req.temperature is None else req.temperature
     seed = req.seed if req.seed is not None else (secrets.randbelow(_SEED_MAX + 1) if temperature > 0 else 0)
     sampling = OmniSampling(
@@ -157,7 +167,7 @@ def talker_sampling_of(sampling: OmniSampling) -> TalkerSampling:
     return TalkerSampling(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
 
 
-def _part(part: ChatContent) -> ChatPart:
+def _part(part: ChatContent, processor: Qwen3OmniProcessor, use_audio_in_video: bool) -> ChatPart:
     if isinstance(part, ChatText):
         return ChatPart("text", text=part.text, param=part.param)
     if isinstance(part, ChatAudio):
@@ -165,6 +175,9 @@ def _part(part: ChatContent) -> ChatPart:
         return ChatPart("audio", audio=samples, param=part.param)
     if isinstance(part, ChatImage):
         return ChatPart("image", image=Image.fromarray(part.rgb, "RGB"), param=part.param)
-    raise RequestValidationError(
-        f"{part.param}: the Qwen3-Omni pipeline does not take video content yet", param=part.param
-    )
+    where = f"{part.param}.video_url.url"
+    video = decode_video(
+        part.data, where, processor.video, with_audio=use_audio_in_video, policy=part.policy,
+        max_duration_s=part.max_seconds,
+    )  # fmt: skip
+    return ChatPart("video", video=video, use_audio=use_audio_in_video, param=where)

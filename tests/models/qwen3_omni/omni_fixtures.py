@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import av
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -71,3 +74,26 @@ def encoder_rows(ref: ReferenceFixture, name: str) -> EncoderRows:
 
     return EncoderRows(audio=t.get("audio"), image=t.get("image"), image_deepstack=levels("image"),
                        video=t.get("video"), video_deepstack=levels("video"))  # fmt: skip
+
+
+def video_file(frames: int, rate: int, with_audio: bool) -> bytes:
+    """A tiny MPEG-4 video (64x48, frame i all gray level 8 * i; with a 440 Hz AAC tone as
+    long as the frames)."""
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        video = container.add_stream("mpeg4", rate=rate)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("aac", rate=16000) if with_audio else None
+        for i in range(frames):
+            pixels = np.full((48, 64, 3), (i * 8) % 256, dtype=np.uint8)
+            container.mux(video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
+        container.mux(video.encode())
+        if audio is not None:
+            tone = (
+                0.3 * np.sin(2 * np.pi * 440 * np.arange(frames * 16000 // rate) / 16000)
+            ).astype(np.float32)
+            chunk = av.AudioFrame.from_ndarray(tone[None], format="fltp", layout="mono")
+            chunk.sample_rate = 16000
+            container.mux(audio.encode(chunk))
+            container.mux(audio.encode())
+    return buffer.getvalue()

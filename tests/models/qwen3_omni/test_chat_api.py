@@ -19,13 +19,18 @@ import openai
 import pytest
 import soundfile
 import yaml
-from omni_fixtures import weights_digest
+from omni_fixtures import video_file, weights_digest
 from PIL import Image
 from safetensors import safe_open
 from typer.testing import CliRunner
 
 from omnistage.cli.main import app as cli
-from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart, Qwen3OmniProcessor
+from omnistage.models.qwen3_omni.processing import (
+    ChatMessage,
+    ChatPart,
+    Qwen3OmniProcessor,
+    decode_video,
+)
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
 from omnistage.models.qwen3_omni.random_text_tokenizer import (
     give_role_words_their_ids,
@@ -93,6 +98,10 @@ def png_uri(size: int) -> str:
     buffer = io.BytesIO()
     Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def mp4_uri(frames: int, rate: int, with_audio: bool = False) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(video_file(frames, rate, with_audio)).decode()
 
 
 def test_models_and_voices_list_the_chat_model_and_its_speakers(server, client, checkpoint) -> None:
@@ -180,6 +189,24 @@ def test_system_prompt_image_and_audio_input_are_in_the_prompt(client, checkpoin
         assert reply.choices[0].message.content
 
 
+@pytest.mark.parametrize("with_audio", [False, True])
+def test_video_input_is_in_the_prompt_as_the_processor_samples_it(server, client, checkpoint, with_audio) -> None:
+    uri = mp4_uri(8, 4, with_audio)
+    messages = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": uri}}, {"type": "text", "text": "What happens?"}]}]
+    processor = Qwen3OmniProcessor.from_checkpoint(checkpoint)
+    video = decode_video(base64.b64decode(uri.split(",", 1)[1]), "video", processor.video, with_audio=with_audio)
+    assert video.frames.shape == (4, 48, 64, 3)  # 2 s at 2 fps
+    expected = processor([ChatMessage("user", (ChatPart("video", video=video, use_audio=with_audio), ChatPart("text", text="What happens?")))])
+    before = batches(server)
+    reply = client.chat.completions.create(
+        model="qwen3-omni", messages=messages, max_tokens=2, extra_body={"use_audio_in_video": True} if with_audio else None
+    )
+    assert reply.usage.prompt_tokens == expected.input_ids.shape[0]
+    assert reply.choices[0].message.content
+    assert (batches(server)["audio_encoder"] > before["audio_encoder"]) == with_audio
+    assert_nothing_left(server)
+
+
 def _error(excinfo: pytest.ExceptionInfo) -> tuple[int, str | None]:
     exc = excinfo.value
     return exc.status_code, exc.body["param"]
@@ -214,7 +241,13 @@ def _error(excinfo: pytest.ExceptionInfo) -> tuple[int, str | None]:
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_uri(4)}}] * 9}]},
          400, "messages.0.content.8"),
         ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}]}]},
-         400, "messages.0.content.0"),
+         400, "messages.0.content.0.video_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_uri(61, 1)}}]}]},
+         413, "messages.0.content.0.video_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_uri(8, 4)}}]}], "extra_body": {"use_audio_in_video": True}},
+         400, "messages.0.content.0.video_url.url"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_uri(8, 4)}}] * 2}]},
+         400, "messages.0.content.1"),
         ({"messages": [{"role": "user", "content": [{"type": "sticker"}]}]}, 400, "messages.0.content.0"),
         ({"messages": [{"role": "assistant", "content": "Hi."}]}, 400, "messages.0.role"),
         ({"frequency_penalty": 1.0}, 400, "frequency_penalty"),

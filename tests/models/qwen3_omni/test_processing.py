@@ -4,15 +4,14 @@ name the field."""
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 
-import av
 import numpy as np
 import pytest
 import torch
 from encoder_fixtures import load_fixture
+from omni_fixtures import video_file
 from PIL import Image
 
 from omnistage.core.errors import RequestValidationError
@@ -122,36 +121,15 @@ def test_checkpoint_template_and_preprocessor_config_are_used(tmp_path: Path) ->
     ]  # scaled up to >= 128 * 128 pixels (4 x 6 by default)
 
 
-def _video_file(frames: int, rate: int, with_audio: bool) -> bytes:
-    buffer = io.BytesIO()
-    with av.open(buffer, "w", format="mp4") as container:
-        video = container.add_stream("mpeg4", rate=rate)
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
-        audio = container.add_stream("aac", rate=16000) if with_audio else None
-        for i in range(frames):
-            pixels = np.full((48, 64, 3), (i * 8) % 256, dtype=np.uint8)
-            container.mux(video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
-        container.mux(video.encode())
-        if audio is not None:
-            tone = (
-                0.3 * np.sin(2 * np.pi * 440 * np.arange(frames * 16000 // rate) / 16000)
-            ).astype(np.float32)
-            chunk = av.AudioFrame.from_ndarray(tone[None], format="fltp", layout="mono")
-            chunk.sample_rate = 16000
-            container.mux(audio.encode(chunk))
-            container.mux(audio.encode())
-    return buffer.getvalue()
-
-
 def test_video_frames_are_sampled_at_the_requested_rate() -> None:
     decoded = decode_video(
-        _video_file(30, 10, with_audio=True), "video", VideoSampling(fps=2.0), with_audio=True
+        video_file(30, 10, with_audio=True), "video", VideoSampling(fps=2.0), with_audio=True
     )
     assert decoded.frames.shape == (6, 48, 64, 3)  # 3 s at 2 fps
     assert decoded.fps == pytest.approx(2.0)
     assert decoded.frames[0, 0, 0, 0] < decoded.frames[-1, 0, 0, 0]  # spread over the clip
     assert decoded.audio is not None and abs(len(decoded.audio) - 3 * 16000) < 2048
-    few = decode_video(_video_file(6, 10, with_audio=False), "video", VideoSampling(fps=2.0))
+    few = decode_video(video_file(6, 10, with_audio=False), "video", VideoSampling(fps=2.0))
     assert few.frames.shape[0] == 4  # at least min_frames (4) when the video has them
 
 
@@ -163,7 +141,7 @@ def test_bad_media_name_the_field(processor) -> None:
         decode_video(b"not a video", "messages[0].content[2].video_url")
     assert error.value.param == "messages[0].content[2].video_url"
     with pytest.raises(RequestValidationError, match="no audio stream"):
-        decode_video(_video_file(8, 10, with_audio=False), "video", with_audio=True)
+        decode_video(video_file(8, 10, with_audio=False), "video", with_audio=True)
     for samples in (100, 200):  # 200: one mel frame, but under the STFT's reflect padding
         short = ChatPart(
             "audio", audio=np.zeros(samples, np.float32), param="messages[0].content[1].input_audio"
