@@ -121,6 +121,9 @@ class Qwen3OmniRequest:
         stream: the response is streamed.
         talker_sampling: how the talker and its code predictor draw (the reference's by
             default).
+        prompt_audio_tokens, prompt_image_tokens: the thinker prompt's positions holding
+            audio and images or video (:meth:`.processing.Qwen3OmniProcessor.media_positions`,
+            counted at the request boundary), reported in the decode stage's result.
     """
 
     messages: tuple[ChatMessage, ...]
@@ -131,6 +134,8 @@ class Qwen3OmniRequest:
     max_audio_frames: int
     stream: bool = False
     talker_sampling: TalkerSampling = TalkerSampling()
+    prompt_audio_tokens: int = 0
+    prompt_image_tokens: int = 0
 
 
 @dataclass(frozen=True)

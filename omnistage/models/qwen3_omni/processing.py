@@ -411,6 +411,15 @@ class Qwen3OmniProcessor:
         grids = [self._video_grid(p.video) for p in parts if p.kind == "video"]
         return self._prompt_ids(messages, output_lengths(frames, self.audio_config).tolist(), image_tokens, grids)
 
+    def media_positions(self, prompt_ids: Sequence[int]) -> tuple[int, int]:
+        """``(audio, vision)``: how many of a prompt's positions hold audio (its
+        ``<|audio_pad|>`` tokens, a video's audio track included) and images or video (its
+        ``<|image_pad|>`` and ``<|video_pad|>`` tokens)."""
+        pad = self.tokenizer.convert_tokens_to_ids
+        vision = {pad(_PADS["image"]), pad(_PADS["video"])}
+        audio = pad(_PADS["audio"])
+        return sum(i == audio for i in prompt_ids), sum(i in vision for i in prompt_ids)
+
     def _audios(self, parts: list[ChatPart]) -> list[np.ndarray]:
         """The prompt's audios in order (message audios, video audio tracks asked for).
 

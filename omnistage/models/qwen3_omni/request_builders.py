@@ -108,13 +108,16 @@ def build_chat_request(
         else max(1, math.ceil(req.max_audio_seconds * FRAMES_PER_SECOND - 1e-6))
     )
     max_tokens = req.completion_cap or limits.default_max_tokens
-    check_lengths(req, processor.prompt_ids(messages), max_tokens, frames, config, limits)
+    prompt_ids = processor.prompt_ids(messages)
+    check_lengths(req, prompt_ids, max_tokens, frames, config, limits)
+    audio_tokens, image_tokens = processor.media_positions(prompt_ids)
     assert config.talker is not None  # the pipeline speaks (for_model_path refuses otherwise)
     voice = req.audio.voice.lower() if req.audio is not None else next(iter(config.talker.speaker_id))
     return Qwen3OmniRequest(
         messages, req.audio_output, voice, sampling,
         max_tokens=max_tokens, max_audio_frames=frames, stream=req.stream,
         talker_sampling=talker_sampling_of(sampling),
+        prompt_audio_tokens=audio_tokens, prompt_image_tokens=image_tokens,
     )  # fmt: skip
 
 

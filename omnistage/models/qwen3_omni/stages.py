@@ -430,7 +430,8 @@ def create_thinker_stage(
 class TextDecodeScheduler(StreamingScheduler):
     """The thinker's tokens -> reply text, streamed: each new token's text is emitted as a
     :class:`TextDelta` as soon as it decodes to whole characters (a byte token that ends
-    mid-character waits for the next), then a :class:`ChatText` result.
+    mid-character waits for the next), then a :class:`ChatText` result (its prompt media
+    counts: the request's, counted at the request boundary).
 
     Stream items: :class:`CodeFrames` (a text-only request) or :class:`FrameWithHidden`
     (an audio request; its frame None on the stop step). Payload: the thinker's
@@ -467,9 +468,11 @@ class TextDecodeScheduler(StreamingScheduler):
             if finishing:
                 assert state.payload is not None
                 summary: GenerationSummary = state.payload.data
+                request: Qwen3OmniRequest = state.payload.request
                 ids = torch.tensor(tokens, dtype=torch.int64)
                 self.complete(state, ChatText(
                     text=text, token_ids=ids, prompt_tokens=summary.num_prompt_tokens, completion_tokens=len(tokens),
+                    prompt_audio_tokens=request.prompt_audio_tokens, prompt_image_tokens=request.prompt_image_tokens,
                 ))  # fmt: skip
 
 

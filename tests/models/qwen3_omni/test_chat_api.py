@@ -186,7 +186,20 @@ def test_system_prompt_image_and_audio_input_are_in_the_prompt(client, checkpoin
     for name, messages in (("system", system), ("audio", heard), ("image", seen)):
         reply = client.chat.completions.create(model="qwen3-omni", messages=messages, max_tokens=3)
         assert reply.usage.prompt_tokens == expected[name].input_ids.shape[0], name
+        assert media_positions(reply.usage) == pads(processor, expected[name].input_ids), name
         assert reply.choices[0].message.content
+
+
+def media_positions(usage) -> tuple[int, int]:
+    """``usage.prompt_tokens_details``' audio and image counts."""
+    details = usage.prompt_tokens_details
+    return details.audio_tokens, details.image_tokens
+
+
+def pads(processor: Qwen3OmniProcessor, input_ids) -> tuple[int, int]:
+    """The processor's prompt's audio pads and image + video pads."""
+    ids, pad = input_ids.tolist(), processor.tokenizer.convert_tokens_to_ids
+    return ids.count(pad("<|audio_pad|>")), ids.count(pad("<|image_pad|>")) + ids.count(pad("<|video_pad|>"))
 
 
 @pytest.mark.parametrize("with_audio", [False, True])
@@ -202,6 +215,8 @@ def test_video_input_is_in_the_prompt_as_the_processor_samples_it(server, client
         model="qwen3-omni", messages=messages, max_tokens=2, extra_body={"use_audio_in_video": True} if with_audio else None
     )
     assert reply.usage.prompt_tokens == expected.input_ids.shape[0]
+    audio, vision = media_positions(reply.usage)
+    assert (audio, vision) == pads(processor, expected.input_ids) and vision > 0 and (audio > 0) == with_audio
     assert reply.choices[0].message.content
     assert (batches(server)["audio_encoder"] > before["audio_encoder"]) == with_audio
     assert_nothing_left(server)
