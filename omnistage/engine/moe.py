@@ -14,7 +14,8 @@ copies one expert in.
 
 Two execution paths, same math:
 - ``"grouped"``: tokens sorted by expert, two ``torch.nn.functional.grouped_mm`` calls with
-  jagged offsets, unsorted by ``index_add_``. Device-only (no host sync), so it can be captured
+  jagged offsets, put back in assignment order and summed per token (:func:`combine_experts`:
+  deterministic, no atomic adds). Device-only (no host sync), so it can be captured
   in a CUDA graph. Used on CUDA for bf16 activations (the kernels' supported dtype); it also
   runs on the CPU for fp32 when sizes are 16-byte aligned (the tests compare both paths).
 - ``"loop"``: one plain matmul pair per expert that received tokens (reads the counts on the
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MoEImpl", "SparseMoE", "route"]
+__all__ = ["MoEImpl", "SparseMoE", "combine_experts", "route"]
 
 MoEImpl = Literal["auto", "grouped", "loop"]
 
@@ -47,6 +48,28 @@ def route(
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(x.dtype), experts
+
+
+def combine_experts(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's weighted sum of its ``k`` expert outputs, in a fixed order.
+
+    Args:
+        y: ``[N * k, H]`` expert outputs in expert-sorted order: row ``i`` belongs to
+            assignment ``order[i]`` (assignment ``t * k + j``: token ``t``'s ``j``-th expert).
+        order: ``[N * k] int64``, a permutation (the stable argsort of the expert ids).
+        weights: ``[N, k]`` routing weights (``y.dtype``).
+
+    Returns:
+        ``[N, H]`` in ``y.dtype``: ``sum_j weights[:, j] * y_of(t, j)``, summed over ``j`` in
+        that order by one reduction, whatever ``order`` is. So the result never depends on
+        the batch's routing or on the device's scheduling: ``index_add_`` (the earlier
+        combine) adds with atomics on CUDA, in an order that changes from run to run, and
+        rounds each add to bf16, so two runs of one step (eager and its CUDA graph) differed
+        and greedy tokens flipped.
+    """
+    n, k = weights.shape
+    y = torch.empty_like(y).index_copy_(0, order, y).view(n, k, -1)  # assignment order
+    return (y * weights[:, :, None]).sum(dim=1)
 
 
 class SparseMoE(nn.Module):
@@ -122,7 +145,6 @@ class SparseMoE(nn.Module):
         flat = experts.flatten()
         order = flat.argsort(stable=True)  # assignments grouped by expert, token order kept
         tokens = order // self.top_k
-        scale = weights.flatten()[order, None]
         if self._use_grouped(x):
             # counts by index_add, not bincount: bincount sizes its output from the data (a host
             # sync), which would break CUDA-graph capture
@@ -139,4 +161,4 @@ class SparseMoE(nn.Module):
                     gate, up = (x[tokens[rows]] @ self.expert_gate_up[e]).chunk(2, dim=-1)
                     y[rows] = (F.silu(gate) * up) @ self.expert_down[e]
                     start += count
-        return torch.zeros_like(x).index_add_(0, tokens, y * scale)
+        return combine_experts(y, order, weights)
