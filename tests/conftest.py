@@ -47,21 +47,31 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def tree_rss_bytes(root: int) -> int:
-    """Resident bytes of ``root`` and all its live descendants now."""
-    total, todo = 0, [root]
+def tree_rss(root: int) -> dict[int, int]:
+    """Resident bytes of ``root`` and of each of its live descendants now, by pid."""
+    rss, todo = {}, [root]
     while todo:
         pid = todo.pop()
-        total += _status_kib(pid, "VmRSS") * 1024
+        rss[pid] = _status_kib(pid, "VmRSS") * 1024
         todo += _children(pid)
-    return total
+    return rss
+
+
+def _program(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[-60:].strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return "?"
 
 
 class PeakRSS:
-    """Samples :func:`tree_rss_bytes` of this process until :meth:`stop`."""
+    """Samples :func:`tree_rss` of this process until :meth:`stop`; at the peak it keeps
+    the test that was running and the largest processes (``where``)."""
 
     def __init__(self) -> None:
         self.peak = 0
+        self.test = ""  # the running test's node id (set by pytest_runtest_protocol)
+        self.where = ""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peak-rss", daemon=True)
         self._thread.start()
@@ -69,7 +79,12 @@ class PeakRSS:
     def _run(self) -> None:
         pid = os.getpid()
         while True:
-            self.peak = max(self.peak, tree_rss_bytes(pid))
+            rss = tree_rss(pid)
+            if sum(rss.values()) > self.peak:
+                self.peak = sum(rss.values())
+                largest = sorted(rss.items(), key=lambda item: -item[1])[:4]
+                shown = ", ".join(f"{_program(p) if p != pid else 'pytest'}: {b / 1024**2:.0f}" for p, b in largest)
+                self.where = f"during {self.test or 'collection'} (MiB: {shown})"
             if self._stop.wait(SAMPLE_PERIOD_S):
                 return
 
@@ -84,6 +99,12 @@ _peak: PeakRSS | None = None
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _peak
     _peak = PeakRSS()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    if _peak is not None:
+        _peak.test = item.nodeid
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -106,3 +127,4 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         f"{SAMPLE_PERIOD_S * 1000:.0f} ms; {verdict} the {PEAK_RSS_LIMIT_BYTES / mib:.0f} MiB limit); "
         f"test process high-water mark {own / mib:.0f} MiB; largest child {child / mib:.0f} MiB"
     )
+    terminalreporter.write_line(f"peak RSS reached {_peak.where}")
