@@ -10,8 +10,12 @@ OOM-killed on a 24 GB machine shared by several engineers).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import os
 import resource
+import sys
 import threading
 from pathlib import Path
 
@@ -19,6 +23,30 @@ import pytest
 
 PEAK_RSS_LIMIT_BYTES = 4 * 1024**3
 SAMPLE_PERIOD_S = 0.05
+
+#: Per-process caches of loaded weights (``module: function``), emptied after every test
+#: module: a model that a module's server or pipeline loaded is not kept for the rest of
+#: the session (a later module that needs it loads it again).
+MODEL_CACHES = (
+    ("omnistage.models.qwen3_omni.stages", "loaded_model"),
+    ("omnistage.models.qwen3_tts.stages", "loaded_checkpoint"),
+)
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def free_memory_after_each_module():
+    """After a module (its own fixtures torn down first): drop the model caches, collect,
+    and give the freed heap back to the kernel (glibc ``malloc_trim``; without it the test
+    process keeps every module's high-water mark, and each stage or soak subprocess it
+    starts adds to that)."""
+    yield
+    for module, function in MODEL_CACHES:
+        if module in sys.modules:
+            getattr(sys.modules[module], function).cache_clear()
+    gc.collect()
+    if hasattr(_LIBC, "malloc_trim"):
+        _LIBC.malloc_trim(0)
 
 
 @pytest.fixture
