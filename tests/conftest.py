@@ -124,6 +124,17 @@ class PeakRSS:
 _peak: PeakRSS | None = None
 
 
+#: Test files that run the server and a load driver in subprocesses of their own: they run
+#: first, while the test process is small (it grows to ~2.4 GB over the suite's modules), so
+#: their subprocesses do not add to its high-water mark. Measured: the short soak run peaked
+#: the suite at 4105 MiB when it ran last (pytest 2381 + soak driver 1120 + engine 420 MiB).
+RUN_FIRST = ("test_soak.py",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in RUN_FIRST)  # stable: keeps the rest's order
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     global _peak
     _peak = PeakRSS()
