@@ -9,6 +9,7 @@ from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
+from omnistage.testing.engine_runs import run_arrivals
 from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 DTYPE = torch.float64  # batched and unbatched matmuls then agree far below any logit gap
@@ -40,20 +41,14 @@ def run(engine, arrivals, streamed=None):
     """Step until idle; ``arrivals[step]`` = requests added before that step. Returns
     {id: result}; asserts streamed frames (``streamed``: those of earlier steps)
     concatenate to each result."""
-    results, streamed, step = {}, streamed or {}, 0
-    while engine.has_work() or any(s >= step for s in arrivals):
-        for request_id, inputs in arrivals.get(step, []):
-            engine.add_request(request_id, inputs)
-        for out in engine.step():
-            if out.frame is not None:
-                streamed.setdefault(out.request_id, []).append(out.frame)
-            if out.result is not None:
-                results[out.request_id] = out.result
-        step += 1
-    for request_id, result in results.items():
+    steps = run_arrivals(engine, arrivals)
+    streamed = streamed or {}
+    for request_id, frames in steps.frames.items():
+        streamed.setdefault(request_id, []).extend(frames)
+    for request_id, result in steps.results.items():
         frames = streamed.get(request_id, [])
         assert torch.equal(torch.cat(frames) if frames else result.codes, result.codes)
-    return results
+    return steps.results
 
 
 def assert_nothing_held(engine):

@@ -11,6 +11,7 @@ from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
+from omnistage.testing.engine_runs import run_arrivals
 from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 DTYPE = torch.float64
@@ -39,19 +40,8 @@ def whole_sequence_states(model, inputs, tokens):
 
 
 def collect(engine, arrivals):
-    results, hidden, frames, step = {}, {}, {}, 0
-    while engine.has_work() or any(s >= step for s in arrivals):
-        for request_id, inputs in arrivals.get(step, []):
-            engine.add_request(request_id, inputs)
-        for out in engine.step():
-            if out.hidden is not None:
-                hidden.setdefault(out.request_id, []).append(out.hidden)
-            if out.frame is not None:
-                frames.setdefault(out.request_id, []).append(out.frame)
-            if out.result is not None:
-                results[out.request_id] = out.result
-        step += 1
-    return results, hidden, frames
+    run = run_arrivals(engine, arrivals)
+    return run.results, run.hidden, run.frames
 
 
 def test_hidden_rows_of_prompt_and_generated_tokens_equal_a_whole_sequence_forward():

@@ -10,6 +10,7 @@ from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
+from omnistage.testing.engine_runs import run_arrivals
 from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 DTYPE = torch.float64
@@ -44,15 +45,7 @@ def engine_for(model=MROPE):
 
 
 def run(engine, arrivals):
-    results, step = {}, 0
-    while engine.has_work() or any(s >= step for s in arrivals):
-        for request_id, inputs in arrivals.get(step, []):
-            engine.add_request(request_id, inputs)
-        for out in engine.step():
-            if out.result is not None:
-                results[out.request_id] = out.result
-        step += 1
-    return results
+    return run_arrivals(engine, arrivals).results
 
 
 def test_mrope_requests_batched_equal_the_reference_loop():

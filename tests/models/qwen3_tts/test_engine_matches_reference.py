@@ -13,6 +13,7 @@ from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
 from omnistage.models.qwen3_tts.modeling.generate import TalkerSampling, generate, generation_input
 from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder
 from omnistage.models.qwen3_tts.modeling.weights import LoadedCheckpoint, load_checkpoint
+from omnistage.testing.engine_runs import run_arrivals
 
 TEXTS = ("Hello there.", "A longer sentence for the talker.", "Hi.", "Good day to you all.")
 
@@ -23,15 +24,7 @@ def checkpoint(tiny_checkpoints) -> LoadedCheckpoint:
 
 
 def _run(engine: AREngine, arrivals: dict[int, list]) -> dict:
-    results, step = {}, 0
-    while engine.has_work() or any(s >= step for s in arrivals):
-        for request_id, inputs in arrivals.get(step, []):
-            engine.add_request(request_id, inputs)
-        for out in engine.step():
-            if out.result is not None:
-                results[out.request_id] = out.result
-        step += 1
-    return results
+    return run_arrivals(engine, arrivals).results
 
 
 @pytest.mark.parametrize("seeded", [False, True], ids=["greedy", "seeded"])
