@@ -51,7 +51,10 @@ AUDIO_RESULT = "omnistage.core.payloads:AudioResult"
 
 Placement = Literal["colocated", "split"]
 SPEECH_SIDE = ("talker", "code2wav")
-"""The stages the split placement puts on the second GPU (the others: the first)."""
+"""The stages the split placement puts on the second GPU (the others: the first), in a
+process of their own: process group :data:`SPEECH_PROCESS` (the others run in the server's
+process), so the two engines' host work does not share one interpreter."""
+SPEECH_PROCESS = "speech"
 
 
 def stage_devices(placement: Placement) -> tuple[str, str]:
@@ -89,6 +92,7 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
         load_format: LoadFormat = "safetensors",
         talker_start_tokens: int = 2,
         placement: Placement = "colocated",
+        speech: bool = True,
     ) -> Self:
         """The pipeline for the checkpoint at ``model_path``.
 
@@ -96,63 +100,84 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
             load_format: ``"dummy"``: random weights from the config alone (every stage).
             talker_start_tokens: reply tokens before the talker starts (>= 2).
             placement: ``"colocated"``: every stage on one device (CUDA when available,
-                else the CPU); ``"split"``: the thinker and its stages on ``cuda:0``, the
-                talker and code2wav (:data:`SPEECH_SIDE`) on ``cuda:1``; the talker stage then
-                loads the thinker's token embedding beside the talker
+                else the CPU), in the server's process; ``"split"``: the thinker and its
+                stages on ``cuda:0`` in the server's process, the talker and code2wav
+                (:data:`SPEECH_SIDE`) on ``cuda:1`` in process group :data:`SPEECH_PROCESS`;
+                the talker stage then loads the thinker's token embedding beside the talker
                 (:func:`~.stages.language_parts`). ``--<stage>.device`` overrides either.
+            speech: False: the text-only pipeline (the ``text`` variant): no talker or
+                code2wav stage, so talker, code predictor and code2wav are never built or
+                loaded; it serves a checkpoint without a talker too.
 
         Raises:
             CheckpointConfigError: config.json missing or invalid.
-            ValueError: the checkpoint has no talker (``enable_audio_output`` false), or
-                :func:`stage_devices` refuses the placement.
+            ValueError: ``speech`` and the checkpoint has no talker (``enable_audio_output``
+                false), the split placement without ``speech``, or :func:`stage_devices`
+                refuses the placement.
         """
-        if load_config(model_path).talker is None:
-            raise ValueError(f"{model_path}: the checkpoint has no talker; this pipeline speaks")
+        if speech and load_config(model_path).talker is None:
+            raise ValueError(f"{model_path}: the checkpoint has no talker; serve it with the text variant")
+        if not speech and placement != "colocated":
+            raise ValueError("the text-only pipeline has no speech side to place apart; its placement is colocated")
         thinker_side, speech_side = stage_devices(placement)
         fmt = {"load_format": load_format}
 
         def stage(name: str, args: dict | None = None, **fields) -> StageConfig:
             factory = FactoryConfig(path=f"{_STAGES}:create_{name}_stage", args=args or {})
+            apart = name in SPEECH_SIDE and placement == "split"
             device = speech_side if name in SPEECH_SIDE else thinker_side
-            return StageConfig(name=name, device=device, factory=factory, **fields)
+            return StageConfig(name=name, device=device, process=SPEECH_PROCESS if apart else None, factory=factory, **fields)
 
+        speech_stages = [
+            stage("code2wav", fmt, terminal=True, can_accept_stream_before_payload=True,
+                  payload_type=GENERATION_SUMMARY, accepts_stream_types=[VOCODER_SETUP, CODE_FRAMES],
+                  result_type=AUDIO_RESULT, stream_types=[AUDIO_CHUNK]),
+            # CodeFrames: declared because the thinker streams them to text-only requests'
+            # targets; an audio request's thinker sends FrameWithHidden
+            stage("talker", {**fmt, "talker_start_tokens": talker_start_tokens}, next="code2wav", stream_to=["code2wav"],
+                  can_accept_stream_before_payload=True, payload_type=GENERATION_SUMMARY,
+                  accepts_stream_types=[AUDIO_SETUP, CODE_FRAMES, FRAME_WITH_HIDDEN], result_type=GENERATION_SUMMARY,
+                  stream_types=[CODE_FRAMES]),
+        ] if speech else []  # fmt: skip
+        speakers = list(SPEECH_SIDE) if speech else []
+        variant = "" if speech else ":text"
         return cls(
-            name=f"qwen3_omni:{Path(model_path).name}" + ("" if placement == "colocated" else f":{placement}"),
+            name=f"qwen3_omni:{Path(model_path).name}" + ("" if placement == "colocated" else f":{placement}") + variant,
             model_path=model_path,
             entry_stage="preprocessing",
             terminal_stages_fn=f"{_STAGES}:terminal_stages",
-            sample_requests_fn="omnistage.models.qwen3_omni.config:sample_requests",
+            sample_requests_fn=f"omnistage.models.qwen3_omni.config:{'' if speech else 'text_'}sample_requests",
             stages=[
-                stage("code2wav", fmt, terminal=True, can_accept_stream_before_payload=True,
-                      payload_type=GENERATION_SUMMARY, accepts_stream_types=[VOCODER_SETUP, CODE_FRAMES],
-                      result_type=AUDIO_RESULT, stream_types=[AUDIO_CHUNK]),
+                *speech_stages[:1],
                 stage("preprocessing", next=["image_encoder", "audio_encoder", "thinker"], route_fn=f"{_STAGES}:preprocessing_routes",
-                      stream_to=["talker", "code2wav"], stream_done_to_fn=f"{_STAGES}:preprocessing_streams",
-                      result_type=THINKER_PROMPT, stream_types=[AUDIO_SETUP]),
+                      stream_to=speakers, stream_done_to_fn=f"{_STAGES}:preprocessing_streams" if speech else None,
+                      result_type=THINKER_PROMPT, stream_types=[AUDIO_SETUP] if speech else []),
                 stage("image_encoder", fmt, next="thinker", payload_type=THINKER_PROMPT, result_type=THINKER_PROMPT),
                 stage("audio_encoder", fmt, next="thinker", payload_type=THINKER_PROMPT, result_type=THINKER_PROMPT),
                 stage("thinker", fmt, wait_for=["preprocessing", "image_encoder", "audio_encoder"], wait_for_fn=f"{_STAGES}:thinker_waits_for",
-                      merge_fn=f"{_STAGES}:thinker_merge", next=["decode", "talker"], route_fn=f"{_STAGES}:thinker_routes",
-                      stream_to=["decode", "talker"], stream_done_to_fn=f"{_STAGES}:thinker_streams",
+                      merge_fn=f"{_STAGES}:thinker_merge", next=["decode", *speakers[:1]], route_fn=f"{_STAGES}:thinker_routes",
+                      stream_to=["decode", *speakers[:1]], stream_done_to_fn=f"{_STAGES}:thinker_streams",
                       payload_type=THINKER_PROMPT, result_type=GENERATION_SUMMARY, stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN]),
                 stage("decode", terminal=True, can_accept_stream_before_payload=True, payload_type=GENERATION_SUMMARY,
                       accepts_stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN], result_type=CHAT_TEXT, stream_types=[TEXT_DELTA]),
-                # CodeFrames: declared because the thinker streams them to text-only requests'
-                # targets; an audio request's thinker sends FrameWithHidden
-                stage("talker", {**fmt, "talker_start_tokens": talker_start_tokens}, next="code2wav", stream_to=["code2wav"],
-                      can_accept_stream_before_payload=True, payload_type=GENERATION_SUMMARY,
-                      accepts_stream_types=[AUDIO_SETUP, CODE_FRAMES, FRAME_WITH_HIDDEN], result_type=GENERATION_SUMMARY,
-                      stream_types=[CODE_FRAMES]),
+                *speech_stages[1:],
             ],
         )  # fmt: skip
 
+    @property
+    def speaks(self) -> bool:
+        """The pipeline has the speech side (talker and code2wav); the text variant has not."""
+        return any(stage.name == "talker" for stage in self.stages)
+
 
     def capabilities(self) -> ChatCapabilities:
-        """Text, images, audio and video in; speech in the talker config's speakers (its voices); the thinker's ``max_tokens`` limits."""
+        """Text, images, audio and video in; speech in the talker config's speakers (its voices),
+        unless the pipeline has no talker (:attr:`speaks`); the thinker's ``max_tokens`` limits."""
         assert self.model_path is not None
         return ChatCapabilities(
             model_names=(Path(self.model_path).name, "qwen3-omni"), model_type="qwen3_omni",
-            input_modalities=frozenset({"text", "image", "audio", "video"}), audio_output=True, voices=_voices(self.model_path),
+            input_modalities=frozenset({"text", "image", "audio", "video"}), audio_output=self.speaks,
+            voices=_voices(self.model_path) if self.speaks else (),
             sample_rate=SAMPLE_RATE, supported_fields=frozenset({"top_k", "seed", "max_audio_seconds", "use_audio_in_video"}),
             max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=DEFAULT_MAX_TOKENS,
         )  # fmt: skip
@@ -172,12 +197,15 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
         def max_model_len(stage: str) -> int:
             return int(self.stage(stage).factory.args.get("max_model_len", MAX_MODEL_LEN))
 
-        return ChatLimits(DEFAULT_MAX_TOKENS, max_model_len("thinker"), max_model_len("talker"))
+        talker = max_model_len("talker") if self.speaks else 0  # no request speaks
+        return ChatLimits(DEFAULT_MAX_TOKENS, max_model_len("thinker"), talker)
 
     def sample_requests(self) -> list[Qwen3OmniChatRequest]:
         """A 4-token reply spoken in 4 frames at most (the warm-up runs every stage but the
-        audio encoder)."""
+        audio encoder); the text variant's, not spoken."""
         assert self.model_path is not None
+        if not self.speaks:
+            return [Qwen3OmniChatRequest(messages=[{"role": "user", "content": "Hello."}], max_tokens=4)]
         voice = _voices(self.model_path)[0]
         return [Qwen3OmniChatRequest(
             messages=[{"role": "user", "content": "Hello."}], modalities=["text", "audio"],
@@ -209,7 +237,8 @@ def _voices(model_path: str) -> tuple[str, ...]:
 
 class Qwen3OmniSplitPipelineConfig(Qwen3OmniPipelineConfig):
     """The ``split`` variant (``--variant split``): the thinker side on ``cuda:0``, the talker
-    and code2wav on ``cuda:1`` (:func:`stage_devices`; refused without two GPUs)."""
+    and code2wav on ``cuda:1`` in a process of their own (:func:`stage_devices`; refused
+    without two GPUs)."""
 
     @classmethod
     def for_model_path(
@@ -219,8 +248,20 @@ class Qwen3OmniSplitPipelineConfig(Qwen3OmniPipelineConfig):
         return super().for_model_path(model_path, load_format, talker_start_tokens, placement)
 
 
+class Qwen3OmniTextPipelineConfig(Qwen3OmniPipelineConfig):
+    """The ``text`` variant (``--variant text``): the thinker side alone, text out
+    (``for_model_path(speech=False)``); a request for audio is a 400 on ``modalities``."""
+
+    @classmethod
+    def for_model_path(
+        cls, model_path: str, load_format: LoadFormat = "safetensors", talker_start_tokens: int = 2,
+        placement: Placement = "colocated", speech: bool = False,
+    ) -> Self:
+        return super().for_model_path(model_path, load_format, talker_start_tokens, placement, speech)
+
+
 EntryClass = Qwen3OmniPipelineConfig
-Variants = {"split": Qwen3OmniSplitPipelineConfig}
+Variants = {"split": Qwen3OmniSplitPipelineConfig, "text": Qwen3OmniTextPipelineConfig}
 
 
 def sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:
@@ -240,3 +281,8 @@ def sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:
         ("audio in", Qwen3OmniRequest(heard, True, "ethan", OmniSampling(), 4, 4)),
         ("image and audio in", Qwen3OmniRequest(both, False, "ethan", OmniSampling(), 4, 4)),
     ]
+
+
+def text_sample_requests() -> list[tuple[str, Qwen3OmniRequest]]:
+    """The text variant's: :func:`sample_requests` not spoken."""
+    return [(label, request) for label, request in sample_requests() if not request.audio_output]

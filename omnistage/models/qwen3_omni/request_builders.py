@@ -57,7 +57,8 @@ class ChatLimits:
     Attributes:
         default_max_tokens: the reply cap of a request that sets none.
         thinker_max_model_len: the thinker stage's ``max_model_len`` (prompt + reply tokens).
-        talker_max_model_len: the talker stage's (its prompt + speech frames).
+        talker_max_model_len: the talker stage's (its prompt + speech frames); 0 in a
+            pipeline without a talker stage (the text variant: no request speaks).
     """
 
     default_max_tokens: int
@@ -111,8 +112,9 @@ def build_chat_request(
     prompt_ids = processor.prompt_ids(messages)
     check_lengths(req, prompt_ids, max_tokens, frames, config, limits)
     audio_tokens, image_tokens = processor.media_positions(prompt_ids)
-    assert config.talker is not None  # the pipeline speaks (for_model_path refuses otherwise)
-    voice = req.audio.voice.lower() if req.audio is not None else next(iter(config.talker.speaker_id))
+    # a reply not spoken names no voice; the text variant may serve a checkpoint without a talker
+    speakers = config.talker.speaker_id if config.talker is not None else {}
+    voice = req.audio.voice.lower() if req.audio is not None else next(iter(speakers), "")
     return Qwen3OmniRequest(
         messages, req.audio_output, voice, sampling,
         max_tokens=max_tokens, max_audio_frames=frames, stream=req.stream,

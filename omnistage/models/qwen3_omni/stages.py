@@ -164,14 +164,14 @@ def loaded_model(
 
 
 def language_parts(ctx: StageBuildContext) -> tuple[ModelPart, ...]:
-    """What the thinker and talker stages load: when both are on one device, thinker and
-    talker together (one load, one copy of the thinker's token embedding, which the talker's
-    prompt reads); else the thinker stage the thinker and the talker stage the talker and
-    ``thinker_embed`` (the split variant)."""
-    devices = {s.name: torch.device(s.device) for s in ctx.pipeline.stages}
-    if "talker" not in devices:
+    """What the thinker and talker stages load: when both are on one device in one process,
+    thinker and talker together (one load, one copy of the thinker's token embedding, which
+    the talker's prompt reads); else the thinker stage the thinker and the talker stage the
+    talker and ``thinker_embed`` (the split variant)."""
+    homes = {s.name: (torch.device(s.device), s.process) for s in ctx.pipeline.stages}
+    if "talker" not in homes:
         return ("thinker",)
-    if devices["thinker"] == devices["talker"]:
+    if homes["thinker"] == homes["talker"]:
         return ("thinker", "talker")
     return ("thinker",) if ctx.stage.name == "thinker" else ("talker", "thinker_embed")
 
@@ -395,12 +395,13 @@ def create_thinker_stage(
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
 ) -> ARScheduler:
-    """The thinker on the AR engine; with a talker it returns the hidden states of layers
-    0 and ``accept_hidden_layer`` for audio requests (``return_hidden``). ``cuda_graphs``:
-    see :func:`engine_config`."""
+    """The thinker on the AR engine; in a pipeline with a talker stage it returns the hidden
+    states of layers 0 and ``accept_hidden_layer`` for audio requests (``return_hidden``).
+    ``cuda_graphs``: see :func:`engine_config`."""
     model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format, language_parts(ctx))
     assert model.thinker is not None
-    layers = (0, model.config.talker.accept_hidden_layer) if model.config.talker is not None else ()
+    speaks = model.config.talker is not None and any(s.name == "talker" for s in ctx.pipeline.stages)
+    layers = (0, model.config.talker.accept_hidden_layer) if speaks else ()
     stop = model.config.im_end_id
     engine = AREngine(
         ThinkerEngineModel(model.thinker, layers),
