@@ -15,8 +15,14 @@ Two kinds of forward, announced by the runner before the first layer:
   tokens, that ran an H200 out of memory.)
   With a cached prefix (prefix caching: a sequence's first tokens are in shared blocks,
   only the rest is new), each new token attends to its sequence's whole context, the
-  prefix read from the pool: :func:`prefix_prefill_attention`, one SDPA call per
-  sequence with a lower-right causal mask.
+  prefix read from the pool: on CUDA in half precision the contexts are gathered from the
+  pool (one ``index_select`` each for keys and values) and attended to in the same ONE
+  varlen flash-attention call, with query and key offsets of their own and the causal
+  mask aligned to the context's end; elsewhere (and where the probe finds that wrong)
+  :func:`prefix_prefill_attention`, one SDPA call per sequence with a lower-right causal
+  mask (the oracle). That per-sequence loop is what made the prefix-cached 0.6B slower
+  than no prefix caching on an H200 (benchmarks/README.md): 28 layers x B sequences of
+  small kernels in every prefill.
 - decode (:meth:`PagedAttention.prepare_decode`): one new token per sequence, attending to
   its whole cached context through its block table.
 
@@ -114,15 +120,27 @@ def prefix_prefill_attention(
     return torch.cat(outs)
 
 
-def flash_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> torch.Tensor:
+def flash_varlen_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+    cu_seqlens_k: torch.Tensor | None = None, max_len_k: int | None = None,
+) -> torch.Tensor:
     """Causal attention of concatenated sequences in one flash-attention call: q ``[N, Hq,
     D]``, k/v ``[N, Hkv, D]`` (fp16/bf16, CUDA), ``cu_seqlens [S + 1] int32`` (cumulative
     sequence lengths from 0), ``max_len`` the longest sequence; returns ``[N, Hq, D]``.
+
+    With ``cu_seqlens_k`` / ``max_len_k``, k/v are each sequence's whole context ``[C,
+    Hkv, D]`` (its cumulative lengths, its longest), the queries being its last tokens:
+    query ``i`` of ``n`` in a context of ``L`` attends to context tokens ``0 .. L - n + i``
+    (flash attention's causal mask is aligned to the bottom right; the probe checks it
+    against :func:`prefix_prefill_attention`).
 
     Raises:
         ImportError: this torch has no ``varlen_attn``.
     """
     from torch.nn.attention.varlen import varlen_attn
+
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_len_k = cu_seqlens, max_len
 
     q, k, v = (t.contiguous() for t in (q, k, v))  # the kernel's layout; a no-op for most layers
     params = inspect.signature(varlen_attn).parameters
@@ -134,30 +152,42 @@ def flash_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_s
         kwargs["is_causal"] = True
     else:
         kwargs["window_size"] = (-1, 0)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **kwargs)
+    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens_k, max_len, max_len_k, **kwargs)
 
 
-def flash_varlen_usable(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+def flash_varlen_usable(
+    device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+    with_context: bool = False,
+) -> bool:
     """Whether :func:`flash_varlen_prefill` runs here and matches the per-sequence loop,
     checked once on a small random batch (a torch without the kernel, a GPU or dtype it
-    does not support, or a signature it changed all answer False, logged with the reason)."""
+    does not support, or a signature it changed all answer False, logged with the reason).
+    ``with_context``: the cached-prefix form (contexts longer than the queries) against
+    :func:`prefix_prefill_attention`."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
         return False
     lengths = [5, 17, 1, 40]
-    n = sum(lengths)
+    contexts = [37, 17, 50, 40] if with_context else lengths  # a context starting with a cached prefix, or not
     g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(n, num_heads, head_dim, device=device, dtype=dtype, generator=g)
-    k = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=g)
-    v = torch.randn(n, num_kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    q = torch.randn(sum(lengths), num_heads, head_dim, device=device, dtype=dtype, generator=g)
+    k = torch.randn(sum(contexts), num_kv_heads, head_dim, device=device, dtype=dtype, generator=g)
+    v = torch.randn(sum(contexts), num_kv_heads, head_dim, device=device, dtype=dtype, generator=g)
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *itertools.accumulate(contexts)], dtype=torch.int32, device=device)
+    form = "with cached prefixes" if with_context else "of whole prompts"
     try:
-        fused = flash_varlen_prefill(q, k, v, cu, max(lengths))
+        fused = flash_varlen_prefill(q, k, v, cu, max(lengths), cu_k, max(contexts))
     except (ImportError, AttributeError, AssertionError, RuntimeError, TypeError, ValueError) as exc:
-        logger.warning("prefill attention: varlen flash attention unavailable (%r); one SDPA call per sequence", exc)
+        logger.warning("prefill attention %s: varlen flash attention unavailable (%r); one SDPA call per sequence", form, exc)
         return False
-    error = (fused.float() - varlen_prefill_attention(q, k, v, lengths).float()).abs().max().item()
+    if with_context:
+        slots = torch.arange(sum(contexts), device=device)
+        expected = prefix_prefill_attention(q, k, v, slots, lengths, contexts)
+    else:
+        expected = varlen_prefill_attention(q, k, v, lengths)
+    error = (fused.float() - expected.float()).abs().max().item()
     if error > 2e-2:
-        logger.warning("prefill attention: varlen flash attention differs by %.3g; one SDPA call per sequence", error)
+        logger.warning("prefill attention %s: varlen flash attention differs by %.3g; one SDPA call per sequence", form, error)
         return False
     return True
 
@@ -193,12 +223,17 @@ class PagedAttention:
         fused_prefill: prefill with :func:`flash_varlen_prefill` instead of one SDPA call
             per sequence; None: decided by :func:`flash_varlen_usable` on the first prefill
             (from its shapes, dtype and device).
+        fused_prefix_prefill: the same for a prefill over cached prefixes (instead of
+            :func:`prefix_prefill_attention`); None: decided on the first such prefill.
     """
 
-    def __init__(self, cache: PagedKVCache, decode_attention: DecodeAttention, fused_prefill: bool | None = None) -> None:
+    def __init__(
+        self, cache: PagedKVCache, decode_attention: DecodeAttention, fused_prefill: bool | None = None,
+        fused_prefix_prefill: bool | None = None,
+    ) -> None:
         self.cache = cache
         self.decode_attention = decode_attention
-        self.fused_prefill = fused_prefill
+        self.fused_prefill, self.fused_prefix_prefill = fused_prefill, fused_prefix_prefill
         self._slots = torch.empty(0, dtype=torch.int64)
         self._seq_lens: list[int] | None = None  # set for a prefill forward
         self._cu_seqlens: torch.Tensor | None = None  # set for a fused prefill forward
@@ -218,9 +253,14 @@ class PagedAttention:
         self._seq_lens = list(seq_lens)
         self._cu_seqlens = None
         self._context = None if context_slots is None else (context_slots, list(context_lens or ()))
-        if self._context is None and self.fused_prefill is not False and slot_mapping.is_cuda:
-            offsets = torch.tensor([0, *itertools.accumulate(seq_lens)], dtype=torch.int32).pin_memory()
-            self._cu_seqlens = offsets.to(slot_mapping.device, non_blocking=True)
+        fused = self.fused_prefill if self._context is None else self.fused_prefix_prefill
+        if fused is not False and slot_mapping.is_cuda:
+            # the queries' offsets, then (with cached prefixes) the contexts': one upload
+            offsets = [0, *itertools.accumulate(seq_lens)]
+            if self._context is not None:
+                offsets += [0, *itertools.accumulate(self._context[1])]
+            host = torch.tensor(offsets, dtype=torch.int32).pin_memory()
+            self._cu_seqlens = host.to(slot_mapping.device, non_blocking=True)
 
     def prepare_decode(self, slot_mapping: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor) -> None:
         """A decode forward of ``B`` tokens, one per sequence: ``slot_mapping [B]``,
@@ -236,13 +276,25 @@ class PagedAttention:
         k_cache.index_copy_(0, self._slots, k)
         v_cache.index_copy_(0, self._slots, v)
         if self._seq_lens is not None and self._context is not None:
-            return prefix_prefill_attention(q, k_cache, v_cache, self._context[0], self._seq_lens, self._context[1])
+            return self._prefix_prefill(q, k_cache, v_cache, self._seq_lens, *self._context)
         if self._seq_lens is not None:
             if self.fused_prefill is None:
                 self.fused_prefill = flash_varlen_usable(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
             if self.fused_prefill and self._cu_seqlens is not None:
-                return flash_varlen_prefill(q, k, v, self._cu_seqlens, max(self._seq_lens))
+                return flash_varlen_prefill(q, k, v, self._cu_seqlens[: len(self._seq_lens) + 1], max(self._seq_lens))
             return varlen_prefill_attention(q, k, v, self._seq_lens)
         return self.decode_attention(
             q, k_cache, v_cache, self._block_tables, self._context_lens, self.cache.block_size
         )
+
+    def _prefix_prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: list[int],
+        context_slots: torch.Tensor, context_lens: list[int],
+    ) -> torch.Tensor:
+        if self.fused_prefix_prefill is None:
+            self.fused_prefix_prefill = flash_varlen_usable(q.device, q.dtype, q.shape[1], k_cache.shape[1], q.shape[2], with_context=True)
+        if not (self.fused_prefix_prefill and self._cu_seqlens is not None):
+            return prefix_prefill_attention(q, k_cache, v_cache, context_slots, seq_lens, context_lens)
+        cu_q, cu_k = self._cu_seqlens[: len(seq_lens) + 1], self._cu_seqlens[len(seq_lens) + 1 :]
+        keys, values = k_cache.index_select(0, context_slots), v_cache.index_select(0, context_slots)
+        return flash_varlen_prefill(q, keys, values, cu_q, max(seq_lens), cu_k, max(context_lens))

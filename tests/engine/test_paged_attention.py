@@ -15,6 +15,7 @@ from omnistage.engine.paged_attention import (
     flash_varlen_prefill,
     flash_varlen_usable,
     paged_decode_reference,
+    prefix_prefill_attention,
     triton_available,
     varlen_prefill_attention,
 )
@@ -135,6 +136,37 @@ def test_fused_varlen_prefill_matches_the_per_sequence_loop(lengths, hq, hkv):
     cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
     out = flash_varlen_prefill(q, k, v, cu, max(lengths))
     torch.testing.assert_close(out.float(), varlen_prefill_attention(q, k, v, lengths).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("lengths", "contexts"), [([1], [33]), ([7, 64, 3, 20], [39, 64, 100, 20]), ([14] * 64, [110] * 64)])
+def test_fused_prefill_over_cached_prefixes_matches_the_per_sequence_loop(lengths, contexts):
+    """Prefix caching on CUDA: new tokens attend to contexts whose first tokens are in the
+    pool (scattered blocks) in one varlen flash call, as the per-sequence SDPA loop does."""
+    hq, hkv, d, bs = 16, 8, 128, 16
+    per_seq = [-(-n // bs) for n in contexts]
+    cache = PagedKVCache(num_layers=1, num_kv_heads=hkv, head_dim=d, num_blocks=sum(per_seq) + 1, block_size=bs,
+                         dtype=torch.bfloat16, device=torch.device("cuda"))
+    cache.k[0].normal_()
+    cache.v[0].normal_()
+    order = torch.randperm(sum(per_seq)).tolist()
+    context_slots, new_slots = [], []
+    for n, length, blocks in zip(lengths, contexts, per_seq, strict=True):
+        table = [order.pop() for _ in range(blocks)]
+        slots = [table[t // bs] * bs + t % bs for t in range(length)]
+        context_slots += slots
+        new_slots += slots[length - n :]
+    context_d = torch.tensor(context_slots, device="cuda")
+    q = torch.randn(sum(lengths), hq, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(sum(lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(sum(lengths), hkv, d, device="cuda", dtype=torch.bfloat16)
+    attn = PagedAttention(cache, paged_decode_reference)
+    attn.prepare_prefill(torch.tensor(new_slots, device="cuda"), lengths, context_d, contexts)
+    out = attn(0, q, k, v)
+    assert attn.fused_prefix_prefill is True
+    expected = prefix_prefill_attention(q, cache.k[0], cache.v[0], context_d, lengths, contexts)
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_cpu_selects_the_reference_and_refuses_triton():
