@@ -50,6 +50,7 @@ import base64
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -139,6 +140,17 @@ def start_server(
 ) -> tuple[subprocess.Popen, float]:
     """``split``: the engine and the vocoder in processes of their own; ``extra``: more
     ``omnistage serve`` arguments."""
+    start = time.perf_counter()
+    proc = launch_server(model_dir, port, max_conc, log, split, extra)
+    return proc, wait_healthy(proc, port, start, log)
+
+
+def launch_server(
+    model_dir: Path, port: int, max_conc: int, log: Path, split: bool = False, extra: tuple[str, ...] = (),
+    root: str | None = None,
+) -> subprocess.Popen:
+    """Start ``omnistage serve`` (not waiting for it); ``root``: the source tree whose
+    ``omnistage`` it runs (its working directory, first on its import path; None: this one)."""
     cmd = [
         sys.executable, "-m", "omnistage.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
         "--allowed-local-media-path", str(model_dir.parent),
@@ -151,14 +163,25 @@ def start_server(
     if split:
         cmd += ["--tts_engine.process", "engine", "--vocoder.process", "vocoder"]
     cmd += list(extra)
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    env = None
+    if root is not None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(root).resolve()), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=root, env=env)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, start: float, log: Path) -> float:
+    """Seconds from ``start`` until the server on ``port`` answers /health.
+
+    Raises:
+        RuntimeError: it exited, or was not healthy within 600 s (then it is killed).
+    """
     while time.perf_counter() - start < 600:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}; see {log}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, time.perf_counter() - start
+                return time.perf_counter() - start
         except httpx.HTTPError:
             pass
         time.sleep(1)
@@ -247,6 +270,16 @@ async def fresh_reference_ttfa(port: int, frames: int, count: int) -> list[Speec
     return results
 
 
+FRESH_COST_S = 8 * (0.3 + 125 * 0.01)  # eight sequential fresh-reference requests, about
+
+
+def fresh_reference_level(port: int, frames: int) -> dict:
+    """TTFA of eight sequential requests with fresh references: p50, each, mean phases."""
+    fresh = asyncio.run(fresh_reference_ttfa(port, frames, 8))
+    ttfa = [r.ttfa_ms for r in fresh]
+    return {"p50": float(np.median(ttfa)), "all": [round(x, 1) for x in ttfa], "phases_ms": mean_phases(fresh)}
+
+
 class Budget:
     """Seconds left of ``--budget-s``; ``fits(cost)`` says whether a step of about ``cost``
     seconds still fits (with the time the closing steps need kept aside)."""
@@ -267,9 +300,8 @@ def level_cost_s(conc: int, frames: int) -> float:
     return 10 + 2 * frames * 0.08 * max(1, conc / 64)
 
 
-def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Budget) -> Path:
-    """Fill ``record`` for one size, calling ``save()`` after every step (a later failure
-    or the device's time limit keeps what was measured); returns the checkpoint dir."""
+def init_random(size: str, args: argparse.Namespace, record: dict) -> Path:
+    """The random Base checkpoint of ``size`` (real dimensions) under ``--work-dir``."""
     model_dir = Path(args.work_dir) / f"qwen3_tts_{size}_base"
     t0 = time.perf_counter()
     subprocess.run(
@@ -278,6 +310,13 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         check=True,
     )  # fmt: skip
     record |= {"size": size, "init_random_s": round(time.perf_counter() - t0, 1), "gpu_mib": {"before_server": gpu_memory_mib()}}
+    return model_dir
+
+
+def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Budget) -> Path:
+    """Fill ``record`` for one size, calling ``save()`` after every step (a later failure
+    or the device's time limit keeps what was measured); returns the checkpoint dir."""
+    model_dir = init_random(size, args, record)
     port = 8100
     log = Path(args.out_dir) / f"server_{size}{'_split' if args.split else ''}.log"
     proc, startup_s = start_server(model_dir, port, max(args.concurrency), log, args.split)
@@ -313,10 +352,8 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         else:
             record["skipped"].append("open loop")
         save()
-        if budget.fits(8 * (0.3 + args.frames * 0.01) + args.reserve_s):
-            fresh = asyncio.run(fresh_reference_ttfa(port, args.frames, 8))
-            ttfa = [r.ttfa_ms for r in fresh]
-            record["fresh_reference_ttfa_ms"] = {"p50": float(np.median(ttfa)), "all": [round(x, 1) for x in ttfa], "phases_ms": mean_phases(fresh)}
+        if budget.fits(FRESH_COST_S + args.reserve_s):
+            record["fresh_reference_ttfa_ms"] = fresh_reference_level(port, args.frames)
         else:
             record["skipped"].append("fresh reference")
         save()
@@ -345,6 +382,116 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         record["skipped"].append("prefix caching off")
     save()
     return model_dir
+
+
+def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget: Budget, before_levels) -> None:
+    """``--config`` mode: one server per configuration (a source tree and serve arguments),
+    all started at once on one checkpoint (each with a KV pool of ``--kv-cache-gib``, as
+    they share the GPU), then measured one at a time while the others idle: first every
+    configuration at ``--compare-concurrency``, then the first configuration at the rest
+    of ``--concurrency``, with a fresh reference and with varied texts, as far as the
+    budget allows. ``before_levels()`` runs once the servers are up (the GPU tests,
+    run meanwhile, are waited for there)."""
+    model_dir = init_random(size, args, record)
+    ref = model_dir.parent / f"reference_{size}.wav"
+    ref.write_bytes(reference_wav(7))
+    max_conc = max(args.concurrency)
+    kv = ("--tts_engine.factory.args.kv_cache_bytes", str(int(args.kv_cache_gib * 2**30)))
+    start, servers = time.perf_counter(), []
+    record |= {"kv_cache_gib": args.kv_cache_gib, "configs": [], "skipped": []}
+    for i, (name, root, serve_args) in enumerate(args.config):
+        log = Path(args.out_dir) / f"server_{size}_{name}.log"
+        extra = (*kv, *shlex.split(serve_args))
+        proc = launch_server(model_dir, 8100 + i, max_conc, log, extra=extra, root=None if root == "." else root)
+        servers.append((8100 + i, log, proc))
+        record["configs"].append({"name": name, "root": root, "serve_args": list(extra), "levels": []})
+    try:
+        for config, (port, log, proc) in zip(record["configs"], servers, strict=True):
+            try:
+                config["server_startup_s"] = round(wait_healthy(proc, port, start, log), 1)
+            except RuntimeError as exc:
+                config["error"] = str(exc)
+        record["gpu_mib"]["after_startup"] = gpu_memory_mib()
+        save()
+        before_levels()
+        first = record["configs"][0]
+        tasks = [(c, "closed", n) for c in record["configs"] for n in args.compare_concurrency]
+        tasks += [(first, "closed", n) for n in args.concurrency if n not in args.compare_concurrency]
+        tasks += [(first, "fresh", 1), (first, "varied", 1)]
+        for config, kind, conc in tasks:
+            if "error" in config:
+                continue
+            port, _, proc = servers[record["configs"].index(config)]
+            cost = {"closed": level_cost_s(conc, args.frames), "fresh": FRESH_COST_S, "varied": 2 * level_cost_s(1, args.frames)}[kind]
+            if not budget.fits(cost + args.reserve_s):
+                record["skipped"].append(f"{config['name']} {kind} {conc}")
+                continue
+            if kind == "fresh":
+                config["fresh_reference_ttfa_ms"] = fresh_reference_level(port, args.frames)
+            elif kind == "varied":
+                config["varied_text_c1"] = varied_text_level(port, proc.pid, args, ref, f"{size}_{config['name']}_varied")
+            else:
+                sampler = GpuSampler()
+                sampler.start()
+                out = Path(args.work_dir) / f"bench_{size}_{config['name']}_c{conc}.json"
+                level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc))  # noqa: B023 -- called at once
+                config["levels"].append(level | sampler.stop())
+            save()
+    finally:
+        for _, _, proc in servers:
+            proc.terminate()
+        for config, (_, log, proc) in zip(record["configs"], servers, strict=True):
+            proc.wait(30)
+            # what the servers warned about (a probe that fell back to a slower path, say)
+            config["log_warnings"] = [line for line in log.read_text(errors="replace").splitlines() if "WARNING" in line][:20]
+        save()
+
+
+def print_compare(results: dict, frames: int) -> None:
+    """The ``--config`` table: each configuration's levels side by side, then their phases."""
+    header = f"{'config':>16} {'load':>8} {'TTFA p50':>9} {'TTFA p99':>9} {'RTF p50':>8} {'audio s/s':>10} {'ms/frame':>9} {'GPU %':>6} {'CPU use':>8}"
+    for r in results["sizes"]:
+        print(f"\n{r['size']}: configurations (KV pool {r.get('kv_cache_gib')} GiB each; startup s in brackets)")
+        for config in r.get("configs", []):
+            print(f"  {config['name']}: root {config['root']}, serve {' '.join(config['serve_args'])} [{config.get('server_startup_s')}]")
+            if "error" in config:
+                print(f"    FAILED: {config['error'][-300:]}")
+            for line in config.get("log_warnings", [])[:5]:
+                print(f"    log: {line[-200:]}")
+        print(header)
+        concs = sorted({lv.get("concurrency") for c in r.get("configs", []) for lv in c["levels"]})
+        for conc in concs:
+            for config in r.get("configs", []):
+                lv = next((x for x in config["levels"] if x.get("concurrency") == conc), None)
+                if lv is None:
+                    continue
+                if "error" in lv:
+                    print(f"{config['name']:>16} {'c=' + str(conc):>8} FAILED: {lv['error'][-200:]}")
+                    continue
+                print(
+                    f"{config['name']:>16} {'c=' + str(conc):>8} {lv['ttfa_ms']['p50']:>9.1f} {lv['ttfa_ms']['p99']:>9.1f} "
+                    f"{lv['rtf']['p50']:>8.3f} {lv['audio_throughput']:>10.1f} {lv['latency_ms']['p50'] / frames:>9.2f} "
+                    f"{lv.get('gpu_util_mean') or 0:>6.0f} {lv.get('server_cpu_use', '-'):>8}"
+                )
+        print(f"\n{r['size']}: mean TTFA by phase, ms (phase named by the mark that ends it)")
+        for config in r.get("configs", []):
+            rows = [(f"c={lv['concurrency']}", lv.get("ttfa_phases_ms")) for lv in config["levels"] if "error" not in lv]
+            if "varied_text_c1" in config and "error" not in config["varied_text_c1"]:
+                rows.append(("c=1 varied", config["varied_text_c1"].get("ttfa_phases_ms")))
+            if "fresh_reference_ttfa_ms" in config:
+                fresh = config["fresh_reference_ttfa_ms"]
+                print(f"  {config['name']}: fresh 3 s reference, c=1: TTFA p50 {fresh['p50']:.1f} ms")
+                rows.append(("fresh", fresh.get("phases_ms")))
+            for load, phases in rows:
+                if phases:
+                    print(f"  {config['name']:>16} {load:>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+        if "varied_text_c1" in (r.get("configs") or [{}])[0]:
+            v = r["configs"][0]["varied_text_c1"]
+            if "error" not in v:
+                print(f"  {r['configs'][0]['name']}: c=1 varied texts TTFA p50 {v['ttfa_ms']['p50']:.1f} p99 {v['ttfa_ms']['p99']:.1f}")
+        print(f"{r['size']}: GPU MiB {r.get('gpu_mib')}; skipped {r.get('skipped')}")
+    if "gpu_tests" in results:
+        print(f"GPU tests: {results['gpu_tests']['summary']}")
 
 
 def varied_text_level(port: int, pid: int, args: argparse.Namespace, ref: Path, tag: str) -> dict:
@@ -412,11 +559,11 @@ def run_peer(model_dir: Path, args: argparse.Namespace, results: dict, save, tim
 GPU_TESTS = ["tests/engine", "tests/models/qwen3_tts/test_streaming_decoder.py", "tests/pipeline/test_tensor_transport.py"]
 
 
-def run_gpu_tests(timeout_s: float) -> dict:
-    """The suite's GPU-marked tests (engine graphs and kernels, the fused prefill, the
-    vocoder's graphs with host codes and cached contexts, CUDA IPC), so the same device
-    call shows the CUDA paths are correct: ``{"returncode", "summary", "tail"}``."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TESTS]
+def run_gpu_tests(timeout_s: float, paths: list[str] = GPU_TESTS) -> dict:
+    """The suite's GPU-marked tests (by default: engine graphs and kernels, the fused
+    prefill, the vocoder's graphs with host codes and cached contexts, CUDA IPC), so the
+    same device call shows the CUDA paths are correct: ``{"returncode", "summary", "tail"}``."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *paths]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -539,21 +686,33 @@ def main() -> None:
     parser.add_argument("--other-placement", action=argparse.BooleanOptionalAction, default=True, help="also serve with the other placement (one process vs --split) at concurrency 64 and 128")
     parser.add_argument("--prefix-off", action=argparse.BooleanOptionalAction, default=True, help="also serve with prefix caching off (a second start-up) for the on/off comparison")
     parser.add_argument("--tf-site", default="/tmp/site_tf", help="PYTHONPATH entry of transformers 5.24 (dropped for the peer)")
+    parser.add_argument("--gpu-test-paths", nargs="+", default=GPU_TESTS, help="the test files or folders --gpu-tests runs")
+    parser.add_argument(
+        "--config", nargs=3, action="append", metavar=("NAME", "ROOT", "SERVE_ARGS"),
+        help="compare mode (repeat it): a server running the omnistage of source tree ROOT ('.': this one) "
+        "with the extra serve arguments SERVE_ARGS (one shell-quoted string, may be empty); see run_compare",
+    )
+    parser.add_argument("--compare-concurrency", type=int, nargs="+", default=[1, 64], help="closed levels every --config runs")
+    parser.add_argument("--kv-cache-gib", type=float, default=6.0, help="each --config server's KV pool (they share the GPU)")
     args = parser.parse_args()
     budget = Budget(args.budget_s)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict = {"frames": args.frames, "sizes": []}
 
-    name = f"qwen3_tts_gpu_{'_'.join(args.sizes)}{'_split' if args.split else ''}.json"
+    name = f"qwen3_tts_gpu_{'_'.join(args.sizes)}{'_split' if args.split else ''}{'_compare' if args.config else ''}.json"
 
     def save() -> None:
         (out_dir / name).write_text(json.dumps(results, indent=2))
         if args.copy_to and Path(args.copy_to).is_dir():
             shutil.copy(out_dir / name, Path(args.copy_to) / name)
 
+    if args.config:
+        compare(args, results, save, budget)
+        return
+
     if args.gpu_tests:
-        results["gpu_tests"] = run_gpu_tests(min(args.gpu_tests_timeout_s, budget.left() / 4))
+        results["gpu_tests"] = run_gpu_tests(min(args.gpu_tests_timeout_s, budget.left() / 4), args.gpu_test_paths)
         save()
     first_model: Path | None = None
     for i, size in enumerate(args.sizes):
@@ -574,6 +733,29 @@ def main() -> None:
         results["ttfa_ratio_ours_to_peer_chunk1"] = ours / chunk1
     save()
     print_table(results, args.frames)
+
+
+def compare(args: argparse.Namespace, results: dict, save, budget: Budget) -> None:
+    """``--config`` mode for the first of ``--sizes``; the GPU tests (``--gpu-tests``) run
+    while the servers start and are waited for before the first level."""
+    tests = None
+    if args.gpu_tests:
+        timeout = min(args.gpu_tests_timeout_s, budget.left() / 4)
+        tests = threading.Thread(target=lambda: results.__setitem__("gpu_tests", run_gpu_tests(timeout, args.gpu_test_paths)))
+        tests.start()
+
+    def before_levels() -> None:
+        if tests is not None:
+            tests.join()
+            save()
+
+    results["sizes"].append({})
+    try:
+        run_compare(args.sizes[0], args, results["sizes"][-1], save, budget, before_levels)
+    finally:
+        before_levels()
+        save()
+        print_compare(results, args.frames)
 
 
 if __name__ == "__main__":
