@@ -32,6 +32,14 @@ preprocessing, engine queue, prefill + first frame, first vocoder chunk, client)
 smallest) on the first size's checkpoint, in the image's own transformers, and the ratio
 of our concurrency-1 TTFA p50 to it is reported.
 
+Compare mode (``--config NAME ROOT SERVE_ARGS``, repeated): one server per configuration,
+a source tree (``ROOT``: another commit's files, ``.`` for this one) with extra serve
+arguments, all started at once on the first size's checkpoint and measured one at a time
+on the same machine in the same call (a bisect of commits or knobs that no two calls,
+on two machines, can make as fairly): every configuration at ``--compare-concurrency``, then
+the first one at the rest of ``--concurrency``, a fresh reference and varied texts.
+Writes ``..._compare.json`` and prints the configurations' levels side by side.
+
 First it runs the suite's GPU-marked tests (``--no-gpu-tests`` skips them), so the same
 call shows the CUDA paths correct. ``--budget-s`` bounds the whole run (a device call is limited): a step that would not fit
 is skipped and recorded as skipped; the JSON is saved after every step. Prints a table
