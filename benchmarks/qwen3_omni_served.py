@@ -101,6 +101,7 @@ async def chat(client: httpx.AsyncClient, body: dict) -> ChatResult:
     start = time.perf_counter()
     result = ChatResult(ok=False)
     pcm_bytes = 0
+    completed = False  # the stream's [DONE]: a failed request's stream ends without it
 
     def now_ms() -> float:
         return (time.perf_counter() - start) * 1e3
@@ -115,8 +116,11 @@ async def chat(client: httpx.AsyncClient, body: dict) -> ChatResult:
                     continue
                 data = line[len("data: ") :]
                 if data == "[DONE]":
+                    completed = True
                     break
                 chunk = json.loads(data)
+                if chunk.get("error"):  # the request failed; no [DONE] follows
+                    result.error = f"stream error: {json.dumps(chunk['error'])[:300]}"
                 if chunk.get("usage"):
                     result.completion_tokens = chunk["usage"].get("completion_tokens")
                 for choice in chunk.get("choices", []):
@@ -136,8 +140,10 @@ async def chat(client: httpx.AsyncClient, body: dict) -> ChatResult:
         return result
     result.total_ms = now_ms()
     result.audio_s = pcm_bytes / 2 / PCM16_RATE
-    result.ok = result.ttfa_ms is not None
-    if not result.ok:
+    result.ok = completed and result.ttfa_ms is not None
+    if not completed:
+        result.error = result.error or "the stream ended without [DONE] (the request failed)"
+    elif result.ttfa_ms is None:
         result.error = "no audio in the stream"
     return result
 

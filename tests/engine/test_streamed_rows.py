@@ -215,6 +215,56 @@ def test_cuda_graphs_and_overlap_with_waiting_requests_equal_the_reference(monke
     assert_random_gaps_equal_all_at_once(model, engine, full, {"r0": 0, "r1": 1, "r2": 2, "r3": 0})
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("own_stream", [False, True])
+def test_two_engines_on_two_threads_with_rows_made_on_the_device_equal_the_reference(monkeypatch, own_stream):
+    """Two engines of one process, each driven by its own thread (the Qwen3-Omni thinker and
+    talker), with step rows made on the device by the feeding thread just before they are
+    appended: on the caller's stream or each on its own (``own_stream``), every request
+    equals the reference loop."""
+    import threading
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = ToyTalker(ToyARConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16), torch.float32, "cuda")
+    failures: list[BaseException] = []
+
+    def drive(name: str) -> None:
+        engine = AREngine(model, EngineConfig(kv_cache_bytes=16 << 20, max_num_seqs=8, max_model_len=256,
+                                              prefill_hold_ms=0.0, num_step_rows=1024, own_stream=own_stream))
+        assert (engine.stream is not None) == own_stream
+        full = {f"{name}{i}": whole(3 + i, 16, rows=5 + i, seed=40 + i, hidden=64, dtype=torch.float32) for i in range(4)}
+        device_rows = {rid: inputs.step_rows.to("cuda") for rid, inputs in full.items()}
+        for rid, inputs in full.items():
+            engine.add_request(rid, streamed(inputs, 0))
+        fed = dict.fromkeys(full, 0)
+        results, frames = {}, {}
+
+        def feed(step: int) -> None:
+            for rid, count in fed.items():
+                if count < device_rows[rid].shape[0]:
+                    # a fresh device tensor on this thread's stream, dropped once appended
+                    engine.append_step_rows(rid, device_rows[rid][count : count + 1] * 1.0)
+                    fed[rid] = count + 1
+                    if count + 1 == device_rows[rid].shape[0]:
+                        engine.complete_step_rows(rid)
+
+        try:
+            drain(engine, results, frames, feed)
+            for rid, inputs in full.items():
+                assert torch.equal(results[rid].codes.cpu(), reference_generate(model, inputs).codes.cpu()), rid
+        except BaseException as exc:  # noqa: BLE001 -- reported to the test's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=drive, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads), "an engine thread did not finish"
+    assert not failures, failures
+
+
 def run_capped(inputs, lowered_at: int, cap: int) -> tuple[list[torch.Tensor], str]:
     """Run ``inputs`` alone, lowering its cap to ``cap`` once it made ``lowered_at`` frames."""
     engine, results, frames, lowered = engine_for(), {}, {}, []
