@@ -14,23 +14,21 @@ launch, of the wait for its first frame and of code2wav's first decode; TTFA is 
 audio chunk at the pipeline's handle. Prints one table (p50 ms after receipt) and writes
 JSON.
 
-Variants (``--variants``): ``one_stream`` (every engine on the caller's stream, the
-default), ``own_streams`` (each engine on a CUDA stream of its own: ``own_stream``),
-``own_streams_gil`` (the same with ``sys.setswitchinterval(--switch-interval)``),
-``talker_after_thinker`` (own streams, the talker starting only once the thinker is done: its
-phases without the thinker decoding beside it), ``talker_process`` (talker and code2wav in a
-process group of their own; its host marks are not recorded here). ``--concurrency N``
-sends N requests at once per round (each variant is then also run at N, ``<variant>@N``).
+Variants (``--variants``): ``one_stream`` (as served: both engines on the stage threads'
+current stream), ``talker_after_thinker`` (the talker starting only once the thinker is
+done: its phases without the thinker decoding beside it), ``talker_process`` (talker and
+code2wav in a process group of their own; its host marks are not recorded here).
+``--concurrency N`` sends N requests at once per round (each variant is then also run at N,
+``<variant>@N``).
 
 A request that has not ended ``--stall-s`` seconds after it was sent stops its variant: the
 stacks of every thread of this process go to ``<out>.<variant>.stacks.txt`` and each stage's
 live state to the JSON (``stalled``), and the next variant runs.
 
 Usage (device): ``python benchmarks/qwen3_omni_ttfa.py --out $OUT/qwen3_omni_ttfa.json``;
-a CPU dry run: ``--size tiny --requests 2 --variants one_stream talker_process``. To tell
-whether a stall at concurrency comes from ``own_stream``:
-``--variants one_stream own_streams --concurrency 8 --max-tokens 48 --frames 505`` (the
-served benchmark's requests: 48 reply tokens, the talker capped at 25 + 10 x 48 frames).
+a CPU dry run: ``--size tiny --requests 2 --variants one_stream talker_process``. The
+served benchmark's requests: ``--max-tokens 48 --frames 505`` (48 reply tokens, the talker
+capped at 25 + 10 x 48 frames).
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ import faulthandler
 import gc
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -69,8 +66,6 @@ from omnistage.pipeline.pipeline import Pipeline
 TEXT_PROMPT = "What is the capital of France? Answer in one sentence."  # qwen3_omni_served.py's
 VARIANTS = (
     "one_stream",
-    "own_streams",
-    "own_streams_gil",
     "talker_after_thinker",
     "talker_process",
 )
@@ -134,8 +129,7 @@ def variant_config(path: Path, variant: str, max_num_seqs: int) -> Qwen3OmniPipe
     )
     for name in ("thinker", "talker"):
         stage = config.stage(name)
-        stage.factory.args = {**stage.factory.args, "max_num_seqs": max_num_seqs, "kv_cache_bytes": KV_BYTES[name],
-                              "own_stream": variant != "one_stream"}  # fmt: skip
+        stage.factory.args = {**stage.factory.args, "max_num_seqs": max_num_seqs, "kv_cache_bytes": KV_BYTES[name]}
     config.stage("code2wav").factory.args = {
         **config.stage("code2wav").factory.args,
         "num_slots": max_num_seqs,
@@ -195,9 +189,6 @@ async def one_round(pipeline: Pipeline, args: argparse.Namespace, concurrency: i
 
 
 async def run_variant(path: Path, variant: str, concurrency: int, args: argparse.Namespace) -> dict:
-    interval = sys.getswitchinterval()
-    if variant == "own_streams_gil":
-        sys.setswitchinterval(args.switch_interval)
     config = variant_config(path, variant, max(args.max_num_seqs, concurrency))
     name = variant if concurrency == 1 else f"{variant}@{concurrency}"
     row: dict = {"variant": name, "concurrency": concurrency}
@@ -220,7 +211,6 @@ async def run_variant(path: Path, variant: str, concurrency: int, args: argparse
                                   "live_state": {n: r.live_state() for n, r in pipeline.host.stages.items()}}  # fmt: skip
                 print(f"{name}: stalled after {len(runs)} requests; stacks in {stacks}", flush=True)
     finally:
-        sys.setswitchinterval(interval)
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -255,7 +245,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--frames", type=int, default=40, help="talker frames at most per request")
     parser.add_argument("--max-num-seqs", type=int, default=4)
-    parser.add_argument("--switch-interval", type=float, default=0.0005)
     parser.add_argument(
         "--concurrency", type=int, default=1, help="also run every variant at this concurrency"
     )

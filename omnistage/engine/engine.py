@@ -22,18 +22,6 @@ afterwards in stream order. A prefill is the exception (first-frame priority): i
 frames, the requests' first, are resolved right after it, not a step later. On CPU each
 step is resolved right after it ran.
 
-Own stream (``EngineConfig.own_stream``, CUDA): the engine's device work (admission
-writes, prefills, steps, the frames' copy out) runs on a CUDA stream of its own instead of
-the caller's, so two engines of one process (the Qwen3-Omni thinker and talker, each on
-its stage's thread) neither queue their kernels behind each other's steps nor wait for each
-other's work in a host sync. The hand-offs stay ordered: a method that takes tensors
-(:meth:`AREngine.add_request`, :meth:`AREngine.append_step_rows`) first makes the engine's
-stream wait for the caller's current stream (the work that made them) and records them on
-its stream, so the caller's allocator does not reuse their memory while the engine still
-reads it; the hidden rows it hands out (``StepOutput.hidden``) are complete when they leave
-(their step was waited for) and recorded on the caller's stream, where their consumers in
-this process read them.
-
 If a step raises, every request of it (the launched batch and the one being resolved) ends
 with finish_reason ``"error"`` and frees its blocks before the exception propagates to the
 caller's batch boundary.
@@ -41,11 +29,9 @@ caller's batch boundary.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -86,8 +72,6 @@ class EngineConfig:
             pauses to capture them on first use.
         use_triton: Triton decode attention (None: on CUDA when installed).
         overlap: resolve step t while step t+1 runs (None: on CUDA).
-        own_stream: run the engine's device work on a CUDA stream of its own (module
-            docstring; CUDA only, else ignored). Off: the caller's current stream.
         prefix_caching: share the KV blocks of prompt prefixes between requests whose
             inputs have ``cache_prompt`` (a known voice's reference prefix is computed
             once); registered blocks nobody holds are evicted when the pool needs them
@@ -108,7 +92,6 @@ class EngineConfig:
     use_triton: bool | None = None
     overlap: bool | None = None
     prefix_caching: bool = True
-    own_stream: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,14 +156,11 @@ class AREngine:
             self.row_blocks.num_blocks * config.block_size, math.ceil(config.max_model_len / config.block_size),
         )
         is_cuda = spec.device.type == "cuda"
-        self.stream = torch.cuda.Stream(spec.device) if is_cuda and config.own_stream else None
         self.overlap = is_cuda if config.overlap is None else config.overlap
         sizes = config.cuda_graph_batch_sizes
         sizes = default_batch_sizes(config.max_num_seqs) if sizes is None else list(sizes)
         with torch.no_grad():
             self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling) if is_cuda and sizes else None
-        if self.stream is not None:  # the pool and state were made on the caller's stream
-            self.stream.wait_stream(torch.cuda.current_stream(spec.device))
         self._in_flight: _InFlight | None = None
         self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix cache, ever
 
@@ -215,8 +195,7 @@ class AREngine:
                 and step rows against ``max_model_len``); here they guard the engine.
             ValueError: ``request_id`` is already in the engine.
         """
-        with self._taking(_input_tensors(inputs)):
-            seq = Sequence(request_id, inputs, time.monotonic() if now is None else now)
+        seq = Sequence(request_id, inputs, time.monotonic() if now is None else now)
         self._validate(seq)
         self.scheduler.add(seq)
 
@@ -244,11 +223,10 @@ class AREngine:
             raise RequestValidationError(
                 f"step rows must be [K, {hidden}] floats, got {tuple(rows.shape)} {rows.dtype}", "step_rows"
             )
-        with self._taking((rows,)):
-            if seq.status is SequenceStatus.WAITING:
-                seq.pending_rows.append(rows)
-            else:
-                self._store_rows(seq, rows)
+        if seq.status is SequenceStatus.WAITING:
+            seq.pending_rows.append(rows)
+        else:
+            self._store_rows(seq, rows)
         return True
 
     def complete_step_rows(self, request_id: str) -> bool:
@@ -289,21 +267,6 @@ class AREngine:
         if rows.shape[0]:
             self.runner.write_rows(seq, seq.num_rows, rows)
             seq.num_rows += rows.shape[0]
-
-    @contextlib.contextmanager
-    def _taking(self, tensors: tuple[torch.Tensor, ...]) -> Iterator[None]:
-        """Work on caller-made ``tensors`` on the engine's stream, after the caller's
-        stream's work so far, with the tensors kept from reuse until the engine's stream is
-        past them (module docstring); without an own stream, on the caller's."""
-        if self.stream is None:
-            yield
-            return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        for tensor in tensors:
-            if tensor.is_cuda:
-                tensor.record_stream(self.stream)
-        with torch.cuda.stream(self.stream):
-            yield
 
     def abort(self, request_id: str) -> None:
         """End a request now and free its blocks (unknown ids are ignored; idempotent).
@@ -349,10 +312,8 @@ class AREngine:
         """
         previous, self._in_flight = self._in_flight, None
         ok = False
-        caller = torch.cuda.current_stream(self.device) if self.stream is not None else None
         try:
-            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                launched = self._launch(plan.batch, caller) if plan.batch else None
+            launched = self._launch(plan.batch) if plan.batch else None
             outputs = self._resolve(previous) if previous else []
             # first-frame priority: a prefill's frames (each request's first) are resolved
             # at once rather than after the next step is launched (a step of TTFA saved,
@@ -367,7 +328,7 @@ class AREngine:
             if not ok:
                 self._fail(plan)
 
-    def _launch(self, batch: ScheduledBatch, caller: torch.cuda.Stream | None) -> _InFlight:
+    def _launch(self, batch: ScheduledBatch) -> _InFlight:
         seqs = batch.seqs
         sampling = StepSampling.of(seqs)
         if batch.kind == "prefill":
@@ -395,10 +356,6 @@ class AREngine:
             layers[start:end].clone() if layers is not None and seq.inputs.return_hidden else None
             for seq, start, end in zip(seqs, spans[:-1], spans[1:], strict=True)
         ]
-        if caller is not None:  # read by consumers on the caller's stream (module docstring)
-            for rows in hidden:
-                if rows is not None:
-                    rows.record_stream(caller)
         for seq in seqs:
             seq.num_scheduled += 1
         if self.device.type != "cuda":
@@ -470,11 +427,3 @@ class AREngine:
             widths.append(inputs.prompt.shape[1])
         if any(w != spec.hidden_size for w in widths):
             raise RequestValidationError(f"embeddings must be {spec.hidden_size} wide, got {widths}", "prompt")
-
-
-def _input_tensors(inputs: GenerationInput) -> tuple[torch.Tensor, ...]:
-    """The tensors of a request's input that the engine reads after :meth:`AREngine.add_request`."""
-    additions = inputs.hidden_additions
-    extra = (additions.rows, *additions.embeds) if additions is not None else ()
-    given = (inputs.prompt, inputs.step_rows, inputs.pad_embed, *extra)
-    return tuple(t for t in given if t is not None)

@@ -339,22 +339,14 @@ def create_audio_encoder_stage(
 def engine_config(
     max_num_seqs: int, kv_cache_bytes: int, max_model_len: int, cuda_graphs: bool,
     graph_sampling: tuple[tuple[SamplingParams, SamplingParams], ...],
-    num_step_rows: int = EngineConfig.num_step_rows, own_stream: bool = False,
+    num_step_rows: int = EngineConfig.num_step_rows,
 ) -> EngineConfig:
     """The thinker's and the talker's engine config. With ``cuda_graphs`` (used on CUDA
     only) decode steps and prefill tails run as CUDA graphs per batch bucket (1, 2, 4, 8,
     then every 8 up to ``max_num_seqs``), captured at start-up for the general sampler and
     for the step sampling of each ``(code 0, code predictor)`` pair of ``graph_sampling``
     (the stage's common requests); any other mix is captured when first used.
-    ``num_step_rows``: the step-row pool (the talker's: :func:`talker_step_rows`).
-    ``own_stream``: the engine's device work on a CUDA stream of its own
-    (``EngineConfig.own_stream``). Colocated, the thinker and talker engines share one
-    process and device; on one stream the talker's prefill and its host syncs queue behind
-    the thinker's decode steps. Off by default: with it on for both engines the served c=1
-    TTFA p50 was 188 ms (441 ms without), but the same server then stalled at
-    concurrency 8 with no error, cause not found (benchmarks/README.md, "Qwen3-Omni TTFA";
-    ``benchmarks/qwen3_omni_ttfa.py --variants one_stream own_streams --concurrency 8``
-    with the served requests tells whether the stall is this knob's)."""
+    ``num_step_rows``: the step-row pool (the talker's: :func:`talker_step_rows`)."""
     variants = tuple(
         StepSampling(SamplerFeatures.of([code0]), SamplerFeatures.of([predictor]))
         for code0, predictor in graph_sampling
@@ -362,7 +354,7 @@ def engine_config(
     return EngineConfig(
         kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=variants,
-        num_step_rows=num_step_rows, own_stream=own_stream,
+        num_step_rows=num_step_rows,
     )  # fmt: skip
 
 
@@ -402,11 +394,10 @@ def create_thinker_stage(
     max_model_len: int = MAX_MODEL_LEN,
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
-    own_stream: bool = False,
 ) -> ARScheduler:
     """The thinker on the AR engine; in a pipeline with a talker stage it returns the hidden
     states of layers 0 and ``accept_hidden_layer`` for audio requests (``return_hidden``).
-    ``cuda_graphs``, ``own_stream``: see :func:`engine_config`."""
+    ``cuda_graphs``: see :func:`engine_config`."""
     model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format, language_parts(ctx))
     assert model.thinker is not None
     speaks = model.config.talker is not None and any(s.name == "talker" for s in ctx.pipeline.stages)
@@ -414,8 +405,7 @@ def create_thinker_stage(
     stop = model.config.im_end_id
     engine = AREngine(
         ThinkerEngineModel(model.thinker, layers),
-        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, thinker_graph_sampling(stop),
-                      own_stream=own_stream),
+        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, thinker_graph_sampling(stop)),
     )  # fmt: skip
     thinker = model.thinker
 
@@ -634,13 +624,11 @@ def create_talker_stage(
     talker_start_tokens: int = 2,
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
-    own_stream: bool = False,
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine, fed by the thinker's stream.
 
     Sampling: the request's :class:`TalkerSampling` (the reference's by default) and seed
-    (:func:`talker_sampling_params`). ``cuda_graphs``, ``own_stream``: see
-    :func:`engine_config`.
+    (:func:`talker_sampling_params`). ``cuda_graphs``: see :func:`engine_config`.
 
     Raises: ValueError: ``talker_start_tokens < 2``."""
     if talker_start_tokens < 2:
@@ -655,7 +643,7 @@ def create_talker_stage(
     engine = AREngine(
         TalkerEngineModel(talker),
         engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, talker_graph_sampling(talker),
-                      talker_step_rows(max_num_seqs), own_stream),
+                      talker_step_rows(max_num_seqs)),
     )  # fmt: skip
     return ARScheduler(
         engine, stream_input=lambda request_id: TalkerFeed(model, embed, talker_start_tokens)

@@ -62,9 +62,3 @@ def test_talker_requests_find_their_graph_variant(
 def test_graphs_off_is_no_buckets() -> None:
     config = engine_config(4, 1 << 20, 64, False, thinker_graph_sampling(7))
     assert config.cuda_graph_batch_sizes == ()
-
-
-def test_own_stream_is_off_unless_asked_and_reaches_the_engine_config() -> None:
-    """The stages' ``own_stream`` knob (off by default: docs/qwen3_omni.md says why)."""
-    assert engine_config(4, 1 << 20, 64, True, thinker_graph_sampling(7)).own_stream is False
-    assert engine_config(4, 1 << 20, 64, True, thinker_graph_sampling(7), own_stream=True).own_stream is True
