@@ -275,6 +275,15 @@ class AREngine:
         if seq is not None:
             self.scheduler.finish(seq, "abort")
 
+    def stop(self, request_id: str) -> None:
+        """End a running request now as a success (finish_reason ``"stop"``), for a stop its
+        stage found (a stop string, :mod:`omnistage.scheduling.stop_strings`): its blocks
+        are freed as by :meth:`abort`, a frame of it still in flight is dropped, and the
+        caller reports its result (unknown ids are ignored; idempotent)."""
+        seq = self.scheduler.get(request_id)
+        if seq is not None:
+            self.scheduler.finish(seq, "stop")
+
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running or self._in_flight)
 

@@ -91,6 +91,10 @@ class GenerationInput:
             afterwards), so the cache key is the content itself and one request's KV is
             never served for another's different prompt (architecture rule 8). Not with
             ``positions``, ``hidden_additions`` or ``return_hidden``.
+        stop_strings: texts that end the reply before them (OpenAI's ``stop``), each
+            non-empty. Matched not by the engine but by the stage's scheduler through its
+            tokenizer (:class:`~omnistage.scheduling.ar.ARScheduler` ``token_text``), on
+            the token ids of code 0.
     """
 
     prompt: torch.Tensor
@@ -105,6 +109,7 @@ class GenerationInput:
     return_hidden: bool = False
     hidden_additions: HiddenAdditions | None = None
     cache_prompt: bool = False
+    stop_strings: tuple[str, ...] = ()
     digest: PromptDigest | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -114,6 +119,8 @@ class GenerationInput:
             raise RequestValidationError(f"token-id prompts are int64, got {self.prompt.dtype}", "prompt")
         if self.max_new_tokens < 1:
             raise RequestValidationError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
+        if not all(self.stop_strings):
+            raise RequestValidationError("stop strings must be non-empty", "stop")
         pos = self.positions
         if pos is not None and (pos.dtype not in (torch.int64, torch.float32) or pos.shape != (3, self.prompt.shape[0])):
             raise RequestValidationError(

@@ -40,6 +40,17 @@ ready before its payload arrived keeps the result until it does (the stage runti
 routes a result with its payload). Chunks and stream-done of a request that ended are
 dropped.
 
+Stop strings (``GenerationInput.stop_strings``, a stage built with ``token_text``): the
+stage watches each such request's tokens (:class:`~.stop_strings.StopStringMatcher`) and
+streams a frame only once its text can no longer be the start of a stop string (a frame's
+:class:`FrameWithHidden` item waits with it). When a stop string appears, the engine request
+ends at once (:meth:`~omnistage.engine.engine.AREngine.stop`: its KV freed), the frames before
+it are streamed, then for a ``return_hidden`` request the last item with no frame and the
+rows of its last kept token (as a stop id ends one), then a :class:`StopTail` when the stop
+string began inside a token; the result's finish_reason is ``"stop"`` and its frames are the
+kept ones and the tail's tokens. A request that ends otherwise releases its held frames
+first. So every stream target gets the same tokens, none past the stop.
+
 Timeline: the stage marks ``prefill`` when a request's prefill is launched (its wait for
 admission ends there).
 """
@@ -66,6 +77,7 @@ from omnistage.core.tombstones import Tombstones
 from omnistage.engine.engine import AREngine, StepOutput
 from omnistage.engine.sequence import GenerationInput, GenerationResult
 from omnistage.scheduling.base import Scheduler
+from omnistage.scheduling.stop_strings import StopMatch, StopStringMatcher, TokenText
 
 PREFILL_MARK = "prefill"  # timeline: the request's prefill is launched
 
@@ -97,16 +109,38 @@ def _code_frames_from_numpy(codes: np.ndarray) -> CodeFrames:
 
 
 @dataclass(frozen=True)
+class StopTail:
+    """The end of a reply whose stop string began inside a token (module docstring, stop
+    strings): the text before the stop string within that token, re-tokenized.
+
+    Attributes:
+        token_ids: ``[n] int64``, n >= 1: they follow the reply's streamed tokens (the model
+            generated a token holding more than them, which is not streamed).
+    """
+
+    token_ids: torch.Tensor
+
+
+@dataclass(frozen=True)
 class GenerationSummary:
     """An AR stage's result when it streamed its frames.
 
     Attributes:
-        num_frames: frames streamed (the stop frame excluded).
+        num_frames: frames streamed (the stop frame excluded), and a :class:`StopTail`'s
+            tokens.
         num_prompt_tokens: the prompt's length ``L``.
     """
 
     num_frames: int
     num_prompt_tokens: int
+
+
+def _frame_item(out: StepOutput) -> CodeFrames | FrameWithHidden:
+    """The stream item of a step's output that has a frame or hidden rows."""
+    if out.hidden is None:
+        assert out.frame is not None
+        return CodeFrames(out.frame)
+    return FrameWithHidden(out.frame, out.hidden)
 
 
 def payload_data(payload: StagePayload) -> GenerationInput:
@@ -146,12 +180,16 @@ class RowFeed:
         max_new_tokens: lower the request's frame cap to this
             (:meth:`~omnistage.engine.engine.AREngine.cap_new_tokens`), e.g. once its
             whole input is known.
+        empty: the request ends with no frames (finish_reason ``"stop"``, a prompt of 0
+            tokens) without entering the engine: it has nothing to generate (e.g. a talker
+            whose reply has no text). Only for a request never started.
     """
 
     start: GenerationInput | None = None
     rows: torch.Tensor | None = None
     complete: bool = False
     max_new_tokens: int | None = None
+    empty: bool = False
 
 
 class StreamInput(ABC):
@@ -211,6 +249,20 @@ class RowStream(StreamInput):
         return RowFeed(complete=self.started)
 
 
+_Item = tuple[str, "CodeFrames | FrameWithHidden | StopTail"]  # (request id, stream item)
+
+
+@dataclass
+class _StopWatch:
+    """A request with stop strings: its matcher, prompt length, the outputs whose frames
+    are held and the frames released so far."""
+
+    matcher: StopStringMatcher
+    prompt_len: int
+    held: list[StepOutput]
+    released: list[torch.Tensor]
+
+
 @dataclass
 class _Streamed:
     """A request at a stage with stream sources: its adapter, whether its payload arrived,
@@ -231,6 +283,8 @@ class ARScheduler(Scheduler):
     release_callback: see :class:`Scheduler` (the engine's own state is freed regardless).
     stream_input: ``stream_input(request_id) -> StreamInput``, used when the stage has
         stream sources (None: :class:`RowStream` over ``build_input``).
+    token_text: the model's tokenizer, for requests with ``stop_strings`` (None: such a
+        request fails with a ``ValueError``).
     """
 
     max_messages_per_tick = 256
@@ -242,15 +296,18 @@ class ARScheduler(Scheduler):
         stream_frames: bool = True,
         release_callback: Callable[[str], None] | None = None,
         stream_input: Callable[[str], StreamInput] | None = None,
+        token_text: TokenText | None = None,
     ) -> None:
         super().__init__(release_callback)
         self.engine, self.build_input, self.stream_frames = engine, build_input, stream_frames
         self.stream_input = stream_input or (lambda request_id: RowStream(self.build_input))
+        self.token_text = token_text
         self._streamed: dict[str, _Streamed] = {}
+        self._watches: dict[str, _StopWatch] = {}
         self._ended = Tombstones()
 
     def live_requests(self) -> set[str]:
-        return self.engine.live_requests() | set(self._streamed)
+        return self.engine.live_requests() | set(self._streamed) | set(self._watches)
 
     def release(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -259,7 +316,22 @@ class ARScheduler(Scheduler):
 
     def _release_state(self, request_id: str) -> None:
         self._streamed.pop(request_id, None)
+        self._watches.pop(request_id, None)
         self._ended.add(request_id)
+
+    def _add_request(self, request_id: str, inputs: GenerationInput) -> None:
+        """Raises: ValueError: stop strings at a stage without ``token_text`` or of a model
+        with more than one code per frame; the engine's errors."""
+        watch = None
+        if inputs.stop_strings:
+            if self.token_text is None:
+                raise ValueError(f"stage {self.stage_name!r} takes no stop strings (it has no tokenizer)")
+            if self.engine.runner.spec.num_code_groups != 1:
+                raise ValueError("stop strings need a model of one token per frame")
+            watch = _StopWatch(StopStringMatcher(inputs.stop_strings, self.token_text), int(inputs.prompt.shape[0]), [], [])
+        self.engine.add_request(request_id, inputs)
+        if watch is not None:
+            self._watches[request_id] = watch
 
     def _run(self) -> None:
         while True:
@@ -281,7 +353,7 @@ class ARScheduler(Scheduler):
             self._ingest_streamed(message)
         elif isinstance(message, StagePayload):
             try:
-                self.engine.add_request(request_id, self.build_input(message))
+                self._add_request(request_id, self.build_input(message))
             except (OmnistageError, ValueError, TypeError) as exc:
                 self.outbox.fail(request_id, exc)
         else:
@@ -303,13 +375,18 @@ class ARScheduler(Scheduler):
             else:
                 feed = state.adapter.on_done()
             if feed.start is not None:
-                self.engine.add_request(request_id, feed.start)
+                self._add_request(request_id, feed.start)
             if feed.rows is not None:
                 self.engine.append_step_rows(request_id, feed.rows)
             if feed.complete:
                 self.engine.complete_step_rows(request_id)
             if feed.max_new_tokens is not None:
                 self.engine.cap_new_tokens(request_id, feed.max_new_tokens)
+            if feed.empty:
+                if request_id in self.engine.live_requests():
+                    raise ValueError("a started request cannot end empty")
+                groups = self.engine.runner.spec.num_code_groups
+                state.result = GenerationResult(torch.empty(0, groups, dtype=torch.int64), "stop", 0)
         except (OmnistageError, ValueError, TypeError) as exc:
             self.engine.abort(request_id)
             self._release_state(request_id)
@@ -325,28 +402,75 @@ class ARScheduler(Scheduler):
         if plan.batch is not None and plan.batch.kind == "prefill":
             for seq in plan.batch.seqs:
                 self.outbox.mark(seq.request_id, PREFILL_MARK)
-        outputs = []
+        outputs: list[StepOutput] = []
         if not self.run_batch(plan.request_ids, lambda: outputs.extend(self.engine.execute(plan))):
             return
-        if self.stream_frames:  # one message per stream target for the whole step
-            frames: list[tuple[str, CodeFrames | FrameWithHidden]] = [
-                (o.request_id, CodeFrames(o.frame) if o.hidden is None else FrameWithHidden(o.frame, o.hidden))
-                for o in outputs
-                if o.hidden is not None or o.frame is not None
-            ]
-            if frames:
-                self.outbox.stream_many(frames)
+        items: list[_Item] = []
+        results: list[tuple[str, GenerationResult]] = []
         for out in outputs:
+            watch = self._watches.get(out.request_id)
+            if watch is not None:
+                self._watch(watch, out, items, results)
+                continue
+            if out.hidden is not None or out.frame is not None:
+                items.append((out.request_id, _frame_item(out)))
             if out.result is not None:
-                self._on_result(out)
+                results.append((out.request_id, out.result))
+        if self.stream_frames and items:  # one message per stream target for the whole step
+            self.outbox.stream_many(items)
+        for request_id, result in results:
+            self._on_result(request_id, result)
 
-    def _on_result(self, out: StepOutput) -> None:
-        assert out.result is not None
-        state = self._streamed.get(out.request_id)
+    def _watch(
+        self, watch: _StopWatch, out: StepOutput, items: list[_Item], results: list[tuple[str, GenerationResult]]
+    ) -> None:
+        """One step's output of a request with stop strings (module docstring): the items
+        it releases go to ``items``, its result, if it ended, to ``results``."""
+        request_id = out.request_id
+        if out.frame is not None:
+            watch.held.append(out)
+            verdict = watch.matcher.push(int(out.frame[0, 0]))
+            if isinstance(verdict, StopMatch):
+                self._stop(watch, out.request_id, verdict, items, results)
+                return
+            self._release(watch, verdict, items)
+        if out.result is not None:
+            self._release(watch, watch.matcher.flush(), items)
+            if out.frame is None and out.hidden is not None:
+                items.append((request_id, FrameWithHidden(None, out.hidden)))  # a stop id's last rows
+            self._watches.pop(request_id)
+            results.append((request_id, out.result))
+
+    def _release(self, watch: _StopWatch, count: int, items: list[_Item]) -> None:
+        released, watch.held = watch.held[:count], watch.held[count:]
+        for out in released:
+            assert out.frame is not None
+            watch.released.append(out.frame)
+            items.append((out.request_id, _frame_item(out)))
+
+    def _stop(
+        self, watch: _StopWatch, request_id: str, match: StopMatch, items: list[_Item],
+        results: list[tuple[str, GenerationResult]],
+    ) -> None:  # fmt: skip
+        self.engine.stop(request_id)
+        assert match.kept < len(watch.held)  # the last token holds (the end of) the stop string
+        first_cut = watch.held[match.kept]  # the token the stop string begins in
+        self._release(watch, match.kept, items)
+        if first_cut.hidden is not None:  # the rows of the last kept token came with it
+            items.append((request_id, FrameWithHidden(None, first_cut.hidden)))
+        tail = torch.tensor(match.tail, dtype=torch.int64)
+        if match.tail:
+            items.append((request_id, StopTail(tail)))
+        self._watches.pop(request_id)
+        codes = torch.cat([*watch.released, tail[:, None]])
+        results.append((request_id, GenerationResult(codes, "stop", watch.prompt_len)))
+
+    def _on_result(self, request_id: str, result: GenerationResult) -> None:
+        state = self._streamed.get(request_id)
         if state is not None and not state.has_payload:
-            state.result = out.result  # delivered once the payload arrives
+            state.result = result  # delivered once the payload arrives
             return
-        self._finish(out.request_id, out.result)
+        self._finish(request_id, result)
 
     def _finish(self, request_id: str, result: GenerationResult) -> None:
         self._release_state(request_id)

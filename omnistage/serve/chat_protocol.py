@@ -141,8 +141,10 @@ class ChatCompletionRequest(_Strict):
     fields are rejected. Unset sampling fields take the model's defaults.
 
     ``max_completion_tokens`` is OpenAI's current name of ``max_tokens``; either may be
-    set (both: they must agree). ``stop`` is parsed and refused (400): stop sequences are
-    not implemented.
+    set (both: they must agree). ``stop``: a string or a list of at most
+    :data:`MAX_STOP_STRINGS`, each non-empty (an empty list: none); the reply ends before
+    the first occurrence of any of them and does not contain it (finish_reason ``"stop"``),
+    for a model that declares ``stop`` in its ``supported_fields``.
     """
 
     model: str | None = None
@@ -186,7 +188,9 @@ def own_chat_fields(request_type: type[ChatCompletionRequest]) -> tuple[str, ...
 
 
 #: Optional fields a model must declare in ``supported_fields`` to accept them.
-OPTIONAL_CHAT_FIELDS: frozenset[str] = frozenset({"top_k", "seed"})
+OPTIONAL_CHAT_FIELDS: frozenset[str] = frozenset({"top_k", "seed", "stop"})
+#: ``stop`` holds this many strings at most (OpenAI's limit).
+MAX_STOP_STRINGS = 4
 
 
 # --------------------------------------------------------------------------- capabilities
@@ -322,10 +326,12 @@ def validate_chat_request(req: ChatCompletionRequest, caps: ChatCapabilities) ->
     Raises:
         RequestValidationError: naming the field, when: ``model`` is not served here;
             ``modalities`` is not ``["text"]`` or ``["text", "audio"]``; audio is asked
-            of a model without ``audio_output`` (``modalities``), without ``audio``, or
+            of a model without ``audio_output`` (``modalities``, for the ``audio`` field
+            too), without ``audio``, or
             ``audio`` is given without it; the voice or format is not available (the
             message lists them); an optional field is not supported; ``max_tokens`` and
-            ``max_completion_tokens`` disagree or exceed the limit; ``stop`` is set; a content kind is not
+            ``max_completion_tokens`` disagree or exceed the limit; ``stop`` holds more than
+            :data:`MAX_STOP_STRINGS` strings or an empty one; a content kind is not
             among ``input_modalities``, or there are more media items than allowed; the
             text is too long; the last message is the assistant's.
     """
@@ -351,7 +357,7 @@ def _check_modalities(req: ChatCompletionRequest, caps: ChatCapabilities) -> Non
         raise RequestValidationError(
             'modalities must be ["text"] or ["text", "audio"]', param="modalities"
         )
-    if req.audio_output and not caps.audio_output:
+    if (req.audio_output or req.audio is not None) and not caps.audio_output:
         raise RequestValidationError(
             f"model {caps.model_name!r} does not speak: it has no audio output; ask for "
             'modalities ["text"]',
@@ -404,12 +410,13 @@ def _check_limits(req: ChatCompletionRequest, caps: ChatCapabilities) -> None:
     if cap is not None and cap > caps.max_tokens_limit:
         name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         raise RequestValidationError(f"{name} {cap} exceeds this model's limit of {caps.max_tokens_limit}", param=name)
-    if req.stop_sequences:
-        raise RequestValidationError(
-            "stop sequences are not supported by this server; the reply ends at the model's "
-            "end of turn or at max_tokens",
-            param="stop",
-        )
+    stops = req.stop_sequences
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestValidationError(f"stop holds {len(stops)} strings; at most {MAX_STOP_STRINGS}", param="stop")
+    for i, stop in enumerate(stops):
+        if not stop:
+            where = "stop" if isinstance(req.stop, str) else f"stop.{i}"
+            raise RequestValidationError(f"{where}: a stop string must not be empty", param=where)
 
 
 _KIND = {"text": "text", "image_url": "image", "input_audio": "audio", "video_url": "video"}

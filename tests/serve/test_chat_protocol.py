@@ -44,10 +44,13 @@ def refused(body: dict, caps: ChatCapabilities, policy: MediaPolicy = MediaPolic
     return excinfo.value
 
 
-def test_audio_from_a_model_without_a_talker_is_refused_naming_modalities() -> None:
-    body = {"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
-            "audio": {"voice": "x", "format": "wav"}}  # fmt: skip
-    error = refused(body, TEXT_ONLY)
+@pytest.mark.parametrize(
+    "fields",
+    [{"modalities": ["text", "audio"], "audio": {"voice": "x", "format": "wav"}}, {"modalities": ["text", "audio"]},
+     {"audio": {"voice": "x", "format": "wav"}}],
+)  # fmt: skip
+def test_audio_from_a_model_without_a_talker_is_refused_naming_modalities(fields: dict) -> None:
+    error = refused({"messages": [{"role": "user", "content": "Hi"}], **fields}, TEXT_ONLY)
     assert error.param == "modalities" and "no audio output" in str(error)
 
 
@@ -97,3 +100,24 @@ def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
     assert refused(body, TEXT_ONLY).param == "max_completion_tokens"
     body["max_completion_tokens"] = 3
     assert parse_chat_request(body).completion_cap == 3
+
+
+def test_stop_from_a_model_that_does_not_declare_it_is_refused_naming_stop() -> None:
+    error = refused({"messages": [{"role": "user", "content": "Hi"}], "stop": "."}, TEXT_ONLY)
+    assert error.param == "stop" and "not supported" in str(error)
+
+
+@pytest.mark.parametrize(
+    ("stop", "param"), [(["a"] * 5, "stop"), ("", "stop"), (["a", ""], "stop.1"), (3, "stop"), ([None], "stop")]
+)
+def test_bad_stop_values_are_refused_naming_the_field(stop, param) -> None:
+    caps = TEXT_ONLY.model_copy(update={"supported_fields": frozenset({"stop"})})
+    assert refused({"messages": [{"role": "user", "content": "Hi"}], "stop": stop}, caps).param == param
+
+
+def test_up_to_four_stop_strings_are_taken() -> None:
+    caps = TEXT_ONLY.model_copy(update={"supported_fields": frozenset({"stop"})})
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stop": ["a", "b", "c", "d"]}
+    assert validate_chat_request(parse_chat_request(body), caps).stop_sequences == ("a", "b", "c", "d")
+    body["stop"] = "end"
+    assert validate_chat_request(parse_chat_request(body), caps).stop_sequences == ("end",)

@@ -44,6 +44,7 @@ CHAT_TEXT = f"{_TYPES}:ChatText"
 GENERATION_SUMMARY = "omnistage.scheduling.ar:GenerationSummary"
 CODE_FRAMES = "omnistage.scheduling.ar:CodeFrames"
 FRAME_WITH_HIDDEN = "omnistage.scheduling.ar:FrameWithHidden"
+STOP_TAIL = "omnistage.scheduling.ar:StopTail"
 VOCODER_SETUP = "omnistage.scheduling.vocoder:VocoderSetup"
 AUDIO_CHUNK = "omnistage.core.payloads:AudioChunk"
 AUDIO_RESULT = "omnistage.core.payloads:AudioResult"
@@ -136,7 +137,7 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
             # targets; an audio request's thinker sends FrameWithHidden
             stage("talker", {**fmt, "talker_start_tokens": talker_start_tokens}, next="code2wav", stream_to=["code2wav"],
                   can_accept_stream_before_payload=True, payload_type=GENERATION_SUMMARY,
-                  accepts_stream_types=[AUDIO_SETUP, CODE_FRAMES, FRAME_WITH_HIDDEN], result_type=GENERATION_SUMMARY,
+                  accepts_stream_types=[AUDIO_SETUP, CODE_FRAMES, FRAME_WITH_HIDDEN, STOP_TAIL], result_type=GENERATION_SUMMARY,
                   stream_types=[CODE_FRAMES]),
         ] if speech else []  # fmt: skip
         speakers = list(SPEECH_SIDE) if speech else []
@@ -157,9 +158,9 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
                 stage("thinker", fmt, wait_for=["preprocessing", "image_encoder", "audio_encoder"], wait_for_fn=f"{_STAGES}:thinker_waits_for",
                       merge_fn=f"{_STAGES}:thinker_merge", next=["decode", *speakers[:1]], route_fn=f"{_STAGES}:thinker_routes",
                       stream_to=["decode", *speakers[:1]], stream_done_to_fn=f"{_STAGES}:thinker_streams",
-                      payload_type=THINKER_PROMPT, result_type=GENERATION_SUMMARY, stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN]),
+                      payload_type=THINKER_PROMPT, result_type=GENERATION_SUMMARY, stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN, STOP_TAIL]),
                 stage("decode", terminal=True, can_accept_stream_before_payload=True, payload_type=GENERATION_SUMMARY,
-                      accepts_stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN], result_type=CHAT_TEXT, stream_types=[TEXT_DELTA]),
+                      accepts_stream_types=[CODE_FRAMES, FRAME_WITH_HIDDEN, STOP_TAIL], result_type=CHAT_TEXT, stream_types=[TEXT_DELTA]),
                 *speech_stages[1:],
             ],
         )  # fmt: skip
@@ -178,7 +179,7 @@ class Qwen3OmniPipelineConfig(ChatModelConfig):
             model_names=(Path(self.model_path).name, "qwen3-omni"), model_type="qwen3_omni",
             input_modalities=frozenset({"text", "image", "audio", "video"}), audio_output=self.speaks,
             voices=_voices(self.model_path) if self.speaks else (),
-            sample_rate=SAMPLE_RATE, supported_fields=frozenset({"top_k", "seed", "max_audio_seconds", "use_audio_in_video"}),
+            sample_rate=SAMPLE_RATE, supported_fields=frozenset({"top_k", "seed", "stop", "max_audio_seconds", "use_audio_in_video"}),
             max_tokens_limit=MAX_TOKENS_LIMIT, default_max_tokens=DEFAULT_MAX_TOKENS,
         )  # fmt: skip
 

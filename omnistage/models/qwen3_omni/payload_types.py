@@ -13,7 +13,8 @@ Edges (seed 001):
 - ``thinker ~> decode, talker`` (stream): each reply token; for an audio request as
   :class:`~omnistage.scheduling.ar.FrameWithHidden` items (with the layer-0 and
   ``accept_hidden_layer`` rows of the tokens fed), else as
-  :class:`~omnistage.scheduling.ar.CodeFrames`;
+  :class:`~omnistage.scheduling.ar.CodeFrames`; a reply cut by a stop string inside a
+  token ends with a :class:`~omnistage.scheduling.ar.StopTail`;
 - ``thinker -> decode``, ``thinker -> talker`` and ``talker -> code2wav``: a
   :class:`~omnistage.scheduling.ar.GenerationSummary` (the frames were streamed);
 - ``talker ~> code2wav`` (stream): :class:`~omnistage.scheduling.ar.CodeFrames`;
@@ -124,6 +125,9 @@ class Qwen3OmniRequest:
         prompt_audio_tokens, prompt_image_tokens: the thinker prompt's positions holding
             audio and images or video (:meth:`.processing.Qwen3OmniProcessor.media_positions`,
             counted at the request boundary), reported in the decode stage's result.
+        stop: stop strings (OpenAI's ``stop``, each non-empty): the reply ends before the
+            first of them (the thinker stage's stop strings, :mod:`omnistage.scheduling.stop_strings`);
+            the talker voices only that reply.
     """
 
     messages: tuple[ChatMessage, ...]
@@ -136,6 +140,7 @@ class Qwen3OmniRequest:
     talker_sampling: TalkerSampling = TalkerSampling()
     prompt_audio_tokens: int = 0
     prompt_image_tokens: int = 0
+    stop: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,7 @@ def build_chat_request(
         messages, req.audio_output, voice, sampling,
         max_tokens=max_tokens, max_audio_frames=frames, stream=req.stream,
         talker_sampling=talker_sampling_of(sampling),
-        prompt_audio_tokens=audio_tokens, prompt_image_tokens=image_tokens,
+        prompt_audio_tokens=audio_tokens, prompt_image_tokens=image_tokens, stop=req.stop_sequences,
     )  # fmt: skip
 
 

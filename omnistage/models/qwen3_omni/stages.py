@@ -63,8 +63,10 @@ from omnistage.scheduling.ar import (
     FrameWithHidden,
     GenerationSummary,
     RowFeed,
+    StopTail,
     StreamInput,
 )
+from omnistage.scheduling.stop_strings import TokenizerText
 from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler
 
 SAMPLE_RATE = 24000
@@ -422,10 +424,11 @@ def create_thinker_stage(
         return GenerationInput(
             ids, thinker_sampling(request.sampling, stop), request.max_tokens,
             positions=prompt.positions, rope_delta=prompt.rope_delta, return_hidden=route(request).speaks,
-            hidden_additions=deepstack,
+            hidden_additions=deepstack, stop_strings=request.stop,
         )  # fmt: skip
 
-    return ARScheduler(engine, build_input)
+    tokenizer = Qwen3OmniProcessor.from_checkpoint(_model_path(ctx)).tokenizer
+    return ARScheduler(engine, build_input, token_text=TokenizerText(tokenizer))
 
 
 class TextDecodeScheduler(StreamingScheduler):
@@ -435,8 +438,8 @@ class TextDecodeScheduler(StreamingScheduler):
     counts: the request's, counted at the request boundary).
 
     Stream items: :class:`CodeFrames` (a text-only request) or :class:`FrameWithHidden`
-    (an audio request; its frame None on the stop step). Payload: the thinker's
-    :class:`GenerationSummary`.
+    (an audio request; its frame None on the stop step), and a :class:`StopTail` when a stop
+    string cut the reply inside a token. Payload: the thinker's :class:`GenerationSummary`.
 
     Args:
         tokenizer: the checkpoint's text tokenizer (special tokens are skipped).
@@ -455,6 +458,8 @@ class TextDecodeScheduler(StreamingScheduler):
                     tokens.extend(data.codes[:, 0].tolist())
                 elif isinstance(data, FrameWithHidden) and data.frame is not None:
                     tokens.append(int(data.frame[0, 0]))
+                elif isinstance(data, StopTail):
+                    tokens.extend(data.token_ids.tolist())
             state.chunks.clear()
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             finishing = self.ready_to_finish(state)
@@ -518,7 +523,9 @@ def talker_max_frames(request: Qwen3OmniRequest) -> int:
 
 class TalkerFeed(StreamInput):
     """One request's talker hand-off: :class:`AudioSetup` from preprocessing, then the
-    thinker's :class:`FrameWithHidden` items (module docstring). The thinker's
+    thinker's :class:`FrameWithHidden` items (module docstring), and a :class:`StopTail`
+    when a stop string cut the reply inside a token (its tokens' rows are their thinker
+    embeddings, the layer-0 rows the thinker would have sent). The thinker's
     :class:`GenerationSummary` (the payload) adds nothing.
 
     Args:
@@ -552,6 +559,15 @@ class TalkerFeed(StreamInput):
                 self.hidden.append(hidden[:, 1])
             if data.frame is not None:
                 self.tokens.append(int(data.frame[0, 0]))
+        elif isinstance(data, StopTail):
+            with torch.inference_mode():
+                rows = self.embed_tokens(data.token_ids.to(self.embed_tokens.weight.device))
+            self.embeds.append(rows)
+            if not self.started:
+                # a reply token's accept_hidden_layer row is never read by the talker's
+                # prompt (only the prompt's media positions' are); it keeps the row count
+                self.hidden.append(rows)
+            self.tokens.extend(data.token_ids.tolist())
         else:
             # CodeFrames: the thinker ran without return_hidden, so the talker has no prompt
             raise TypeError(
@@ -568,6 +584,8 @@ class TalkerFeed(StreamInput):
             if done:
                 raise ValueError("the talker's setup never arrived")
             return RowFeed()
+        if done and not self.started and not self.tokens:
+            return RowFeed(empty=True)  # the reply has no text (a stop string cut it to none): no speech
         start, rows = None, None
         if not self.started and (len(self.tokens) >= self.start_tokens or done):
             start = self._start(int(self.setup.prompt_ids.shape[0]))

@@ -1,21 +1,27 @@
-"""Shared helpers of the Qwen3-Omni thinker/talker tests: the reference fixture file written by
-``tools/parity/qwen3_omni_reference.py`` and the checkpoint digest it was made from."""
+"""Shared helpers of the Qwen3-Omni tests: the reference fixture file written by
+``tools/parity/qwen3_omni_reference.py`` and the checkpoint digest it was made from, and a
+served tiny checkpoint (``--load-format dummy``) with its OpenAI client."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import av
 import numpy as np
+import openai
 import torch
 from safetensors import safe_open
 
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
 from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
+from omnistage.serve.app import ServerSettings, create_app
+from omnistage.serve.registry import ModelRegistry
+from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
 
 FIXTURE = Path(__file__).parent / "fixtures" / "thinker_talker_reference.safetensors"
 SEED = 0  # the seed the fixture's checkpoint was written with
@@ -97,3 +103,16 @@ def video_file(frames: int, rate: int, with_audio: bool) -> bytes:
             container.mux(audio.encode(chunk))
             container.mux(audio.encode())
     return buffer.getvalue()
+
+
+def serve_dummy(checkpoint: Path, variant: str | None = None) -> Iterator[RunningServer]:
+    """``omnistage serve --model-path checkpoint [--variant variant] --load-format dummy``
+    in this process, once healthy (a fixture's generator)."""
+    config = ModelRegistry.discover().resolve(str(checkpoint), variant, "dummy")
+    for running in run_uvicorn(create_app(config, ServerSettings(playground=False, data_dir=None))):
+        assert wait_health(running.base_url, timeout_s=300).status_code == 200
+        yield running
+
+
+def openai_client(server: RunningServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)

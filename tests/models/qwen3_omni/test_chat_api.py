@@ -19,7 +19,7 @@ import openai
 import pytest
 import soundfile
 import yaml
-from omni_fixtures import video_file, weights_digest
+from omni_fixtures import openai_client, serve_dummy, video_file, weights_digest
 from PIL import Image
 from safetensors import safe_open
 from typer.testing import CliRunner
@@ -37,10 +37,8 @@ from omnistage.models.qwen3_omni.random_text_tokenizer import (
     write_text_tokenizer,
 )
 from omnistage.models.qwen3_omni.stages import talker_frame_cap
-from omnistage.serve.app import ServerSettings, create_app
-from omnistage.serve.registry import ModelRegistry
 from omnistage.testing.leaks import assert_no_request_state
-from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
+from tests.serve.conftest import RunningServer
 
 SAMPLES_PER_FRAME, CODE2WAV_TRIM = 1920, 555  # n frames -> n * 1920 - 555 samples at 24 kHz
 HELLO = [{"role": "user", "content": "Say something nice."}]
@@ -60,15 +58,12 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[RunningServer]:
-    config = ModelRegistry.discover().resolve(str(checkpoint), load_format="dummy")
-    for running in run_uvicorn(create_app(config, ServerSettings(playground=False, data_dir=None))):
-        assert wait_health(running.base_url, timeout_s=300).status_code == 200
-        yield running
+    yield from serve_dummy(checkpoint)
 
 
 @pytest.fixture(scope="module")
 def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    return openai_client(server)
 
 
 def batches(server: RunningServer) -> dict[str, float]:
@@ -236,7 +231,7 @@ def _error(excinfo: pytest.ExceptionInfo) -> tuple[int, str | None]:
         ({"modalities": ["text", "audio"]}, 400, "audio"),
         ({"modalities": ["audio"]}, 400, "modalities"),
         ({"max_tokens": 10**6}, 400, "max_tokens"),
-        ({"stop": ["."]}, 400, "stop"),
+        ({"stop": ["."] * 5}, 400, "stop"),
         ({"n": 2}, 400, "n"),
         ({"seed": 2**40}, 400, "seed"),
         ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "!!notbase64", "format": "wav"}}]}]},

@@ -46,7 +46,7 @@ from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoin
 from omnistage.models.qwen3_omni.stages import load_code2wav
 from omnistage.pipeline.pipeline import Pipeline, build_topology
 from omnistage.pipeline.stage import build_scheduler
-from omnistage.scheduling.ar import CodeFrames, FrameWithHidden, GenerationSummary
+from omnistage.scheduling.ar import CodeFrames, FrameWithHidden, GenerationSummary, StopTail
 from omnistage.testing.leaks import assert_no_request_state
 
 TOKENS, FRAMES, SPEAKER = 6, 5, "ethan"
@@ -175,8 +175,8 @@ def test_every_edge_is_typed(checkpoint: Path) -> None:
         ("preprocessing", "code2wav", "stream"): (AudioSetup,),
         ("thinker", "decode", "next"): (GenerationSummary,),
         ("thinker", "talker", "next"): (GenerationSummary,),
-        ("thinker", "decode", "stream"): (CodeFrames, FrameWithHidden),
-        ("thinker", "talker", "stream"): (CodeFrames, FrameWithHidden),
+        ("thinker", "decode", "stream"): (CodeFrames, FrameWithHidden, StopTail),
+        ("thinker", "talker", "stream"): (CodeFrames, FrameWithHidden, StopTail),
         ("talker", "code2wav", "next"): (GenerationSummary,),
         ("talker", "code2wav", "stream"): (CodeFrames,),
     }

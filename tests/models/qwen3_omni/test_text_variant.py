@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 import torch
+from omni_fixtures import openai_client, serve_dummy
 
 import omnistage.models.qwen3_omni.stages as omni_stages
 from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig, Qwen3OmniTextPipelineConfig
@@ -21,10 +22,9 @@ from omnistage.models.qwen3_omni.payload_types import ChatText, OmniSampling, Qw
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
 from omnistage.pipeline.pipeline import Pipeline, build_topology
-from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.registry import ModelRegistry
 from omnistage.testing.leaks import assert_no_request_state
-from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
+from tests.serve.conftest import RunningServer
 
 MESSAGES = (ChatMessage("user", (ChatPart("text", text="Say something nice."),)),)
 
@@ -100,10 +100,7 @@ def test_text_requests_give_the_default_variant_s_tokens_without_loading_the_spe
 
 @pytest.fixture(scope="module")
 def server(checkpoint: Path) -> Iterator[RunningServer]:
-    config = ModelRegistry.discover().resolve(str(checkpoint), "text", "dummy")
-    for running in run_uvicorn(create_app(config, ServerSettings(playground=False, data_dir=None))):
-        assert wait_health(running.base_url, timeout_s=300).status_code == 200
-        yield running
+    yield from serve_dummy(checkpoint, "text")
 
 
 def _batches(server: RunningServer) -> dict[str, float]:
@@ -114,10 +111,11 @@ def _batches(server: RunningServer) -> dict[str, float]:
 
 @pytest.mark.parametrize(
     "fields",
-    [{"modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}}, {"modalities": ["text", "audio"]}],
+    [{"modalities": ["text", "audio"], "audio": {"voice": "ethan", "format": "wav"}}, {"modalities": ["text", "audio"]},
+     {"extra_body": {"audio": {"voice": "ethan", "format": "wav"}}}],
 )  # fmt: skip
 def test_a_request_for_speech_is_refused_naming_modalities_before_any_stage_runs(server, fields) -> None:
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(server)
     before = _batches(server)
     with pytest.raises(openai.APIStatusError) as excinfo:
         client.chat.completions.create(model="qwen3-omni", messages=[{"role": "user", "content": "Hi"}], **fields)
@@ -127,7 +125,7 @@ def test_a_request_for_speech_is_refused_naming_modalities_before_any_stage_runs
 
 
 def test_the_text_variant_serves_text_and_lists_no_voices(server) -> None:
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    client = openai_client(server)
     reply = client.chat.completions.create(model="qwen3-omni", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
     assert reply.choices[0].message.content and reply.choices[0].message.audio is None
     assert reply.usage.completion_tokens_details.audio_tokens == 0
