@@ -133,11 +133,12 @@ class PeakRSS:
 _peak: PeakRSS | None = None
 
 
-#: Test files that run the server and a load driver in subprocesses of their own: they run
-#: first, while the test process is small (it grows to ~2.4 GB over the suite's modules), so
-#: their subprocesses do not add to its high-water mark. Measured: the short soak run peaked
-#: the suite at 4105 MiB when it ran last (pytest 2381 + soak driver 1120 + engine 420 MiB).
-RUN_FIRST = ("test_soak.py",)
+#: Test files whose subprocesses are large: they run first, while the test process is small
+#: (it grows to ~2.4 GB over the suite's modules), so their subprocesses do not add to its
+#: high-water mark. The soak test runs the server and a load driver: run last, it peaked the
+#: suite at 4105 MiB (pytest 2381 + soak driver 1120 + engine 420 MiB). The Ray placement
+#: tests run a two-node Ray cluster and up to five stage actors: ~2.2 GB besides pytest.
+RUN_FIRST = ("test_soak.py", "test_ray_placement.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

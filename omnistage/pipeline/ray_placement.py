@@ -17,8 +17,9 @@ message to one on another node (:mod:`omnistage.pipeline.relay`; docs/ray.md has
 measurement that chose this over Ray's object store and over Ray actor calls).
 
 Failure: each actor sends ``beat`` every quarter of ``process_death_timeout_s``; one
-silent for three quarters of it is dead (its worker process died, or its node was lost),
-and so is one whose restarted incarnation says ``hello`` first. Ray restarts a dead
+silent for three quarters of it is dead (its worker process died or hangs, or its node was
+lost; a silent actor is killed, so that a hung one is restarted too), and so is one whose
+restarted incarnation says ``hello`` first. Ray restarts a dead
 actor (``max_restarts=-1``; a lost node's bundle is placed again once a node with its
 resources is back); the new incarnation rejoins (``hello``, then ``ready``) and the
 pipeline serves again, without a server restart. The pipeline's own limit
@@ -244,6 +245,9 @@ class RayPlacement(Placement):
                 continue
             if life.dead is None and now - life.last_beat > self.silence_s:
                 life.dead = f"Ray actor pid {life.hello.pid} on node {life.hello.node_id[:12]}: silent for {now - life.last_beat:.1f} s"
+                # a hung actor lives on for Ray and would never say hello again: kill it so
+                # that Ray restarts it (one already dead, or on a lost node, restarts anyway)
+                ray.kill(self.actors[endpoint], no_restart=False)
             if life.dead is not None:
                 self._reported.add(life.hello.incarnation)
                 self._publish_peers()

@@ -59,8 +59,10 @@ class LocalRayCluster:
 
     def start_head(self, name: str = "head", timeout_s: float = 60.0) -> None:
         self.port = free_port()
+        # --no-monitor: no autoscaler (nothing to scale), whose metrics server binds the fixed
+        # port 44217 on every interface (two clusters at once would collide)
         head = ["--head", f"--port={self.port}", f"--temp-dir={self.root}", "--include-dashboard=false",
-                f"--dashboard-port={free_port()}"]  # fmt: skip
+                f"--dashboard-port={free_port()}", "--no-monitor"]  # fmt: skip
         self._start(name, head, timeout_s)
 
     def add_node(self, name: str, timeout_s: float = 60.0) -> None:
@@ -85,7 +87,7 @@ class LocalRayCluster:
             f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
             f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
             f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
-            "--object-store-memory=100000000",
+            "--object-store-memory=100000000", "--include-log-monitor=false",
         ]  # fmt: skip
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
         with log.open("wb") as out:

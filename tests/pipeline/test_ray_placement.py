@@ -96,10 +96,15 @@ async def test_stages_on_two_nodes_with_replicas_serve_what_one_host_does(cluste
 
 
 @pytest.mark.ray_cluster
-@pytest.mark.parametrize(("death_timeout_s", "found_by"), [(2.0, "silent for"), (60.0, "Ray restarted it")])
-async def test_a_killed_actor_fails_its_requests_and_its_restart_rejoins(cluster, death_timeout_s, found_by):
-    """Found dead by its silence, or (a death timeout longer than Ray's restart) by the
-    hello of its restarted incarnation."""
+@pytest.mark.parametrize(
+    ("death_timeout_s", "sig", "found_by"),
+    [(2.0, signal.SIGSTOP, "silent for"), (60.0, signal.SIGKILL, "Ray restarted it")],
+    ids=["hung", "killed"],
+)
+async def test_a_dead_or_hung_actor_fails_its_requests_and_its_restart_rejoins(cluster, death_timeout_s, sig, found_by):
+    """A hung actor (stopped: alive for Ray, which will not restart it) is found by its
+    silence, and killed so that Ray restarts it; a killed one (a death timeout longer than
+    Ray's restart) by the hello of its restarted incarnation."""
     config = toy.linear_config(PROCESSES, placement="ray", ray_address=cluster.address, process_death_timeout_s=death_timeout_s)
     pin(config, {"double": "worker"})
     async with Pipeline(config) as pipeline:
@@ -107,7 +112,7 @@ async def test_a_killed_actor_fails_its_requests_and_its_restart_rejoins(cluster
         pid = ray.get(pipeline.placement.actors["engine"].pid.remote())
         handle = pipeline.submit(toy.ToyRequest("slow", delay_s=30))
         started = time.monotonic()
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, sig)
         with pytest.raises(PipelineUnhealthyError, match=f"'engine'.*{found_by}"):
             await handle.result()
         assert time.monotonic() - started < min(death_timeout_s, 30.0)
