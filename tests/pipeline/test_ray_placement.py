@@ -36,7 +36,7 @@ from omnistage.testing.ray_cluster import LocalRayCluster  # noqa: E402
 from omnistage.testing.tone import ToneConfig  # noqa: E402
 from tests.pipeline.test_placement import replicated_linear, run_replicated, stream  # noqa: E402
 from tests.serve.conftest import run_uvicorn, wait_health  # noqa: E402
-from tests.serve.test_server import expected_pcm, speech  # noqa: E402
+from tests.serve.test_server import expected_pcm, speech, wait_idle  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 
@@ -140,6 +140,8 @@ def served_pcm(config: PipelineConfig, bodies: list[dict]) -> list[bytes]:
             response = httpx.post(f"{server.base_url}/v1/audio/speech", json=body, timeout=120)
             assert response.status_code == 200, response.text
             out.append(response.content)
+        wait_idle(server)
+        server.assert_no_request_state()
     return out
 
 
@@ -208,6 +210,8 @@ def test_a_lost_node_fails_in_flight_requests_turns_health_503_and_its_return_re
             assert time.monotonic() < deadline
             time.sleep(0.1)
         assert speech(server, {"input": "back", "response_format": "pcm"}).content == expected_pcm("back")
+        wait_idle(server)
+        server.assert_no_request_state()  # the cut stream's included, in every live process
     assert_nothing_left_in(cluster)
 
 

@@ -1,5 +1,6 @@
 """A real uvicorn server on a free loopback port, serving the tone test model."""
 
+import asyncio
 import socket
 import threading
 import time
@@ -11,6 +12,7 @@ import pytest
 import uvicorn
 
 from omnistage.serve.app import ServerSettings, create_app
+from omnistage.testing.leaks import assert_no_request_state
 from omnistage.testing.tone import ToneConfig
 
 
@@ -23,6 +25,12 @@ class RunningServer:
     @property
     def speech(self):
         return self.app.state.server
+
+    def assert_no_request_state(self, timeout_s: float = 10.0) -> None:
+        """:func:`omnistage.testing.leaks.assert_no_request_state` of the served pipeline,
+        run on its coordinator's loop."""
+        pipeline = self.speech.pipeline
+        asyncio.run_coroutine_threadsafe(assert_no_request_state(pipeline), pipeline.coordinator.loop).result(timeout_s)
 
 
 def free_port() -> int:

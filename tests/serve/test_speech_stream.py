@@ -3,7 +3,6 @@ per sentence, the same audio however the text is split, backpressure and abort."
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -16,7 +15,6 @@ from websockets.sync.client import ClientConnection, connect
 
 from omnistage.serve.audio import float_to_s16, resample
 from omnistage.serve.speech_stream import MAX_PENDING_SEGMENTS, SentenceSegmenter
-from omnistage.testing.leaks import assert_no_request_state
 from omnistage.testing.tone import SAMPLE_RATE
 from tests.serve.test_server import expected_samples, wait_idle
 
@@ -126,10 +124,7 @@ def test_disconnect_aborts_the_session_and_leaves_no_state(tone_server):
         while not isinstance(ws.recv(timeout=10), bytes):
             pass
     wait_idle(tone_server, timeout=5)
-    future = asyncio.run_coroutine_threadsafe(
-        assert_no_request_state(tone_server.speech.pipeline), tone_server.speech.pipeline.coordinator.loop
-    )
-    future.result(timeout=10)
+    tone_server.assert_no_request_state()
 
 
 def test_disconnect_after_input_done_aborts_what_is_still_sending(tone_server):
@@ -139,10 +134,7 @@ def test_disconnect_after_input_done_aborts_what_is_still_sending(tone_server):
         while not isinstance(ws.recv(timeout=10), bytes):
             pass
     wait_idle(tone_server, timeout=5)
-    future = asyncio.run_coroutine_threadsafe(
-        assert_no_request_state(tone_server.speech.pipeline), tone_server.speech.pipeline.coordinator.loop
-    )
-    future.result(timeout=10)
+    tone_server.assert_no_request_state()
 
 
 def test_a_client_that_does_not_read_holds_back_the_next_segments(tone_server):
