@@ -1,11 +1,12 @@
 """Ray placement (``placement: ray``) on a real Ray cluster on this machine.
 
-CI runs the single-node test (a private Ray instance started by the pipeline; it comes
-last in this file: after a private instance, Ray 2.60 cannot create actors in another
-cluster from the same process). The two-node tests (``ray start --head`` plus a second raylet joining it, each with its own
-custom resource; :class:`omnistage.testing.ray_cluster.LocalRayCluster`) are marked
-``ray_cluster``: they take longer than CI allows on 2 cores (see docs/ray.md for their
-wall time and memory), run them with ``pytest -m ray_cluster tests/pipeline/test_ray_placement.py``.
+The two-node tests (``ray start --head`` plus a second raylet joining it, each with its own
+custom resource; :class:`omnistage.testing.ray_cluster.LocalRayCluster`, one for the
+module) are marked ``ray_cluster`` (run them alone with ``pytest -m ray_cluster
+tests/pipeline/test_ray_placement.py``); CI runs them with the suite, this file first
+(tests/conftest.py ``RUN_FIRST``). The single-node test (a private Ray instance started by
+the pipeline) comes last: after a private instance, Ray 2.60 cannot create actors in
+another cluster from the same process.
 """
 
 from __future__ import annotations
