@@ -146,42 +146,49 @@ def served_pcm(config: PipelineConfig, bodies: list[dict]) -> list[bytes]:
     return out
 
 
-def across_nodes(config: PipelineConfig, cluster: LocalRayCluster, groups: dict[str, tuple[str, str]]) -> PipelineConfig:
-    """``config`` under Ray placement: stage -> (process group, node). Each group asks for
-    as many CPUs as this machine has cores: Ray sets an actor's OMP_NUM_THREADS to its
-    CPUs, torch computes with that many threads, and the float sums of the audio depend on
-    it; so it matches the thread count of the server process."""
-    config = config.model_copy(deep=True, update={"placement": "ray", "ray_address": cluster.address})
+def in_groups(config: PipelineConfig, groups: dict[str, tuple[str, str]]) -> PipelineConfig:
+    """``config`` with its stages in process groups (stage -> (group, node)), under local
+    placement: the reference, whose models load in stage processes (not in the test
+    process, which would keep their memory for the rest of the suite)."""
+    config = config.model_copy(deep=True)
     for stage, (group, _) in groups.items():
         config.stage(stage).process = group
+    return config
+
+
+def across_nodes(config: PipelineConfig, cluster: LocalRayCluster, groups: dict[str, tuple[str, str]]) -> PipelineConfig:
+    """:func:`in_groups` under Ray placement, each stage pinned to its node. Each group asks
+    for as many CPUs as this machine has cores: Ray sets an actor's OMP_NUM_THREADS to its
+    CPUs, torch computes with that many threads, and the float sums of the audio depend on
+    it; so it matches the thread count of a local stage process."""
+    config = in_groups(config, groups).model_copy(update={"placement": "ray", "ray_address": cluster.address})
+    for stage, (group, _) in groups.items():
         members = sum(g == group for g, _ in groups.values())
         config.stage(stage).resources.cpus = torch.get_num_threads() / members
     return pin(config, {stage: node for stage, (_, node) in groups.items()})
 
 
 @pytest.mark.ray_cluster
-def test_piper_across_two_nodes_speaks_the_bytes_of_one_process(cluster):
+def test_piper_across_two_nodes_speaks_the_bytes_of_local_placement(cluster):
     config = ModelRegistry.discover().resolve(None)
     # Piper takes no seed; without noise it is deterministic (its ONNX noise is unseeded)
     quiet = {"response_format": "pcm", "noise_scale": 0.0, "noise_w": 0.0}
     bodies = [{"input": "Two nodes, one voice.", **quiet}, {"input": "A second one, streamed.", "stream": True, **quiet}]
-    local = served_pcm(config, bodies)
-    placed = across_nodes(config, cluster, {"preprocessing": ("text", "head"), "synthesis": ("voice", "worker")})
-    assert served_pcm(placed, bodies) == local
+    groups = {"preprocessing": ("text", "head"), "synthesis": ("voice", "worker")}
+    local = served_pcm(in_groups(config, groups), bodies)
+    assert served_pcm(across_nodes(config, cluster, groups), bodies) == local
     assert_nothing_left_in(cluster)
 
 
 @pytest.mark.ray_cluster
-def test_tiny_qwen3_tts_across_two_nodes_speaks_the_bytes_of_one_process(cluster, tmp_path):
+def test_tiny_qwen3_tts_across_two_nodes_speaks_the_bytes_of_local_placement(cluster, tmp_path):
     path = write_random_checkpoint(tmp_path / "custom_voice", "tiny", "custom_voice", seed=0)
     config = Qwen3TTSPipelineConfig.for_model_path(str(path))
     body = {"input": "Hello there.", "voice": "aiden", "seed": 7, "max_new_tokens": 8, "response_format": "pcm"}
     bodies = [{**body, "stream": False}, {**body, "stream": True}]
-    local = served_pcm(config, bodies)
-    placed = across_nodes(config, cluster, {
-        "preprocessing": ("talker", "head"), "tts_engine": ("talker", "head"), "vocoder": ("codec", "worker"),
-    })  # fmt: skip
-    assert served_pcm(placed, bodies) == local
+    groups = {"preprocessing": ("talker", "head"), "tts_engine": ("talker", "head"), "vocoder": ("codec", "worker")}
+    local = served_pcm(in_groups(config, groups), bodies)
+    assert served_pcm(across_nodes(config, cluster, groups), bodies) == local
     assert_nothing_left_in(cluster)
 
 
