@@ -48,6 +48,9 @@ from omnistage.serve.media import decode_video as decode_media_video
 
 SAMPLE_RATE = 16000  # Hz, the feature extractor's input
 POSITION_IDS_PER_SECOND = 13  # thinker positions per second of video (config.json)
+#: An image's or video frame's longer side is at most this many times its shorter side
+#: (transformers' Qwen2-VL ``smart_resize`` raises a ValueError above it).
+MAX_ASPECT_RATIO = 200
 
 # Used when a checkpoint has no preprocessor_config.json: the Qwen2.5-Omni layout with
 # Qwen3's 16-pixel patches (shared/reference/qwen3-omni.md, section 1).
@@ -356,10 +359,12 @@ class Qwen3OmniProcessor:
         """Render the template, extract every item's features and expand its placeholder.
 
         Raises:
-            RequestValidationError: an audio shorter than 12.6 ms (:meth:`_audios`), or a media
+            RequestValidationError: an audio shorter than 12.6 ms (:meth:`_audios`), an image
+                or video whose aspect ratio is over :data:`MAX_ASPECT_RATIO`, or a media
                 item the chat template did not place, naming the field.
         """
         parts = [p for m in messages for p in m.parts]
+        _check_aspect_ratios(parts)
         audios = self._audios(parts)
         features, frames = (
             self.audio_features(audios) if audios else (None, torch.zeros(0, dtype=torch.int64))
@@ -402,6 +407,7 @@ class Qwen3OmniProcessor:
             RequestValidationError: as :meth:`__call__`.
         """
         parts = [p for m in messages for p in m.parts]
+        _check_aspect_ratios(parts)
         hop, ip = self.feature_extractor.hop_length, self.image_processor
         lengths = [len(a) for a in self._audios(parts)]
         longest = max(lengths, default=0)
@@ -525,3 +531,21 @@ def _expand(text: str, expansions: list[tuple[str, str]], parts: list[ChatPart])
             f"the chat template placed no {expansions[used][0]} for this item", param=param
         )
     return "".join([*pieces, text[at:]])
+
+
+def _check_aspect_ratios(parts: Sequence[ChatPart]) -> None:
+    """Raises: RequestValidationError: an image or video (its frames) with a side more than
+    :data:`MAX_ASPECT_RATIO` times the other, naming its field."""
+    for part in parts:
+        if part.kind == "image" and part.image is not None:
+            height, width = part.image.height, part.image.width
+        elif part.kind == "video" and part.video is not None:
+            height, width = part.video.frames.shape[1:3]
+        else:
+            continue
+        if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+            raise RequestValidationError(
+                f"{part.param}: a {part.kind} of {width}x{height} pixels; its longer side may be at most "
+                f"{MAX_ASPECT_RATIO} times its shorter side",
+                param=part.param,
+            )

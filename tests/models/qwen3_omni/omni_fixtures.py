@@ -82,16 +82,17 @@ def encoder_rows(ref: ReferenceFixture, name: str) -> EncoderRows:
                        video=t.get("video"), video_deepstack=levels("video"))  # fmt: skip
 
 
-def video_file(frames: int, rate: int, with_audio: bool) -> bytes:
-    """A tiny MPEG-4 video (64x48, frame i all gray level 8 * i; with a 440 Hz AAC tone as
-    long as the frames)."""
+def video_file(frames: int, rate: int, with_audio: bool, size: tuple[int, int] = (64, 48)) -> bytes:
+    """A tiny MPEG-4 video (``size`` = (width, height), frame i all gray level 8 * i; with a
+    440 Hz AAC tone as long as the frames)."""
+    width, height = size
     buffer = io.BytesIO()
     with av.open(buffer, "w", format="mp4") as container:
         video = container.add_stream("mpeg4", rate=rate)
-        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        video.width, video.height, video.pix_fmt = width, height, "yuv420p"
         audio = container.add_stream("aac", rate=16000) if with_audio else None
         for i in range(frames):
-            pixels = np.full((48, 64, 3), (i * 8) % 256, dtype=np.uint8)
+            pixels = np.full((height, width, 3), (i * 8) % 256, dtype=np.uint8)
             container.mux(video.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")))
         container.mux(video.encode())
         if audio is not None:

@@ -88,15 +88,16 @@ def wav_clip(seconds: float, rate: int = 16000) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
-def png_uri(size: int) -> str:
-    pixels = np.random.default_rng(size).integers(0, 256, (size, size, 3), dtype=np.uint8)
+def png_uri(size: int, height: int | None = None) -> str:
+    """A random RGB PNG of ``size`` x ``height`` pixels (``height`` None: square)."""
+    pixels = np.random.default_rng(size).integers(0, 256, (height or size, size, 3), dtype=np.uint8)
     buffer = io.BytesIO()
     Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-def mp4_uri(frames: int, rate: int, with_audio: bool = False) -> str:
-    return "data:video/mp4;base64," + base64.b64encode(video_file(frames, rate, with_audio)).decode()
+def mp4_uri(frames: int, rate: int, with_audio: bool = False, size: tuple[int, int] = (64, 48)) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(video_file(frames, rate, with_audio, size)).decode()
 
 
 def test_models_and_voices_list_the_chat_model_and_its_speakers(server, client, checkpoint) -> None:
@@ -258,6 +259,13 @@ def _error(excinfo: pytest.ExceptionInfo) -> tuple[int, str | None]:
          400, "messages.0.content.0.video_url.url"),
         ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_uri(8, 4)}}] * 2}]},
          400, "messages.0.content.1"),
+        # an aspect ratio over 200 (transformers' smart_resize raises a ValueError: was a 500)
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_uri(1, 201)}}]}]},
+         400, "messages.0.content.0"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_uri(5000, 2)}}]}]},
+         400, "messages.0.content.0"),
+        ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": mp4_uri(4, 2, size=(3600, 16))}}]}]},
+         400, "messages.0.content.0.video_url.url"),
         ({"messages": [{"role": "user", "content": [{"type": "sticker"}]}]}, 400, "messages.0.content.0"),
         ({"messages": [{"role": "assistant", "content": "Hi."}]}, 400, "messages.0.role"),
         ({"frequency_penalty": 1.0}, 400, "frequency_penalty"),
