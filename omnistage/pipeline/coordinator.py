@@ -125,13 +125,28 @@ class RequestHandle:
         Raises:
             OmnistageError: the request failed (typed, see :mod:`omnistage.core.errors`).
         """
+        async for chunks in self.stream_ready():
+            for chunk in chunks:
+                yield chunk
+
+    async def stream_ready(self) -> AsyncIterator[list[StreamChunk]]:
+        """:meth:`stream` in lists: each holds every chunk that had arrived when the client
+        came for more (at least one), in arrival order, so a client that fell behind (a
+        busy event loop) catches up with one write instead of one per chunk.
+
+        Raises:
+            OmnistageError: the request failed (typed, see :mod:`omnistage.core.errors`).
+        """
         while not (self._done.is_set() and self._queue.empty()):
             item = await self._queue.get()
-            if item is None:
-                break
-            chunk, size = item
-            self._release(size)
-            yield chunk
+            chunks = []
+            while item is not None:
+                chunk, size = item
+                self._release(size)
+                chunks.append(chunk)
+                item = None if self._queue.empty() else self._queue.get_nowait()
+            if chunks:
+                yield chunks
         if self._error is not None:
             raise self._error
 

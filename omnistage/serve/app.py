@@ -390,6 +390,16 @@ async def _batch_item(server: SpeechServer, request: Request, body: dict[str, An
     )
 
 
+def _audio_of(chunks: list[StreamChunk]) -> list[np.ndarray]:
+    """The samples of the audio chunks among ``chunks``, in order."""
+    return [audio for chunk in chunks if (audio := audio_of_chunk(chunk)) is not None]
+
+
+def _push_all(encoder: StreamingAudioEncoder, audio: list[np.ndarray]) -> list[bytes]:
+    """``encoder.push`` of each array in turn: the bytes of each."""
+    return [encoder.push(samples) for samples in audio]
+
+
 @dataclass(frozen=True)
 class WholeAudio:
     """A finished request's audio as one file of its ``response_format``."""
@@ -441,7 +451,7 @@ class _SpeechCall:
             self._finished(exc)
             raise
         self.samples_sent = len(samples)
-        self._first_audio()
+        self._first_byte()
         self._finished(None, result.finish_reason)
         headers = self._headers(result.outputs, result.finish_reason, len(out))
         return WholeAudio(data, result.finish_reason, self.usage(result.outputs), headers)
@@ -452,16 +462,16 @@ class _SpeechCall:
 
     # -------------------------------------------------------------- streaming
     async def respond_stream(self) -> Response:
-        stream = self.handle.stream().__aiter__()
+        ready = self.handle.stream_ready().__aiter__()
         try:
-            first = await self._watch(self._first_chunk(stream))
+            first = await self._watch(self._first_audio(ready))
         except OmnistageError as exc:
             self._finished(exc)
             raise
         if self.speech.stream_format == "sse":
-            body, media_type = self._sse(first, stream), "text/event-stream"
+            body, media_type = self._sse(first, ready), "text/event-stream"
         else:
-            body, media_type = self._raw(first, stream), content_type(self.speech.response_format)
+            body, media_type = self._raw(first, ready), content_type(self.speech.response_format)
         headers = {
             "X-Request-Id": self.handle.request_id,
             "X-Sample-Rate": str(self.output_rate),
@@ -479,45 +489,51 @@ class _SpeechCall:
         if self.handle.error is not None:
             self._finished(self.handle.error)
 
-    async def _first_chunk(self, stream: AsyncIterator[StreamChunk]) -> np.ndarray:
-        async for chunk in stream:
-            if (audio := audio_of_chunk(chunk)) is not None:
+    async def _first_audio(self, ready: AsyncIterator[list[StreamChunk]]) -> list[np.ndarray]:
+        """The audio of the first chunks that hold any (one or more arrays)."""
+        async for chunks in ready:
+            if audio := _audio_of(chunks):
                 return audio
         await self.handle.result()  # raises the request's error, if any
         raise StageFailureError("server", "the model produced no audio", self.handle.request_id)
 
-    async def _audio_chunks(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[np.ndarray]:
+    async def _audio_ready(
+        self, first: list[np.ndarray], ready: AsyncIterator[list[StreamChunk]]
+    ) -> AsyncIterator[list[np.ndarray]]:
         yield first
-        async for chunk in stream:
-            if (audio := audio_of_chunk(chunk)) is not None:
+        async for chunks in ready:
+            if audio := _audio_of(chunks):
                 yield audio
 
-    async def _encoded(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
-        """The response format's bytes as the chunks arrive, then the encoder's tail (only
-        after the request succeeded: a failed stream never looks complete)."""
+    async def _encoded(
+        self, first: list[np.ndarray], ready: AsyncIterator[list[StreamChunk]]
+    ) -> AsyncIterator[list[bytes]]:
+        """The response format's bytes of each audio chunk, in lists of the chunks that
+        were ready together (one write each; a part may be b""), then the encoder's tail
+        (only after the request succeeded: a failed stream never looks complete)."""
         encoder = StreamingAudioEncoder(self.speech.response_format, self.sample_rate, self.output_rate)
         # pcm is a float -> int16 conversion (and a soxr resample when asked): tens of us
         # per chunk, less than a hop to the thread pool and back, which was almost half
         # of the event loop's busy time at 16 streams (py-spy of a CPU server);
-        # a codec's encoder (PyAV) keeps the pool so it never blocks the loop
+        # a codec's encoder (PyAV) keeps the pool (one hop per list) so it never blocks the loop
         inline = self.speech.response_format == "pcm"
-        async for samples in self._audio_chunks(first, stream):
-            self.samples_sent += len(samples)
-            data = encoder.push(samples) if inline else await run_in_threadpool(encoder.push, samples)
-            if data:
-                self._first_audio()
-                yield data
+        async for audio in self._audio_ready(first, ready):
+            self.samples_sent += sum(len(samples) for samples in audio)
+            parts = _push_all(encoder, audio) if inline else await run_in_threadpool(_push_all, encoder, audio)
+            if any(parts):
+                self._first_byte()
+                yield parts
         self.result = await self.handle.result()
         tail = encoder.finish()
         if tail:
-            self._first_audio()
-            yield tail
+            self._first_byte()
+            yield [tail]
 
-    async def _raw(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
+    async def _raw(self, first: list[np.ndarray], ready: AsyncIterator[list[StreamChunk]]) -> AsyncIterator[bytes]:
         error: BaseException | None = None
         try:
-            async for data in self._encoded(first, stream):
-                yield data
+            async for parts in self._encoded(first, ready):
+                yield b"".join(parts)
             assert self.result is not None
             self._finished(None, self.result.finish_reason)
         except OmnistageError as exc:
@@ -532,11 +548,11 @@ class _SpeechCall:
         finally:
             self._close(error)
 
-    async def _sse(self, first: np.ndarray, stream: AsyncIterator[StreamChunk]) -> AsyncIterator[bytes]:
+    async def _sse(self, first: list[np.ndarray], ready: AsyncIterator[list[StreamChunk]]) -> AsyncIterator[bytes]:
         error: BaseException | None = None
         try:
-            async for data in self._encoded(first, stream):
-                yield sse_event(SpeechAudioDelta.from_bytes(data))
+            async for parts in self._encoded(first, ready):
+                yield b"".join(sse_event(SpeechAudioDelta.from_bytes(data)) for data in parts if data)
             assert self.result is not None
             yield sse_event(SpeechAudioDone(usage=self.usage(self.result.outputs), finish_reason=self.result.finish_reason))
             self._finished(None, self.result.finish_reason)
@@ -568,7 +584,7 @@ class _SpeechCall:
         """Await ``awaitable``; if the client disconnects meanwhile, abort the request."""
         return await watch_disconnect(awaitable, self.request, lambda: self.server.pipeline.abort(self.handle.request_id))
 
-    def _first_audio(self) -> None:
+    def _first_byte(self) -> None:
         if self.first_audio_at is None:
             self.first_audio_at = time.monotonic()
             self.server.metrics.first_audio(self.first_audio_at - self.received)

@@ -39,6 +39,18 @@ async def test_linear_pipeline_streams_exact_outputs(placement):
         await assert_no_request_state(pipeline)
 
 
+async def test_a_client_that_comes_late_takes_every_ready_chunk_as_one_list():
+    async with linear_pipeline("in_process") as pipeline:
+        handle = pipeline.submit(toy.ToyRequest("hello world"))
+        await handle.wait_finished()
+        lists = [[chunk.data.tolist() for chunk in chunks] async for chunks in handle.stream_ready()]
+        expected_chunks, _ = toy.expected_linear("hello world")
+        assert len(expected_chunks) > 1
+        assert lists == [expected_chunks]
+        assert (await handle.result()).chunks == []
+        await assert_no_request_state(pipeline)
+
+
 async def test_omni_topology_serves_1000_mixed_requests_with_their_terminal_sets(placement):
     rng = random.Random(0)
     requests = [

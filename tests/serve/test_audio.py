@@ -114,8 +114,8 @@ def test_pcm_is_the_s16le_samples():
 
 
 def test_float_to_s16_clips_scales_and_rounds():
-    x = np.array([-2.0, -1.0, -0.5, 0.0, 1e-5, 2e-5, 0.5, 1.0, 3.0, np.nan], np.float32)
-    expected = [-32767, -32767, -16384, 0, 0, 1, 16384, 32767, 32767, 0]
+    x = np.array([-2.0, -1.0, -0.5, 0.0, 1e-5, 2e-5, 0.5, 1.0, 3.0, np.nan, np.inf, -np.inf], np.float32)
+    expected = [-32767, -32767, -16384, 0, 0, 1, 16384, 32767, 32767, 0, 32767, -32767]
     np.testing.assert_array_equal(float_to_s16(x), np.array(expected, np.int16))
 
 
