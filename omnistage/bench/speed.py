@@ -42,7 +42,8 @@ import io
 import json
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -59,6 +60,7 @@ from omnistage.bench.dataset import BenchSample
 
 __all__ = [
     "DEFAULT_PCM_SAMPLE_RATE",
+    "ClientPool",
     "Distribution",
     "LevelStats",
     "SpeechResult",
@@ -400,7 +402,7 @@ class SpeedReport:
 
 
 async def _run_level(
-    client: httpx.AsyncClient,
+    clients: ClientPool,
     options: SpeedOptions,
     samples: Sequence[BenchSample],
     concurrency: int,
@@ -414,15 +416,16 @@ async def _run_level(
     async def worker() -> None:
         for index in jobs:  # one shared iterator: each index is taken by one worker
             sample = samples[index % len(samples)]
-            results.append(
-                await request_speech(
-                    client,
-                    options.target,
-                    sample,
-                    stream=options.stream,
-                    response_format=options.response_format,
+            async with clients.client() as client:
+                results.append(
+                    await request_speech(
+                        client,
+                        options.target,
+                        sample,
+                        stream=options.stream,
+                        response_format=options.response_format,
+                    )
                 )
-            )
             progress.advance(task)
 
     start = time.perf_counter()
@@ -431,7 +434,7 @@ async def _run_level(
 
 
 async def _run_open_level(
-    client: httpx.AsyncClient,
+    clients: ClientPool,
     options: SpeedOptions,
     samples: Sequence[BenchSample],
     rate: float,
@@ -448,10 +451,11 @@ async def _run_open_level(
         in_flight += 1
         peak = max(peak, in_flight)
         try:
-            return await request_speech(
-                client, options.target, samples[index % len(samples)],
-                stream=options.stream, response_format=options.response_format,
-            )  # fmt: skip
+            async with clients.client() as client:
+                return await request_speech(
+                    client, options.target, samples[index % len(samples)],
+                    stream=options.stream, response_format=options.response_format,
+                )  # fmt: skip
         finally:
             in_flight -= 1
             progress.advance(task)
@@ -474,6 +478,46 @@ def make_client(
     return httpx.AsyncClient(timeout=target.timeout_s, limits=limits, transport=transport)
 
 
+class ClientPool:
+    """One single-connection ``httpx.AsyncClient`` per request in flight, reused.
+
+    Not one client with a pool of ``c`` connections: httpcore 1.0's pool does
+    O(connections^2) bookkeeping under one lock on every request start and end
+    (``AsyncConnectionPool._assign_requests_to_connections``), and at 128 connections a
+    request waited a median 0.3 s in it before its headers were sent, which the server's
+    timeline counts as the ``client`` phase (``benchmarks/http_cost.py``, 2026-12-01).
+    The clients share one SSL context: a client that builds its own takes 18 ms, one that
+    shares it 0.15 ms.
+    """
+
+    def __init__(self, target: SpeechTarget, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._target, self._transport = target, transport
+        self._ssl = httpx.create_ssl_context()
+        self._idle: list[httpx.AsyncClient] = []
+        self._all: list[httpx.AsyncClient] = []
+
+    @asynccontextmanager
+    async def client(self) -> AsyncIterator[httpx.AsyncClient]:
+        """An idle client (a new one if none is idle), for one request."""
+        client = self._idle.pop() if self._idle else self._new()
+        try:
+            yield client
+        finally:
+            self._idle.append(client)
+
+    async def aclose(self) -> None:
+        for client in self._all:
+            await client.aclose()
+
+    def _new(self) -> httpx.AsyncClient:
+        limits = httpx.Limits(max_connections=1, max_keepalive_connections=1)
+        client = httpx.AsyncClient(
+            timeout=self._target.timeout_s, limits=limits, transport=self._transport, verify=self._ssl
+        )
+        self._all.append(client)
+        return client
+
+
 async def run_speed(
     options: SpeedOptions,
     samples: Sequence[BenchSample],
@@ -486,29 +530,24 @@ async def run_speed(
     if not samples:
         raise ValueError("no samples to benchmark")
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    connections = max(
-        [*options.concurrencies, *(open_loop_requests(options, samples, r) for r in options.rates)]
-    )
-    async with make_client(options.target, connections, transport) as client:
+    clients = ClientPool(options.target, transport)
+    try:
         for index in range(options.warmup):
-            warm = await request_speech(
-                client,
-                options.target,
-                samples[index % len(samples)],
-                stream=options.stream,
-                response_format=options.response_format,
-            )
+            async with clients.client() as client:
+                warm = await request_speech(
+                    client,
+                    options.target,
+                    samples[index % len(samples)],
+                    stream=options.stream,
+                    response_format=options.response_format,
+                )
             if not warm.ok:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
         with Progress(disable=not options.show_progress) as progress:
-            levels = [
-                await _run_level(client, options, samples, c, progress)
-                for c in options.concurrencies
-            ]
-            levels += [
-                await _run_open_level(client, options, samples, rate, progress)
-                for rate in options.rates
-            ]
+            levels = [await _run_level(clients, options, samples, c, progress) for c in options.concurrencies]
+            levels += [await _run_open_level(clients, options, samples, rate, progress) for rate in options.rates]
+    finally:
+        await clients.aclose()
     return SpeedReport(
         base_url=options.target.base_url,
         model=options.target.model,
