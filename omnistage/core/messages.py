@@ -19,9 +19,15 @@ client while it runs, as stream chunks and a stream-done whose ``source`` is
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
-from omnistage.core.request import FinishReason
+from omnistage.core.request import FinishReason, PipelineRequest
+
+DataT = TypeVar("DataT", covariant=True)
+"""A stage payload's data class (the stage's ``payload_type``; None for the entry stage)."""
+
+ItemT = TypeVar("ItemT", covariant=True)
+"""A stream chunk's item class (one of its source's ``stream_types``)."""
 
 CLIENT_SOURCE = "client"
 """The ``source`` of the stream chunks and stream-done a client sends into its running
@@ -29,8 +35,10 @@ request (no stage may have this name)."""
 
 
 @dataclass(frozen=True, slots=True)
-class StagePayload:
-    """A request's input to one stage.
+class StagePayload(Generic[DataT]):
+    """A request's input to one stage; a stage annotates what it takes as
+    ``StagePayload[ItsPayloadType]`` (the class its ``payload_type`` declares, checked when
+    the topology is built and on every message at run time, :mod:`omnistage.pipeline.edges`).
 
     Attributes:
         request_id: the request's id.
@@ -45,14 +53,15 @@ class StagePayload:
     """
 
     request_id: str
-    request: Any
-    data: Any
+    request: PipelineRequest
+    data: DataT
     finish_reason: FinishReason = "stop"
 
 
 @dataclass(frozen=True, slots=True)
-class StreamChunk:
-    """One item on a streaming edge (or, from a terminal stage, output for the client).
+class StreamChunk(Generic[ItemT]):
+    """One item on a streaming edge (or, from a terminal stage, output for the client);
+    ``StreamChunk[Item]`` names the item's class.
 
     Attributes:
         request_id: the request's id.
@@ -69,8 +78,8 @@ class StreamChunk:
 
     request_id: str
     source: str
-    data: Any
-    request: Any = None
+    data: ItemT
+    request: PipelineRequest | None = None
 
     def __reduce__(self) -> tuple:
         # by constructor arguments: a step's batch holds one chunk per stream, and the
@@ -113,11 +122,13 @@ class Abort:
 
 @dataclass(frozen=True, slots=True)
 class StageResult:
-    """A terminal stage's completion of a request, sent to the coordinator."""
+    """A terminal stage's completion of a request, sent to the coordinator; ``data`` is of
+    the stage's declared ``result_type`` (checked at run time; e.g.
+    :class:`omnistage.core.payloads.AudioResult`), which the server narrows by class."""
 
     request_id: str
     stage: str
-    data: Any
+    data: object
     finish_reason: FinishReason = "stop"
 
 

@@ -1,4 +1,4 @@
-"""Request ids and finish reasons."""
+"""Request ids, finish reasons, and the base of every pipeline request."""
 
 from __future__ import annotations
 
@@ -24,3 +24,12 @@ def new_request_id() -> str:
 def most_severe(reasons: Iterable[FinishReason]) -> FinishReason:
     """The most severe of ``reasons`` (``"stop"`` when there are none)."""
     return max(reasons, key=FINISH_SEVERITY.__getitem__, default="stop")
+
+
+class PipelineRequest:
+    """Base of every model's typed pipeline request (what ``build_request`` returns and
+    every stage reads as ``StagePayload.request``): a model subclasses it with its own
+    (frozen) dataclass. It has no fields; the coordinator refuses anything else at
+    submission (``TypeError``), so no stage ever sees an untyped request."""
+
+    __slots__ = ()

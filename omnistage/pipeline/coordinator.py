@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +45,7 @@ from omnistage.core.messages import (
     StreamDone,
 )
 from omnistage.core.payloads import AudioChunk
-from omnistage.core.request import FinishReason, most_severe, new_request_id
+from omnistage.core.request import FinishReason, PipelineRequest, most_severe, new_request_id
 from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.timeline import ADMITTED, RECEIVED, Timeline
@@ -62,12 +61,12 @@ class PipelineResult:
     chunks the client had not consumed through :meth:`RequestHandle.stream`."""
 
     request_id: str
-    outputs: dict[str, Any]
+    outputs: dict[str, object]
     finish_reason: FinishReason
     chunks: list[StreamChunk] = field(default_factory=list)
 
 
-def chunk_nbytes(data: Any) -> int:
+def chunk_nbytes(data: object) -> int:
     """Bytes a stream chunk holds (tensor, array, bytes, or an :class:`AudioChunk`'s
     samples; other objects count 0)."""
     if isinstance(data, AudioChunk):
@@ -100,7 +99,7 @@ class RequestHandle:
     timeline: Timeline = field(default_factory=Timeline)
     _queue: asyncio.Queue[tuple[StreamChunk, int] | None] = field(default_factory=asyncio.Queue)
     _done: asyncio.Event = field(default_factory=asyncio.Event)
-    _outputs: dict[str, Any] = field(default_factory=dict)
+    _outputs: dict[str, object] = field(default_factory=dict)
     _finish_reason: FinishReason = "stop"
     _error: OmnistageError | None = None
     _timer: asyncio.TimerHandle | None = None
@@ -235,7 +234,7 @@ class Coordinator:
 
     def submit(
         self,
-        request: Any,
+        request: PipelineRequest,
         request_id: str | None = None,
         timeout_s: float | None = None,
         *,
@@ -254,7 +253,11 @@ class Coordinator:
                 still hold its tombstone).
             StageFailureError: ``terminal_stages_fn`` failed or broke its contract, or the
                 request cannot be sent to the entry stage's process.
+            TypeError: ``request`` is not a :class:`PipelineRequest` (a model bug: its
+                ``build_request`` returned something else).
         """
+        if not isinstance(request, PipelineRequest):
+            raise TypeError(f"a pipeline request must be a PipelineRequest, got {type(request).__name__}")
         if self.unhealthy_reason is not None:
             raise PipelineUnhealthyError(self.unhealthy_reason, self.retry_after_s)
         if len(self.requests) >= self.max_concurrent_requests:
@@ -278,7 +281,7 @@ class Coordinator:
             raise
         return handle
 
-    def send_input(self, request_id: str, data: Any) -> bool:
+    def send_input(self, request_id: str, data: object) -> bool:
         """More input of a running request from its client (e.g. an
         :class:`~omnistage.core.payloads.InputText`), to the stage that takes client input.
         Input comes to that stage in the order it is sent, after the request's own.

@@ -140,7 +140,7 @@ def _check_merge(stage: str, merge: Callable[..., Any] | None, payload: type) ->
         )
 
 
-def check_message(stage: str, what: str, data: Any, declared: type | tuple[type, ...] | None) -> None:
+def check_message(stage: str, what: str, data: object, declared: type | tuple[type, ...] | None) -> None:
     """Run-time check of one outgoing ``data`` against its declaration.
 
     Raises:

@@ -39,6 +39,7 @@ from omnistage.core.messages import (
     StreamChunk,
     StreamDone,
 )
+from omnistage.core.request import PipelineRequest
 from omnistage.pipeline import relay
 from omnistage.pipeline.coordinator import Coordinator, RequestHandle
 from omnistage.pipeline.host import StageHost, endpoint_name
@@ -50,7 +51,7 @@ from omnistage.pipeline.transport import MAIN_GROUP, Envelope, segment_name_pref
 logger = logging.getLogger(__name__)
 
 
-def sample_requests(config: PipelineConfig) -> list[tuple[str, Any]]:
+def sample_requests(config: PipelineConfig) -> list[tuple[str, PipelineRequest]]:
     """The model's declared sample requests (``sample_requests_fn``), or none."""
     if not config.sample_requests_fn:
         return []
@@ -273,7 +274,7 @@ class Pipeline:
     # ------------------------------------------------------------------ requests
     def submit(
         self,
-        request: Any,
+        request: PipelineRequest,
         request_id: str | None = None,
         timeout_s: float | None = None,
         *,
@@ -288,7 +289,7 @@ class Pipeline:
             request, request_id, timeout_s, collect=collect, received_at=received_at
         )
 
-    def send_input(self, request_id: str, data: Any) -> bool:
+    def send_input(self, request_id: str, data: object) -> bool:
         """More client input into a running request (:meth:`Coordinator.send_input`)."""
         if self.coordinator is None:
             raise PipelineUnhealthyError("the pipeline is not started")

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from omnistage.config.hooks import factory_args, import_callable
 from omnistage.config.pipeline import PipelineConfig, StageConfig
@@ -39,7 +39,7 @@ from omnistage.core.messages import (
     StreamChunk,
     StreamDone,
 )
-from omnistage.core.request import FinishReason, most_severe
+from omnistage.core.request import FinishReason, PipelineRequest, most_severe
 from omnistage.core.tombstones import Tombstones
 from omnistage.pipeline.edges import check_message
 from omnistage.pipeline.relay import RelayError
@@ -84,7 +84,7 @@ def build_scheduler(pipeline: PipelineConfig, stage: StageConfig) -> Scheduler:
 class _Active:
     """A request known at this stage: from its payload, or from a first stream chunk."""
 
-    request: Any
+    request: PipelineRequest
     stream_targets: list[str]
     payload: StagePayload | None = None
     announced: set[str] = field(default_factory=set)  # stream targets that got `request`
@@ -208,7 +208,7 @@ class StageRuntime:
             check_message(self.name, "client input", message.data, self.types.client_input)
         return message
 
-    def _known(self, request_id: str, request: Any) -> _Active:
+    def _known(self, request_id: str, request: PipelineRequest) -> _Active:
         active = self._active.get(request_id)
         if active is None:
             targets = self.topology.stream_targets(self.name, StagePayload(request_id, request, None))
@@ -222,7 +222,7 @@ class StageRuntime:
         return self._active.pop(request_id, None)
 
     # ----------------------------------------------------- outbound (StageOutbox)
-    def result(self, request_id: str, data: Any, finish_reason: FinishReason = "stop") -> None:
+    def result(self, request_id: str, data: object, finish_reason: FinishReason = "stop") -> None:
         outgoing: Outgoing = []
         events: list[CoordinatorEvent] = []
         with self._lock:
@@ -248,14 +248,14 @@ class StageRuntime:
                     events.append(StageFailed(request_id, self.name, exc))
         self._emit(request_id, outgoing, events)
 
-    def stream(self, request_id: str, data: Any) -> None:
+    def stream(self, request_id: str, data: object) -> None:
         outgoing: Outgoing = []
         events: list[CoordinatorEvent] = []
         with self._lock:
             self._stream_locked(request_id, data, outgoing, events)
         self._emit(request_id, outgoing, events)
 
-    def stream_many(self, items: Sequence[tuple[str, Any]]) -> None:
+    def stream_many(self, items: Sequence[tuple[str, object]]) -> None:
         """:meth:`stream` of many requests' chunks under one lock, as ONE
         :class:`StreamBatch` per stream target."""
         outgoing: Outgoing = []
@@ -281,7 +281,7 @@ class StageRuntime:
             self.links.to_coordinator(failed)
 
     def _stream_locked(
-        self, request_id: str, data: Any, outgoing: Outgoing, events: list[CoordinatorEvent]
+        self, request_id: str, data: object, outgoing: Outgoing, events: list[CoordinatorEvent]
     ) -> None:
         active = self._active.get(request_id)
         if active is None:

@@ -34,6 +34,7 @@ from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig, StageConfig
 from omnistage.core.errors import PipelineConfigError, StageFailureError
 from omnistage.core.messages import CLIENT_SOURCE, StagePayload
+from omnistage.core.request import PipelineRequest
 from omnistage.pipeline.edges import StageTypes, check_edges
 
 
@@ -43,7 +44,7 @@ class StageHooks:
 
     route: Callable[[StagePayload], str | list[str]] | None
     wait_for: Callable[[StagePayload], list[str]] | None
-    merge: Callable[[dict[str, StagePayload]], Any] | None
+    merge: Callable[[dict[str, StagePayload]], object] | None
     stream_done_to: Callable[[StagePayload], list[str]] | None
 
 
@@ -224,7 +225,7 @@ class Topology:
         chosen = list(_call(stage, "stream_done_to_fn", hook, payload))
         return self._subset(stage, "stream_done_to_fn", chosen, config.stream_to, allow_empty=True)
 
-    def terminal_set(self, request: Any) -> frozenset[str]:
+    def terminal_set(self, request: PipelineRequest) -> frozenset[str]:
         """The terminal stages ``request`` ends at (all terminals without a hook)."""
         if self._terminal_fn is None:
             return self.terminals
@@ -233,7 +234,7 @@ class Topology:
         )
         return frozenset(chosen)
 
-    def merge(self, stage: str, payloads: dict[str, StagePayload]) -> Any:
+    def merge(self, stage: str, payloads: dict[str, StagePayload]) -> object:
         """``merge_fn`` of fan-in stage ``stage`` applied to its sources' payloads."""
         merge = self.hooks[stage].merge
         assert merge is not None, "validated: fan-in stages have a merge_fn"
@@ -251,7 +252,7 @@ class Topology:
         return chosen
 
     # ---------------------------------------------------------- consistency proof
-    def check_consistency(self, samples: Iterable[tuple[str, Any]]) -> None:
+    def check_consistency(self, samples: Iterable[tuple[str, PipelineRequest]]) -> None:
         """Prove, for each ``(label, request)``, that no request can hang or leak.
 
         Raises:

@@ -19,7 +19,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from omnistage.core.messages import StageInput
 from omnistage.core.request import FinishReason
@@ -32,14 +32,14 @@ class StageOutbox(Protocol):
     """Where a scheduler reports; every method is thread-safe and ignores unknown requests
     (a request aborted meanwhile is simply dropped)."""
 
-    def result(self, request_id: str, data: Any, finish_reason: FinishReason = "stop") -> None:
+    def result(self, request_id: str, data: object, finish_reason: FinishReason = "stop") -> None:
         """The request is done at this stage; ``data`` goes to the next stages / client."""
 
-    def stream(self, request_id: str, data: Any) -> None:
+    def stream(self, request_id: str, data: object) -> None:
         """One stream item to this stage's stream targets (or to the client, if terminal);
         its type is one of the stage's ``stream_types``."""
 
-    def stream_many(self, items: Sequence[tuple[str, Any]]) -> None:
+    def stream_many(self, items: Sequence[tuple[str, object]]) -> None:
         """``(request_id, data)`` chunks of many requests (e.g. one engine step's frames):
         as :meth:`stream` for each, sent as one message per stream target."""
 
@@ -66,7 +66,7 @@ class ItemResult:
     """Returned in place of a bare output to finish an item with another finish_reason
     (e.g. ``"length"`` when a generation cap was reached)."""
 
-    data: Any
+    data: object
     finish_reason: FinishReason = "stop"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Callable
-from typing import Any
 
 from omnistage.core.messages import Abort, StageInput, StagePayload
 from omnistage.scheduling.base import ItemFailure, ItemResult, Scheduler
@@ -26,7 +25,7 @@ class SimpleScheduler(Scheduler):
 
     def __init__(
         self,
-        compute: Callable[[list[StagePayload]], list[Any]],
+        compute: Callable[[list[StagePayload]], list[object]],
         max_batch_size: int = 1,
         max_batch_wait_ms: float = 0.0,
         release_callback: Callable[[str], None] | None = None,
@@ -72,7 +71,7 @@ class SimpleScheduler(Scheduler):
             self.outbox.fail(message.request_id, TypeError(f"stage {self.stage_name!r} takes no streams"))
 
     def _compute(self, batch: list[StagePayload]) -> None:
-        outputs: list[Any] = []
+        outputs: list[object] = []
 
         def compute() -> None:
             outputs.extend(self.compute(batch))

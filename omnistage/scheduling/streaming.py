@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnistage.core.messages import Abort, StagePayload, StreamChunk, StreamDone
+from omnistage.core.messages import Abort, StageInput, StagePayload, StreamChunk, StreamDone
 from omnistage.core.request import FinishReason
 from omnistage.core.tombstones import Tombstones
 from omnistage.scheduling.base import Scheduler
@@ -52,7 +52,7 @@ class StreamingScheduler(Scheduler):
         super().__init__(release_callback)
         self.states: dict[str, StreamState] = {}
         self._ended = Tombstones()
-        self._emitted: list[tuple[str, Any]] = []  # this tick's stream items, not sent yet
+        self._emitted: list[tuple[str, object]] = []  # this tick's stream items, not sent yet
 
     def live_requests(self) -> set[str]:
         return set(self.states)
@@ -65,11 +65,11 @@ class StreamingScheduler(Scheduler):
     def ready_to_finish(self, state: StreamState) -> bool:
         return state.payload is not None and (state.done or not self.expects_stream)
 
-    def emit(self, state: StreamState, data: Any) -> None:
+    def emit(self, state: StreamState, data: object) -> None:
         """A stream item of ``state``'s request, sent with the tick's others."""
         self._emitted.append((state.request_id, data))
 
-    def complete(self, state: StreamState, data: Any, finish_reason: FinishReason = "stop") -> None:
+    def complete(self, state: StreamState, data: object, finish_reason: FinishReason = "stop") -> None:
         """Finish ``state``'s request with ``data`` (after the items emitted before it);
         its state is dropped."""
         self._flush()
@@ -114,7 +114,7 @@ class StreamingScheduler(Scheduler):
             for request_id in ids:
                 self._release_state(request_id)
 
-    def _ingest(self, message: Any) -> StreamState | None:
+    def _ingest(self, message: StageInput) -> StreamState | None:
         request_id = message.request_id
         if isinstance(message, Abort):
             self._release_state(request_id)

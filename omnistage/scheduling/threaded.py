@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 from omnistage.core.messages import Abort, StagePayload
 from omnistage.scheduling.base import Scheduler
@@ -30,7 +29,7 @@ class ThreadedScheduler(Scheduler):
 
     def __init__(
         self,
-        compute: Callable[[StagePayload], Any],
+        compute: Callable[[StagePayload], object],
         num_workers: int = 8,
         release_callback: Callable[[str], None] | None = None,
     ) -> None:
@@ -71,7 +70,7 @@ class ThreadedScheduler(Scheduler):
         self.release(request_id)
 
     def _work(self, payload: StagePayload) -> None:
-        outputs: list[Any] = []
+        outputs: list[object] = []
         ok = self.run_batch([payload.request_id], lambda: outputs.append(self.compute(payload)))
         with self._lock:
             self._running.pop(payload.request_id, None)

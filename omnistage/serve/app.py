@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -47,7 +47,7 @@ from omnistage.core.errors import (
     StageFailureError,
 )
 from omnistage.core.messages import StreamChunk
-from omnistage.core.request import new_request_id
+from omnistage.core.request import PipelineRequest, new_request_id
 from omnistage.pipeline.coordinator import PipelineResult, RequestHandle
 from omnistage.pipeline.timeline import FIRST_BYTE
 from omnistage.serve.audio import (
@@ -129,7 +129,9 @@ class SpeechServer(ModelServer):
     def model_name(self) -> str:
         return self.capabilities.model_name
 
-    def prepare(self, body: bytes | Mapping[str, Any], owner: str, *, live: bool = False) -> tuple[SpeechRequest, Any]:
+    def prepare(
+        self, body: bytes | Mapping[str, object], owner: str, *, live: bool = False
+    ) -> tuple[SpeechRequest, PipelineRequest]:
         """A speech request body -> (validated request, the model's typed request): parse,
         resolve a saved voice of ``owner``, validate, build (``live``: as a request whose
         text continues while it runs, ``build_live_request``). CPU only (run it in a thread).
@@ -153,7 +155,7 @@ class SpeechServer(ModelServer):
             return request
         return self.model.with_saved_voice(request, data_uri(voice.mime_type, self.library.audio(voice)), voice.ref_text)
 
-    def warmup_request(self) -> Any:
+    def warmup_request(self) -> PipelineRequest:
         warmup = validate_speech_request(self.model.sample_requests()[0], self.capabilities)
         return self.model.build_request(warmup, self.settings.media_policy)
 
@@ -343,7 +345,7 @@ def _install_speech_routes(app: FastAPI, v1: APIRouter, server: SpeechServer) ->
 
 
 async def _open_call(
-    server: SpeechServer, request: Request, received: float, body: Mapping[str, Any] | None = None
+    server: SpeechServer, request: Request, received: float, body: Mapping[str, object] | None = None
 ) -> _SpeechCall:
     """Prepare and admit one speech request: ``body``, else the request's own JSON body
     (4xx and 503 here, counted in the metrics).
@@ -368,7 +370,7 @@ async def _open_call(
     return await admit(server, request_id, prepare_and_submit)
 
 
-async def _batch_item(server: SpeechServer, request: Request, body: dict[str, Any], received: float) -> BatchItem:
+async def _batch_item(server: SpeechServer, request: Request, body: dict[str, object], received: float) -> BatchItem:
     """One request of a batch, always a whole file: its result or its error, never raised."""
     try:
         if body.get("stream") or body.get("stream_format") == "sse":
@@ -565,7 +567,7 @@ class _SpeechCall:
         finally:
             self._close(error)
 
-    def usage(self, outputs: dict[str, Any]) -> SpeechUsage:
+    def usage(self, outputs: dict[str, object]) -> SpeechUsage:
         return usage_of(outputs, len(self.speech.input), self.samples_sent / self.sample_rate)
 
     def _close(self, error: BaseException | None) -> None:
@@ -610,7 +612,7 @@ class _SpeechCall:
         ignored = self.speech.ignored_fields
         return {"X-Ignored-Fields": ", ".join(ignored)} if ignored else {}
 
-    def _headers(self, outputs: dict[str, Any], finish_reason: str, samples_out: int) -> dict[str, str]:
+    def _headers(self, outputs: dict[str, object], finish_reason: str, samples_out: int) -> dict[str, str]:
         usage = self.usage(outputs)
         headers = {
             "X-Request-Id": self.handle.request_id,

@@ -33,7 +33,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request
@@ -45,7 +44,7 @@ from omnistage.core.errors import (
     RequestAbortedError,
 )
 from omnistage.core.payloads import AudioResult, TextDelta, TextResult
-from omnistage.core.request import new_request_id
+from omnistage.core.request import PipelineRequest, new_request_id
 from omnistage.pipeline.coordinator import PipelineResult, RequestHandle
 from omnistage.serve.audio import StreamingAudioEncoder, audio_of_chunk, encode_audio, resample
 from omnistage.serve.chat_media import load_chat_inputs
@@ -112,7 +111,7 @@ class ChatServer(ModelServer):
     def model_name(self) -> str:
         return self.capabilities.model_name
 
-    def prepare(self, body: bytes | Mapping[str, Any] | ChatCompletionRequest) -> tuple[ChatCompletionRequest, Any]:
+    def prepare(self, body: bytes | Mapping[str, object] | ChatCompletionRequest) -> tuple[ChatCompletionRequest, PipelineRequest]:
         """A chat body -> (validated request, the model's typed request): parse, validate,
         read and decode the media, build. Blocks (run it in a thread).
 
@@ -124,7 +123,7 @@ class ChatServer(ModelServer):
         turns = load_chat_inputs(req, self.capabilities, self.settings.media_policy)
         return req, self.model.build_request(req, turns)
 
-    def warmup_request(self) -> Any:
+    def warmup_request(self) -> PipelineRequest:
         return self.prepare(self.model.sample_requests()[0])[1]
 
 

@@ -31,9 +31,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import ClassVar, Self
 
 from omnistage.config.pipeline import PipelineConfig
+from omnistage.core.request import PipelineRequest
 from omnistage.serve.chat_media import ChatTurn
 from omnistage.serve.chat_protocol import ChatCapabilities, ChatCompletionRequest
 from omnistage.serve.media import MediaPolicy
@@ -111,7 +112,7 @@ class ChatModelConfig(ModelConfig):
         """What this checkpoint accepts: input kinds, speakers, formats, limits."""
         raise NotImplementedError
 
-    def build_request(self, request: ChatCompletionRequest, turns: tuple[ChatTurn, ...]) -> Any:
+    def build_request(self, request: ChatCompletionRequest, turns: tuple[ChatTurn, ...]) -> PipelineRequest:
         """Turn a validated request (an instance of ``chat_request``) and its messages
         with their media decoded into the pipeline's typed request; any remaining bad
         input raises :class:`~omnistage.core.errors.RequestValidationError` naming the
@@ -140,13 +141,13 @@ class SpeechModelConfig(ModelConfig):
         voices, languages, limits)."""
         raise NotImplementedError
 
-    def build_request(self, request: SpeechRequest, media: MediaPolicy) -> Any:
+    def build_request(self, request: SpeechRequest, media: MediaPolicy) -> PipelineRequest:
         """Turn a validated speech request (an instance of ``speech_request``) into the
         pipeline's typed request; any remaining bad input raises
         :class:`~omnistage.core.errors.RequestValidationError` here, before model work."""
         raise NotImplementedError
 
-    def build_live_request(self, request: SpeechRequest, media: MediaPolicy) -> Any:
+    def build_live_request(self, request: SpeechRequest, media: MediaPolicy) -> PipelineRequest:
         """As :meth:`build_request`, for a request whose text continues while it runs
         (``request.input`` is the text so far): the rest comes as
         :class:`~omnistage.core.payloads.InputText` client input, then its end

@@ -11,7 +11,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from fastapi import Request
 from starlette.requests import ClientDisconnect
@@ -22,6 +22,7 @@ from omnistage.core.errors import (
     RequestAbortedError,
     UnsupportedMediaTypeError,
 )
+from omnistage.core.request import PipelineRequest
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.metrics import ServerMetrics
@@ -76,7 +77,7 @@ class ModelServer:
         self.start_error: str | None = None
         self.created = int(time.time())
 
-    def warmup_request(self) -> Any:
+    def warmup_request(self) -> PipelineRequest:
         """The model's typed request run once before reporting ready."""
         raise NotImplementedError
 

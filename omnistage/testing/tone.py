@@ -16,6 +16,7 @@ from pydantic import Field
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.core.messages import StagePayload
 from omnistage.core.payloads import AudioChunk, AudioResult
+from omnistage.core.request import PipelineRequest
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import ItemResult, SimpleScheduler
 from omnistage.serve.media import MediaPolicy
@@ -27,7 +28,7 @@ CHAR_S = 0.05
 
 
 @dataclass(frozen=True)
-class ToneRequest:
+class ToneRequest(PipelineRequest):
     text: str
     voice: str
     speed: float

@@ -16,6 +16,7 @@ import torch
 from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
 from omnistage.core.errors import OmnistageError
 from omnistage.core.messages import StageInput, StagePayload
+from omnistage.core.request import PipelineRequest
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import (
     ItemFailure,
@@ -27,7 +28,7 @@ from omnistage.scheduling import (
 
 
 @dataclass(frozen=True)
-class ToyRequest:
+class ToyRequest(PipelineRequest):
     text: str
     image: bool = False
     audio_in: bool = False

@@ -11,6 +11,7 @@ import torch
 
 from omnistage.config.pipeline import FactoryConfig, PipelineConfig, StageConfig
 from omnistage.core.messages import StagePayload, StreamChunk
+from omnistage.core.request import PipelineRequest
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
@@ -27,7 +28,7 @@ from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 
 @dataclass(frozen=True)
-class ToyARRequest:
+class ToyARRequest(PipelineRequest):
     """A request for :func:`toy_ar_stage`: a random prompt and ``rows`` step rows from
     ``seed``. In :func:`ar_stream_pipeline_config`, ``given`` rows come with the request
     and the rest are streamed in one by one, each once :data:`ROW_GATES` lets it pass

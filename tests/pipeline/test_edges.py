@@ -101,3 +101,12 @@ async def test_typed_edges_pass_what_they_declare():
         result = await pipeline.submit(toy.ToyRequest("hello")).result()
         assert result.outputs["accumulate"] == toy.expected_linear("hello")[1]
         await assert_no_request_state(pipeline)
+
+
+async def test_a_request_that_is_no_pipeline_request_is_refused_at_submission():
+    async with Pipeline(_typed_linear()) as pipeline:
+        with pytest.raises(TypeError, match="must be a PipelineRequest, got dict"):
+            pipeline.submit({"text": "hello"})
+        await assert_no_request_state(pipeline)
+        result = await pipeline.submit(toy.ToyRequest("hello")).result()
+        assert result.outputs["accumulate"] == toy.expected_linear("hello")[1]

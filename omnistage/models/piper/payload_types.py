@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from omnistage.core.request import PipelineRequest
+
 
 @dataclass(frozen=True)
-class PiperRequest:
+class PiperRequest(PipelineRequest):
     """A validated synthesis request (built by :mod:`.request_builders`).
 
     Attributes:

@@ -32,6 +32,7 @@ import torch
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.core.payloads import TextDelta, TextResult
+from omnistage.core.request import PipelineRequest
 from omnistage.models.qwen3_omni.modeling.mrope import MultimodalLayout
 from omnistage.models.qwen3_omni.modeling.thinker import EncoderRows
 from omnistage.models.qwen3_omni.processing import ChatMessage
@@ -108,7 +109,7 @@ class TalkerSampling:
 
 
 @dataclass(frozen=True)
-class Qwen3OmniRequest:
+class Qwen3OmniRequest(PipelineRequest):
     """A validated chat request (built by :func:`.request_builders.build_chat_request`).
 
     Attributes:

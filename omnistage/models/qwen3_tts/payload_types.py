@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from omnistage.core.request import PipelineRequest
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
 from omnistage.models.qwen3_tts.capabilities import ModelType
@@ -34,7 +35,7 @@ class SamplingOverrides:
 
 
 @dataclass(frozen=True, eq=False)  # eq=False: ndarray fields have no boolean equality
-class Qwen3TTSRequest:
+class Qwen3TTSRequest(PipelineRequest):
     """A validated synthesis request (built by :func:`.request_builders.build_qwen3_tts_request`).
 
     Attributes:

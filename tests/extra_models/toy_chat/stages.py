@@ -7,12 +7,13 @@ from dataclasses import dataclass
 
 from omnistage.core.messages import StagePayload
 from omnistage.core.payloads import TextDelta, TextResult
+from omnistage.core.request import PipelineRequest
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import SimpleScheduler
 
 
 @dataclass(frozen=True)
-class ToyChatRequest:
+class ToyChatRequest(PipelineRequest):
     """The pipeline's request: the conversation's text (``prompt``: every turn, joined),
     the last user text, ``shout`` (upper case) and the reply's word cap."""
 

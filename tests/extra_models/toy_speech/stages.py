@@ -11,6 +11,7 @@ import numpy as np
 
 from omnistage.core.messages import StagePayload
 from omnistage.core.payloads import AudioChunk, AudioResult
+from omnistage.core.request import PipelineRequest
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling import SimpleScheduler
 
@@ -19,7 +20,7 @@ TONE_S = 0.05
 
 
 @dataclass(frozen=True)
-class ToySpeechRequest:
+class ToySpeechRequest(PipelineRequest):
     """The pipeline's request: ``text``, the voice's base pitch (Hz), ``pitch_shift``
     (semitones) and ``brightness`` (0..1, weight of the upper harmonics)."""
 

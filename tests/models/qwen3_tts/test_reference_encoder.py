@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from omnistage.core.messages import StagePayload
+from omnistage.core.request import PipelineRequest
 from omnistage.models.qwen3_tts.stages import ReferenceEncoder, reference_scheduler
 
 
@@ -42,7 +43,7 @@ def clip(seed: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class ClipRequest:
+class ClipRequest(PipelineRequest):
     ref_audio: np.ndarray
 
 
