@@ -9,16 +9,24 @@ import multiprocessing
 import threading
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig
 from omnistage.core.messages import CoordinatorEvent, StageFailed, StreamChunk
+from omnistage.pipeline.control import (
+    ControlMessage,
+    Peers,
+    Ready,
+    StartupFailed,
+    StateQuery,
+    StateReply,
+    Stop,
+)
 from omnistage.pipeline.host import StageHost
 from omnistage.pipeline.relay import RelayError
 from omnistage.pipeline.stage import StageRuntime, build_scheduler
 from omnistage.pipeline.topology import Topology
-from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+from omnistage.pipeline.transport import MAIN_GROUP, ZmqTransport
 
 PARENT_CHECK_S = 0.5
 
@@ -43,10 +51,10 @@ def run_child(
     alive: Callable[[], bool] = _parent_alive,
 ) -> None:
     """Build the stages of ``group`` as its process ``endpoint`` (``replicas``: the replica
-    count of each replicated group), report ``ready`` (or ``startup_failed``), and serve until told to stop or ``alive()`` turns False (default:
+    count of each replicated group), report :class:`Ready` (or :class:`StartupFailed`), and serve until told to stop or ``alive()`` turns False (default:
     the parent process is gone). ``bind``: the address to bind instead of
     ``addresses[endpoint]``; ``announce(transport)``: called once the transport runs,
-    before the stages are built (Ray placement: the ``hello`` with the bound address)."""
+    before the stages are built (Ray placement: the :class:`~omnistage.pipeline.control.Hello` with the bound address)."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s [{endpoint}] %(levelname)s %(name)s: %(message)s")
     stopped = threading.Event()
 
@@ -73,13 +81,14 @@ def run_child(
     transport = ZmqTransport(endpoint, addresses, prefix, host.on_message, host.on_undeliverable, bind=bind)
     host.transport = transport
 
-    def on_control(envelope: Envelope, body: Any) -> None:
-        if envelope.kind == "state_query":
-            transport.send(MAIN_GROUP, "state_reply", (body, endpoint, host.live_state()))
-        elif envelope.kind == "peers":
-            transport.set_peers(*body)
-        elif envelope.kind == "stop":
-            stopped.set()
+    def on_control(message: ControlMessage) -> None:
+        match message:
+            case StateQuery(token):
+                transport.send(MAIN_GROUP, "control", StateReply(token, endpoint, host.live_state()))
+            case Peers(addresses, remote):
+                transport.set_peers(addresses, remote)
+            case Stop():
+                stopped.set()
 
     host.on_control = on_control
     transport.start()
@@ -92,14 +101,14 @@ def run_child(
             if routes[stage.name] == group:
                 host.stages[stage.name] = StageRuntime(topology, stage.name, build_scheduler(config, stage), host)
     except BaseException as exc:  # noqa: BLE001 -- the process boundary: any start-up failure is reported
-        transport.send(MAIN_GROUP, "startup_failed", (endpoint, "".join(traceback.format_exception(exc))))
+        transport.send(MAIN_GROUP, "control", StartupFailed(endpoint, "".join(traceback.format_exception(exc))))
         stopped.wait(5.0)
         transport.stop()
         return
     host.stages_built()
     for stage in host.stages.values():
         stage.start()
-    transport.send(MAIN_GROUP, "ready", endpoint)
+    transport.send(MAIN_GROUP, "control", Ready(endpoint))
     while not stopped.wait(PARENT_CHECK_S):
         if not alive():
             break

@@ -23,10 +23,11 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from omnistage.config.pipeline import StageConfig
 from omnistage.core.errors import PipelineConfigError, StageFailureError
+from omnistage.core.messages import StagePayload
 from omnistage.pipeline.hooks import import_type
 
 
@@ -80,7 +81,7 @@ def _name(cls: type) -> str:
 
 
 def check_edges(
-    stages: dict[str, StageConfig], types: dict[str, StageTypes], merges: dict[str, Callable[..., Any] | None]
+    stages: dict[str, StageConfig], types: dict[str, StageTypes], merges: dict[str, Callable[[dict[str, StagePayload]], object] | None]
 ) -> list[Edge]:
     """Check every edge's declarations; returns the edges with what they carry.
 
@@ -129,7 +130,7 @@ def _stream_edge(source: str, target: str, streams: tuple[type, ...], accepts: t
     return Edge("stream", source, target, streams)
 
 
-def _check_merge(stage: str, merge: Callable[..., Any] | None, payload: type) -> None:
+def _check_merge(stage: str, merge: Callable[[dict[str, StagePayload]], object] | None, payload: type) -> None:
     assert merge is not None, "validated: fan-in stages have a merge_fn"
     returned = typing.get_type_hints(merge).get("return")
     if not isinstance(returned, type) or not issubclass(returned, payload):

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from omnistage.core.errors import StageFailureError
 from omnistage.core.messages import Abort, CoordinatorEvent, StageFailed, StageInput
 from omnistage.core.tombstones import Tombstones
+from omnistage.pipeline.control import ControlMessage
 from omnistage.pipeline.stage import StageRuntime
-from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+from omnistage.pipeline.transport import MAIN_GROUP, Body, Envelope, ZmqTransport
 
 
 def endpoint_name(group: str, replica: int, replicas: int) -> str:
@@ -55,8 +55,8 @@ class StageHost:
         self.replicas = replicas or {}
         self.stages: dict[str, StageRuntime] = {}
         self.transport: ZmqTransport | None = None
-        self.on_control: Callable[[Envelope, Any], None] | None = None
-        self._held: list[tuple[Envelope, Any]] | None = [] if hold_until_built else None
+        self.on_control: Callable[[ControlMessage], None] | None = None
+        self._held: list[tuple[Envelope, Body]] | None = [] if hold_until_built else None
         self._held_lock = threading.Lock()
         self.assignments: dict[str, dict[str, int]] = {}  # request id -> group -> replica
         self._assignments_lock = threading.Lock()
@@ -105,7 +105,7 @@ class StageHost:
                 self._dispatch(envelope, body)
             self._held = None
 
-    def on_message(self, envelope: Envelope, body: Any) -> None:
+    def on_message(self, envelope: Envelope, body: Body) -> None:
         """Transport callback (receiver thread)."""
         if envelope.kind in ("stage", "abort"):
             with self._held_lock:
@@ -114,7 +114,7 @@ class StageHost:
                     return
         self._dispatch(envelope, body)
 
-    def _dispatch(self, envelope: Envelope, body: Any) -> None:
+    def _dispatch(self, envelope: Envelope, body: Body) -> None:
         if envelope.kind == "stage":
             if envelope.replicas:
                 self.assign(envelope.request_id, envelope.replicas)
@@ -123,8 +123,8 @@ class StageHost:
             self.abort_local(body)
         elif envelope.kind == "event":
             self.coordinator_sink(body)  # a tuple of events
-        elif self.on_control is not None:
-            self.on_control(envelope, body)
+        elif envelope.kind == "control" and self.on_control is not None:
+            self.on_control(body)
 
     def on_undeliverable(self, envelope: Envelope, error: Exception) -> None:
         """Transport callback: a received message could not be decoded or delivered; its

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import multiprocessing.process
 import os
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import Any
 
 from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig
@@ -41,14 +41,26 @@ from omnistage.core.messages import (
 )
 from omnistage.core.request import PipelineRequest
 from omnistage.pipeline import relay
+from omnistage.pipeline.control import (
+    ControlMessage,
+    Ready,
+    StartupFailed,
+    StateQuery,
+    StateReply,
+    Stop,
+)
 from omnistage.pipeline.coordinator import Coordinator, RequestHandle
 from omnistage.pipeline.host import StageHost, endpoint_name
 from omnistage.pipeline.placement import LocalPlacement, Placement, PlacementContext
 from omnistage.pipeline.stage import StageRuntime, build_scheduler
 from omnistage.pipeline.topology import Topology
-from omnistage.pipeline.transport import MAIN_GROUP, Envelope, segment_name_prefix
+from omnistage.pipeline.transport import MAIN_GROUP, segment_name_prefix
 
 logger = logging.getLogger(__name__)
+
+LiveState = list[str] | int | dict[str, list[str]]
+"""One entry of :meth:`Pipeline.live_state`: request ids or segment names, a byte count
+(``coordinator.queued_bytes``), or a stage's structures -> the request ids they hold."""
 
 
 def sample_requests(config: PipelineConfig) -> list[tuple[str, PipelineRequest]]:
@@ -115,7 +127,7 @@ class Pipeline:
         self.coordinator: Coordinator | None = None
         self.host: StageHost | None = None
         self._segment_prefix = f"omnistage_{os.getpid()}_{uuid.uuid4().hex[:6]}_"
-        self._control: dict[str, asyncio.Future[Any]] = {}
+        self._control: dict[str, asyncio.Future[Ready | StateReply]] = {}
         self._watchdog: asyncio.Task[None] | None = None
         context = PlacementContext(
             config, self.routes, self.replicas, self.endpoints, self._segment_prefix, startup_timeout_s, self._expect
@@ -123,7 +135,7 @@ class Pipeline:
         self.placement: Placement = _placement_class(config)(context)
 
     @property
-    def processes(self) -> dict[str, Any]:
+    def processes(self) -> dict[str, multiprocessing.process.BaseProcess]:
         """The spawned processes by endpoint (local placement; empty under Ray)."""
         return self.placement.processes if isinstance(self.placement, LocalPlacement) else {}
 
@@ -183,7 +195,7 @@ class Pipeline:
                 await asyncio.to_thread(runtime.stop)
             if self.host.transport is not None:
                 for endpoint in self.endpoints:
-                    self.host.transport.send(endpoint, "stop")
+                    self.host.transport.send(endpoint, "control", Stop())
         await self.placement.stop()
         if self.host is not None and self.host.transport is not None:
             self.host.transport.stop()
@@ -341,12 +353,12 @@ class Pipeline:
                 self.host.transport.send(endpoint, "abort", request_id)
 
     # -------------------------------------------------------------- introspection
-    async def live_state(self, timeout_s: float = 5.0) -> dict[str, Any]:
+    async def live_state(self, timeout_s: float = 5.0) -> dict[str, LiveState]:
         """Per-request state held anywhere (empty when nothing leaked): coordinator
         requests and queued stream bytes, each stage's structures (in every process),
         and shared-memory segments not yet received."""
         assert self.coordinator is not None and self.host is not None
-        state: dict[str, Any] = {}
+        state: dict[str, LiveState] = {}
         if self.coordinator.requests:
             state["coordinator.requests"] = sorted(self.coordinator.requests)
         if self.coordinator.queued_bytes:
@@ -356,38 +368,39 @@ class Pipeline:
             for endpoint in self.endpoints:
                 token = uuid.uuid4().hex
                 reply = self._expect(f"state:{token}")
-                self.host.transport.send(endpoint, "state_query", token)
-                _, _, child_state = await asyncio.wait_for(reply, timeout_s)
-                state.update({f"{endpoint}.{k}": v for k, v in child_state.items()})
+                self.host.transport.send(endpoint, "control", StateQuery(token))
+                answer = await asyncio.wait_for(reply, timeout_s)
+                assert isinstance(answer, StateReply)
+                state.update({f"{endpoint}.{k}": v for k, v in answer.state.items()})
         segments = [n for n in os.listdir("/dev/shm") if n.startswith(self._segment_prefix)] if os.path.isdir("/dev/shm") else []
         if segments:
             state["shared_memory"] = segments
         return state
 
-    def _expect(self, key: str) -> asyncio.Future[Any]:
+    def _expect(self, key: str) -> asyncio.Future[Ready | StateReply]:
         future = asyncio.get_running_loop().create_future()
         self._control[key] = future
         return future
 
-    def _on_control(self, envelope: Envelope, body: Any) -> None:
+    def _on_control(self, message: ControlMessage) -> None:
         """Transport callback for control replies (receiver thread); the placement sees
         each of them first (:meth:`Placement.on_control`)."""
         assert self.coordinator is not None
-        self.placement.on_control(envelope, body)
-        if envelope.kind == "ready":
-            key, value = f"ready:{body}", body
-        elif envelope.kind == "state_reply":
-            key, value = f"state:{body[0]}", body
-        elif envelope.kind == "startup_failed":
-            group, trace = body
-            error = PipelineConfigError(f"process group {group!r} failed to start:\n{trace}")
-            self.coordinator.loop.call_soon_threadsafe(self._resolve_error, f"ready:{group}", error)
-            return
-        else:
-            return
+        self.placement.on_control(message)
+        match message:
+            case Ready(endpoint):
+                key, value = f"ready:{endpoint}", message
+            case StateReply(token):
+                key, value = f"state:{token}", message
+            case StartupFailed(endpoint, trace):
+                error = PipelineConfigError(f"process group {endpoint!r} failed to start:\n{trace}")
+                self.coordinator.loop.call_soon_threadsafe(self._resolve_error, f"ready:{endpoint}", error)
+                return
+            case _:
+                return
         self.coordinator.loop.call_soon_threadsafe(self._resolve, key, value)
 
-    def _resolve(self, key: str, value: Any) -> None:
+    def _resolve(self, key: str, value: Ready | StateReply) -> None:
         future = self._control.pop(key, None)
         if future is not None and not future.done():
             future.set_result(value)

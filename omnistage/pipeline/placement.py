@@ -23,13 +23,13 @@ import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from omnistage.config.pipeline import PipelineConfig
 from omnistage.core.errors import PipelineConfigError
 from omnistage.pipeline.child import run_child
+from omnistage.pipeline.control import ControlMessage, Ready, StateReply
 from omnistage.pipeline.host import StageHost
-from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+from omnistage.pipeline.transport import MAIN_GROUP, ZmqTransport
 
 
 @dataclass(frozen=True)
@@ -37,8 +37,9 @@ class PlacementContext:
     """What a placement is given by its pipeline.
 
     ``endpoints``: endpoint name -> its process group; ``expect(key)``: a future the
-    pipeline resolves when the control message ``key`` arrives (``ready:<endpoint>``,
-    failed with :class:`PipelineConfigError` on a ``startup_failed`` report).
+    pipeline resolves with the control message ``key`` names when it arrives
+    (``ready:<endpoint>``: its :class:`Ready`, failed with :class:`PipelineConfigError`
+    on its :class:`~omnistage.pipeline.control.StartupFailed`).
     """
 
     config: PipelineConfig
@@ -47,7 +48,7 @@ class PlacementContext:
     endpoints: dict[str, str]
     segment_prefix: str
     startup_timeout_s: float
-    expect: Callable[[str], asyncio.Future[Any]]
+    expect: Callable[[str], asyncio.Future[Ready | StateReply]]
 
     @property
     def config_class(self) -> str:
@@ -90,7 +91,7 @@ class Placement(ABC):
     async def stop(self) -> None:
         """Stop every process (they were sent ``stop``) and release what was placed."""
 
-    def on_control(self, envelope: Envelope, body: Any) -> None:  # noqa: B027 -- optional hook
+    def on_control(self, message: ControlMessage) -> None:  # noqa: B027 -- optional hook
         """Every control message from a stage process, before the pipeline handles it
         (receiver thread); the local placement needs none."""
 

@@ -11,17 +11,18 @@ STRICT_SPREAD). The actor runs the same stage process as a local placement
 
 Transport: the same ZMQ envelopes as on one host, over ``tcp://<node ip>:<free port>``
 (each process binds a free port; the addresses are exchanged at start-up: an actor sends
-``hello`` with its address and node, the server sends every process the ``peers`` map).
+a :class:`~omnistage.pipeline.control.Hello` with its address and node, the server sends
+every process the :class:`~omnistage.pipeline.control.Peers` map).
 Tensors go by shared memory / CUDA IPC to a process on the same Ray node, inline in the
 message to one on another node (:mod:`omnistage.pipeline.relay`; docs/ray.md has the
 measurement that chose this over Ray's object store and over Ray actor calls).
 
-Failure: each actor sends ``beat`` every quarter of ``process_death_timeout_s``; one
-silent for three quarters of it is dead (its worker process died or hangs, or its node was
-lost; a silent actor is killed, so that a hung one is restarted too), and so is one whose
-restarted incarnation says ``hello`` first. Ray restarts a dead
+Failure: each actor sends a :class:`~omnistage.pipeline.control.Beat` every quarter of
+``process_death_timeout_s``; one silent for three quarters of it is dead (its worker
+process died or hangs, or its node was lost; a silent actor is killed, so that a hung one
+is restarted too), and so is one whose restarted incarnation says hello first. Ray restarts a dead
 actor (``max_restarts=-1``; a lost node's bundle is placed again once a node with its
-resources is back); the new incarnation rejoins (``hello``, then ``ready``) and the
+resources is back); the new incarnation rejoins (hello, then ready) and the
 pipeline serves again, without a server restart. The pipeline's own limit
 (``max_stage_restarts`` within ``stage_restart_window_s``) still ends it; Ray restarts at
 once, so ``stage_restart_backoff_s`` does not apply.
@@ -38,30 +39,20 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
 
 import ray
+from ray.actor import ActorHandle
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from omnistage.core.errors import PipelineConfigError
 from omnistage.pipeline.child import run_child
+from omnistage.pipeline.control import Beat, ControlMessage, Hello, Peers, Ready, StartupFailed
 from omnistage.pipeline.host import StageHost
 from omnistage.pipeline.placement import Placement, PlacementContext
-from omnistage.pipeline.transport import MAIN_GROUP, Envelope, ZmqTransport
+from omnistage.pipeline.transport import MAIN_GROUP, ZmqTransport
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Hello:
-    """An actor incarnation's first message: where it listens and on which Ray node."""
-
-    endpoint: str
-    incarnation: str
-    address: str
-    node_id: str
-    pid: int
 
 
 @dataclass(frozen=True)
@@ -101,7 +92,7 @@ class StageGroupActor:
         node = ray.get_runtime_context().get_node_id()
 
         def announce(transport: ZmqTransport) -> None:
-            transport.send(MAIN_GROUP, "hello", Hello(spec.endpoint, self.incarnation, transport.address, node, os.getpid()))
+            transport.send(MAIN_GROUP, "control", Hello(spec.endpoint, self.incarnation, transport.address, node, os.getpid()))
             threading.Thread(target=self._beat, args=(transport,), name="omnistage-beat", daemon=True).start()
 
         try:
@@ -115,7 +106,7 @@ class StageGroupActor:
 
     def _beat(self, transport: ZmqTransport) -> None:
         while not self._stopped.wait(self.spec.beat_interval_s):
-            transport.send(MAIN_GROUP, "beat", (self.spec.endpoint, self.incarnation))
+            transport.send(MAIN_GROUP, "control", Beat(self.spec.endpoint, self.incarnation))
 
     def pid(self) -> int:
         """This incarnation's worker process id."""
@@ -136,7 +127,7 @@ class RayPlacement(Placement):
 
     def __init__(self, context: PlacementContext) -> None:
         super().__init__(context)
-        self.actors: dict[str, Any] = {}  # endpoint -> actor handle
+        self.actors: dict[str, ActorHandle] = {}  # endpoint -> its actor
         self.group: PlacementGroup | None = None
         self._live: dict[str, _Incarnation] = {}  # endpoint -> its current incarnation
         self._reported: set[str] = set()  # incarnations dead() has reported
@@ -154,7 +145,7 @@ class RayPlacement(Placement):
     def open(self, host: StageHost) -> ZmqTransport:
         config = self.context.config
         if not ray.is_initialized():
-            options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+            options: dict[str, object] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
             if config.ray_address is None:  # private instance on loopback (127.0.0.1 Ray would replace), sized to the bundles
                 wants = self.bundles()
                 custom = {k: sum(b.get(k, 0.0) for b in wants) for b in wants for k in b if k not in ("CPU", "GPU")}
@@ -290,36 +281,34 @@ class RayPlacement(Placement):
             self._temp_dir = None
 
     # --------------------------------------------------------------- control plane
-    def on_control(self, envelope: Envelope, body: Any) -> None:
-        """Receiver thread: ``hello`` and ``beat`` of the actors, ``ready`` and
-        ``startup_failed`` of a rejoining one."""
-        if envelope.kind == "beat":
-            endpoint, incarnation = body
-            life = self._live.get(endpoint)
-            if life is not None and life.hello.incarnation == incarnation:
-                life.last_beat = time.monotonic()
-            return
-        if envelope.kind in ("hello", "ready", "startup_failed") and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._on_loop, envelope.kind, body)
+    def on_control(self, message: ControlMessage) -> None:
+        """Receiver thread: the actors' :class:`Hello` and :class:`Beat`, and the
+        :class:`Ready` or :class:`StartupFailed` of a rejoining one."""
+        match message:
+            case Beat(endpoint, incarnation):
+                life = self._live.get(endpoint)
+                if life is not None and life.hello.incarnation == incarnation:
+                    life.last_beat = time.monotonic()
+            case Hello() | Ready() | StartupFailed() if self._loop is not None:
+                self._loop.call_soon_threadsafe(self._on_loop, message)
 
-    def _on_loop(self, kind: str, body: Any) -> None:
-        if kind == "hello":
-            old = self._live.get(body.endpoint)
+    def _on_loop(self, message: Hello | Ready | StartupFailed) -> None:
+        if isinstance(message, Hello):
+            old = self._live.get(message.endpoint)
             if old is not None and old.hello.incarnation not in self._reported:
                 self._reported.add(old.hello.incarnation)
-                why = f"Ray actor pid {old.hello.pid} died; Ray restarted it (pid {body.pid})"
-                self._replaced.append((body.endpoint, why))
-            self._live[body.endpoint] = _Incarnation(body, time.monotonic())
+                why = f"Ray actor pid {old.hello.pid} died; Ray restarted it (pid {message.pid})"
+                self._replaced.append((message.endpoint, why))
+            self._live[message.endpoint] = _Incarnation(message, time.monotonic())
             self._publish_peers()
             return
-        endpoint = body if kind == "ready" else body[0]
-        life = self._live.get(endpoint)
+        life = self._live.get(message.endpoint)
         if life is None:
             return
-        if kind == "ready":
+        if isinstance(message, Ready):
             life.ready.set()
         else:
-            life.failed = body[1]
+            life.failed = message.trace
 
     def _publish_peers(self) -> None:
         """Send every live process (and the server's transport) the addresses of the
@@ -335,4 +324,4 @@ class RayPlacement(Placement):
             if name == MAIN_GROUP:
                 self._transport.set_peers(addresses, remote)
             else:
-                self._transport.send(name, "peers", (addresses, remote))
+                self._transport.send(name, "control", Peers(addresses, remote))

@@ -125,7 +125,7 @@ def _from_segment(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torc
     return tensor
 
 
-def dumps(obj: Any, prefix: str, *, shared_memory: bool = True) -> bytes:
+def dumps(obj: object, prefix: str, *, shared_memory: bool = True) -> bytes:
     """Serialize ``obj``; large CPU tensors go to segments named ``prefix<n>`` (CUDA tensors
     as IPC handles), or with ``shared_memory=False`` (a receiver on another node) every
     tensor inline.
@@ -150,7 +150,7 @@ def _unlink(name: str) -> None:
     segment.unlink()
 
 
-def loads(data: bytes) -> Any:
+def loads(data: bytes) -> object:
     """Inverse of :func:`dumps`; unlinks the segments it reads."""
     return _Unpickler(io.BytesIO(data)).load()
 

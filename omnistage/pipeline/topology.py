@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 from omnistage.config.hooks import import_callable
 from omnistage.config.pipeline import PipelineConfig, StageConfig
@@ -48,14 +48,20 @@ class StageHooks:
     stream_done_to: Callable[[StagePayload], list[str]] | None
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
 def _hook(path: str | None, stage: str, what: str) -> Callable[..., Any] | None:
+    """The callable a config's dotted ``path`` names (imported: its signature is the
+    hook's, see :class:`StageHooks`)."""
     return import_callable(path, stage=stage, what=what) if path else None
 
 
-def _call(stage: str | None, what: str, hook: Callable[..., Any], *args: Any) -> Any:
+def _call(stage: str | None, what: str, hook: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
     """Run a user hook; whatever it raises fails the request as a typed stage failure."""
     try:
-        return hook(*args)
+        return hook(*args, **kwargs)
     except Exception as exc:
         raise StageFailureError(stage or "coordinator", f"{what} raised {type(exc).__name__}: {exc}") from exc
 
@@ -104,7 +110,7 @@ class Topology:
             )
             for s in config.stages
         }
-        self._terminal_fn = _hook(config.terminal_stages_fn, None, "terminal_stages_fn")
+        self._terminal_fn: Callable[[PipelineRequest], Iterable[str]] | None = _hook(config.terminal_stages_fn, None, "terminal_stages_fn")
         self.types = {name: StageTypes.of(stage) for name, stage in self.stages.items()}
         self.edges = check_edges(self.stages, self.types, {name: h.merge for name, h in self.hooks.items()})
 

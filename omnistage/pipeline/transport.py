@@ -15,26 +15,36 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Literal, cast
 
 import msgspec
 import zmq
 
+from omnistage.core.messages import CoordinatorEvent, StageInput
 from omnistage.pipeline import relay
+from omnistage.pipeline.control import ControlMessage
 
 logger = logging.getLogger(__name__)
 
 MAIN_GROUP = "main"  # the coordinator's process
 
 
-class Envelope(msgspec.Struct, array_like=True):
-    """Frame 1 of a message. ``kind``: stage | abort | event | state_query | state_reply |
-    ready | startup_failed | stop, and under Ray placement hello | beat | peers.
-    ``target``/``source``: stage names (stage messages); ``request_id``: the request a
-    stage message or event belongs to ("" for control); ``replicas``: the replica of each
-    replicated process group the request runs on (stage messages; empty without replicas)."""
+Kind = Literal["stage", "abort", "event", "control"]
 
-    kind: str
+Body = StageInput | str | tuple[CoordinatorEvent, ...] | ControlMessage
+"""Frame 2 of a message, by its envelope's kind: ``stage``: the :data:`StageInput` for
+``target``; ``abort``: the id of the request to abort; ``event``: a stage step's
+coordinator events, in order; ``control``: one :data:`ControlMessage`."""
+
+
+class Envelope(msgspec.Struct, array_like=True):
+    """Frame 1 of a message. ``kind``: what its :data:`Body` is (the receiver routes
+    by it before it looks at the body). ``target``/``source``: stage names (stage
+    messages); ``request_id``: the request a stage message or event belongs to ("" for
+    control); ``replicas``: the replica of each replicated process group the request runs
+    on (stage messages; empty without replicas)."""
+
+    kind: Kind
     target: str = ""
     source: str = ""
     request_id: str = ""
@@ -73,7 +83,7 @@ class ZmqTransport:
         group: str,
         addresses: dict[str, str],
         segment_prefix: str,
-        on_message: Callable[[Envelope, Any], None],
+        on_message: Callable[[Envelope, Body], None],
         on_undeliverable: Callable[[Envelope, Exception], None],
         *,
         bind: str | None = None,
@@ -100,8 +110,8 @@ class ZmqTransport:
     def send(
         self,
         group: str,
-        kind: str,
-        body: Any = None,
+        kind: Kind,
+        body: Body,
         target: str = "",
         source: str = "",
         request_id: str = "",
@@ -162,7 +172,7 @@ class ZmqTransport:
             header, body = self._pull.recv_multipart()
             envelope = _decode(header)
             try:
-                self.on_message(envelope, relay.loads(body))
+                self.on_message(envelope, cast(Body, relay.loads(body)))  # what the sender's send() took
             except Exception as exc:  # noqa: BLE001 -- the process boundary: the message's request fails, the receiver lives
                 logger.exception("cannot deliver a %s message for %r", envelope.kind, envelope.request_id)
                 self.on_undeliverable(envelope, exc)

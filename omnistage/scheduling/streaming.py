@@ -16,16 +16,19 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Generic, TypeVar
 
 from omnistage.core.messages import Abort, StageInput, StagePayload, StreamChunk, StreamDone
 from omnistage.core.request import FinishReason
 from omnistage.core.tombstones import Tombstones
 from omnistage.scheduling.base import Scheduler
 
+StateT = TypeVar("StateT")
+"""A streaming scheduler's own per-request state (``StreamState.model_state``)."""
+
 
 @dataclass
-class StreamState:
+class StreamState(Generic[StateT]):
     """A request's state at a streaming stage.
 
     Attributes:
@@ -33,24 +36,25 @@ class StreamState:
         payload: the stage payload once it arrived, else None.
         chunks: chunks ingested but not yet consumed by :meth:`StreamingScheduler.step`.
         done: all stream sources finished.
-        model_state: the subclass's own per-request state.
+        model_state: the subclass's own per-request state (None until it sets one).
     """
 
     request_id: str
     payload: StagePayload | None = None
     chunks: list[StreamChunk] = field(default_factory=list)
     done: bool = False
-    model_state: Any = None
+    model_state: StateT | None = None
 
 
-class StreamingScheduler(Scheduler):
-    """Subclasses implement :meth:`step` and call :meth:`emit` / :meth:`complete`."""
+class StreamingScheduler(Scheduler, Generic[StateT]):
+    """Subclasses implement :meth:`step` and call :meth:`emit` / :meth:`complete`;
+    ``StreamingScheduler[S]`` keeps an ``S`` per request in ``StreamState.model_state``."""
 
     max_messages_per_tick = 256
 
     def __init__(self, release_callback: Callable[[str], None] | None = None) -> None:
         super().__init__(release_callback)
-        self.states: dict[str, StreamState] = {}
+        self.states: dict[str, StreamState[StateT]] = {}
         self._ended = Tombstones()
         self._emitted: list[tuple[str, object]] = []  # this tick's stream items, not sent yet
 
@@ -58,18 +62,18 @@ class StreamingScheduler(Scheduler):
         return set(self.states)
 
     @abstractmethod
-    def step(self, states: list[StreamState]) -> None:
+    def step(self, states: list[StreamState[StateT]]) -> None:
         """Process the due work of ``states`` (new chunks in ``state.chunks``; finishing
         requests have :meth:`ready_to_finish`); runs inside the batch boundary."""
 
-    def ready_to_finish(self, state: StreamState) -> bool:
+    def ready_to_finish(self, state: StreamState[StateT]) -> bool:
         return state.payload is not None and (state.done or not self.expects_stream)
 
-    def emit(self, state: StreamState, data: object) -> None:
+    def emit(self, state: StreamState[StateT], data: object) -> None:
         """A stream item of ``state``'s request, sent with the tick's others."""
         self._emitted.append((state.request_id, data))
 
-    def complete(self, state: StreamState, data: object, finish_reason: FinishReason = "stop") -> None:
+    def complete(self, state: StreamState[StateT], data: object, finish_reason: FinishReason = "stop") -> None:
         """Finish ``state``'s request with ``data`` (after the items emitted before it);
         its state is dropped."""
         self._flush()
@@ -88,7 +92,7 @@ class StreamingScheduler(Scheduler):
     def _run(self) -> None:
         while True:
             messages = self.take(block=not self.carried_over(), limit=self.max_messages_per_tick)
-            touched: dict[str, StreamState] = dict(self.carried_over())
+            touched: dict[str, StreamState[StateT]] = dict(self.carried_over())
             for message in messages:
                 if message is None:
                     return
@@ -99,13 +103,13 @@ class StreamingScheduler(Scheduler):
             if live:
                 self._tick(live)
 
-    def carried_over(self) -> dict[str, StreamState]:
+    def carried_over(self) -> dict[str, StreamState[StateT]]:
         """States with due work left from the last tick (e.g. waiting for a free decoder
         slot that is free now): they join the next tick, and the loop does not block on
         the inbox while there are any. None by default."""
         return {}
 
-    def _tick(self, states: list[StreamState]) -> None:
+    def _tick(self, states: list[StreamState[StateT]]) -> None:
         ids = [s.request_id for s in states]
         ok = self.run_batch(ids, lambda: self.step(states))
         # a failed batch's requests have ended: what they emitted is dropped by the runtime
@@ -114,7 +118,7 @@ class StreamingScheduler(Scheduler):
             for request_id in ids:
                 self._release_state(request_id)
 
-    def _ingest(self, message: StageInput) -> StreamState | None:
+    def _ingest(self, message: StageInput) -> StreamState[StateT] | None:
         request_id = message.request_id
         if isinstance(message, Abort):
             self._release_state(request_id)

@@ -131,7 +131,7 @@ class _Voice:
         return head
 
 
-class VocoderScheduler(StreamingScheduler):
+class VocoderScheduler(StreamingScheduler[_Voice]):
     """Streams audio from code-frame chunks through a :class:`StreamingCodecDecoder`.
 
     Args:

@@ -35,6 +35,7 @@ import numpy as np
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError as FastAPIValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import JsonValue
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -130,7 +131,7 @@ class SpeechServer(ModelServer):
         return self.capabilities.model_name
 
     def prepare(
-        self, body: bytes | Mapping[str, object], owner: str, *, live: bool = False
+        self, body: bytes | Mapping[str, JsonValue], owner: str, *, live: bool = False
     ) -> tuple[SpeechRequest, PipelineRequest]:
         """A speech request body -> (validated request, the model's typed request): parse,
         resolve a saved voice of ``owner``, validate, build (``live``: as a request whose
@@ -345,7 +346,7 @@ def _install_speech_routes(app: FastAPI, v1: APIRouter, server: SpeechServer) ->
 
 
 async def _open_call(
-    server: SpeechServer, request: Request, received: float, body: Mapping[str, object] | None = None
+    server: SpeechServer, request: Request, received: float, body: Mapping[str, JsonValue] | None = None
 ) -> _SpeechCall:
     """Prepare and admit one speech request: ``body``, else the request's own JSON body
     (4xx and 503 here, counted in the metrics).
@@ -370,7 +371,7 @@ async def _open_call(
     return await admit(server, request_id, prepare_and_submit)
 
 
-async def _batch_item(server: SpeechServer, request: Request, body: dict[str, object], received: float) -> BatchItem:
+async def _batch_item(server: SpeechServer, request: Request, body: dict[str, JsonValue], received: float) -> BatchItem:
     """One request of a batch, always a whole file: its result or its error, never raised."""
     try:
         if body.get("stream") or body.get("stream_format") == "sse":

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import JsonValue
 from starlette.concurrency import run_in_threadpool
 
 from omnistage.core.errors import (
@@ -111,7 +112,7 @@ class ChatServer(ModelServer):
     def model_name(self) -> str:
         return self.capabilities.model_name
 
-    def prepare(self, body: bytes | Mapping[str, object] | ChatCompletionRequest) -> tuple[ChatCompletionRequest, PipelineRequest]:
+    def prepare(self, body: bytes | Mapping[str, JsonValue] | ChatCompletionRequest) -> tuple[ChatCompletionRequest, PipelineRequest]:
         """A chat body -> (validated request, the model's typed request): parse, validate,
         read and decode the media, build. Blocks (run it in a thread).
 

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     ValidationError,
     model_validator,
 )
@@ -114,7 +115,7 @@ class ChatMessageIn(_Strict):
 
     @model_validator(mode="before")
     @classmethod
-    def _string_content(cls, data: Any) -> Any:
+    def _string_content(cls, data: object) -> object:
         if isinstance(data, Mapping) and isinstance(data.get("content"), str):
             return {**data, "content": [{"type": "text", "text": data["content"]}]}
         return data
@@ -271,7 +272,7 @@ def check_chat_capabilities(caps: ChatCapabilities, request_type: type[ChatCompl
 
 
 def parse_chat_request(
-    body: bytes | str | Mapping[str, Any], request_type: type[ChatCompletionRequest] = ChatCompletionRequest
+    body: bytes | str | Mapping[str, JsonValue], request_type: type[ChatCompletionRequest] = ChatCompletionRequest
 ) -> ChatCompletionRequest:
     """Parse a chat request body (JSON bytes/str or a decoded mapping) with ``request_type``.
 
@@ -555,7 +556,7 @@ class ChatCompletionChunk(BaseModel):
     usage: ChatUsage | None = None
 
 
-def sse_data(obj: BaseModel | Mapping[str, Any]) -> bytes:
+def sse_data(obj: BaseModel | Mapping[str, JsonValue]) -> bytes:
     """One OpenAI stream event: ``b"data: <compact json>\\n\\n"`` (None fields dropped)."""
     if isinstance(obj, BaseModel):
         text = obj.model_dump_json(exclude_none=True)
@@ -579,7 +580,7 @@ class ChatVoicesResponse(BaseModel):
     sample_rate: int = Field(description="Hz")
     input_modalities: list[str]
     supported_fields: list[str]
-    fields: dict[str, dict[str, Any]]
+    fields: dict[str, dict[str, JsonValue]]
 
 
 def chat_voices_response(caps: ChatCapabilities, request_type: type[ChatCompletionRequest]) -> ChatVoicesResponse:

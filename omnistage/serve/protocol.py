@@ -27,13 +27,14 @@ import json
 import re
 import unicodedata
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from pydantic import (
     AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
+    JsonValue,
     ValidationError,
     model_validator,
 )
@@ -142,7 +143,7 @@ class SpeechRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _resolve_aliases(cls, data: Any) -> Any:
+    def _resolve_aliases(cls, data: object) -> object:
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
@@ -168,7 +169,7 @@ class SpeechRequest(BaseModel):
         (:func:`validate_speech_request` resolves an unset ``stream``)."""
         return bool(self.stream) or self.stream_format == "sse"
 
-def _voice_name(value: Any) -> Any:
+def _voice_name(value: object) -> object:
     """``voice`` as OpenAI's SDK sends it: a name, or ``{"id": name}`` (its custom-voice
     form) -> the name; anything else is left for the type check (a 400)."""
     if isinstance(value, Mapping):
@@ -301,7 +302,7 @@ def _check_caps_ranges(caps: SpeechCapabilities) -> None:
 
 
 def parse_speech_request(
-    body: bytes | str | Mapping[str, Any], request_type: type[SpeechRequest] = SpeechRequest
+    body: bytes | str | Mapping[str, JsonValue], request_type: type[SpeechRequest] = SpeechRequest
 ) -> SpeechRequest:
     """Parse a speech request body (raw JSON bytes/str, or an already decoded mapping) with
     the model's schema ``request_type``.
@@ -320,7 +321,7 @@ def parse_speech_request(
         raise request_error_from_validation(exc) from None
 
 
-def _decode_json_object(body: bytes | str | Mapping[str, Any]) -> dict[str, Any]:
+def _decode_json_object(body: bytes | str | Mapping[str, JsonValue]) -> dict[str, JsonValue]:
     if isinstance(body, bytes | bytearray | str):
         try:
             body = json.loads(body)
@@ -332,7 +333,7 @@ def _decode_json_object(body: bytes | str | Mapping[str, Any]) -> dict[str, Any]
     return dict(body)
 
 
-def _reject_unknown_fields(data: Mapping[Any, Any], request_type: type[SpeechRequest]) -> None:
+def _reject_unknown_fields(data: Mapping[str, JsonValue], request_type: type[SpeechRequest]) -> None:
     known = wire_fields(request_type)
     for key in data:
         if key in known:
@@ -587,8 +588,8 @@ class VoicesResponse(BaseModel):
     default_voice: str | None
     languages: list[str]
     supported_fields: list[str]
-    fields: dict[str, dict[str, Any]]
-    definitions: dict[str, dict[str, Any]]
+    fields: dict[str, dict[str, JsonValue]]
+    definitions: dict[str, dict[str, JsonValue]]
     response_formats: list[str]
     sample_rate: int = Field(description="Hz")
     max_input_chars: int
@@ -740,7 +741,7 @@ class SpeechUsage(BaseModel):
     output_audio_seconds: float = Field(ge=0.0)
 
 
-def usage_of(outputs: Mapping[str, Any], input_characters: int, output_audio_seconds: float) -> SpeechUsage:
+def usage_of(outputs: Mapping[str, object], input_characters: int, output_audio_seconds: float) -> SpeechUsage:
     """A request's usage from its terminal stages' results (``outputs``, stage ->
     result): token counts from the :class:`~omnistage.core.payloads.AudioResult` s."""
     results = [r for r in outputs.values() if isinstance(r, AudioResult)]
@@ -777,7 +778,7 @@ class ErrorEvent(BaseModel):
         return cls(error=ErrorBody(**body["error"]))
 
 
-def sse_event(obj: BaseModel | Mapping[str, Any]) -> bytes:
+def sse_event(obj: BaseModel | Mapping[str, JsonValue]) -> bytes:
     """Format one Server-Sent Event: ``b"event: <type>\ndata: <compact json>\n\n"``.
 
     The ``event:`` line repeats the JSON ``type`` field, so ``addEventListener(type)``
@@ -802,7 +803,7 @@ def sse_event(obj: BaseModel | Mapping[str, Any]) -> bytes:
 MAX_BATCH_REQUESTS = 64
 
 
-def parse_batch(body: bytes | str | Mapping[str, Any]) -> list[dict[str, Any]]:
+def parse_batch(body: bytes | str | Mapping[str, JsonValue]) -> list[dict[str, JsonValue]]:
     """``{"requests": [speech request, ...]}`` -> the request bodies (each checked later,
     on its own, as a ``POST /v1/audio/speech`` body).
 

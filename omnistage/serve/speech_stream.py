@@ -46,11 +46,12 @@ import json
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, WebSocket, WebSocketDisconnect
+from pydantic import JsonValue
 from starlette.concurrency import run_in_threadpool
 
 from omnistage.core.errors import OmnistageError, RequestAbortedError, RequestValidationError
@@ -137,7 +138,7 @@ class _Session:
     server: SpeechServer
     websocket: WebSocket
     owner: str
-    fields: dict[str, Any]
+    fields: dict[str, JsonValue]
     encoder: StreamingAudioEncoder
     segmenter: SentenceSegmenter
     session_id: str = field(default_factory=lambda: f"sess_{secrets.token_hex(8)}")
@@ -378,12 +379,12 @@ async def _encoded(session: _Session, segment: _Segment) -> AsyncIterator[bytes]
             yield await run_in_threadpool(session.encoder.push, samples)
 
 
-def _total(usages: list[SpeechUsage]) -> dict[str, Any]:
+def _total(usages: list[SpeechUsage]) -> dict[str, int | float]:
     keys = ("input_tokens", "output_tokens", "total_tokens", "input_characters", "output_audio_seconds")
     return {key: sum(getattr(u, key) for u in usages) for key in keys}
 
 
-async def _receive(websocket: WebSocket) -> dict[str, Any]:
+async def _receive(websocket: WebSocket) -> dict[str, JsonValue]:
     """The next client message as a JSON object.
 
     Raises:
@@ -407,14 +408,14 @@ async def _receive(websocket: WebSocket) -> dict[str, Any]:
     return data
 
 
-async def _send_json(websocket: WebSocket, data: dict[str, Any]) -> None:
+async def _send_json(websocket: WebSocket, data: Mapping[str, JsonValue]) -> None:
     await websocket.send_text(json.dumps(data, separators=(",", ":"), ensure_ascii=False))
 
 
 async def _send_error(websocket: WebSocket, error: OmnistageError, index: int | None) -> None:
     """Tell the client why the session ends, then close it (quietly if it is gone)."""
     _, envelope = error_envelope(error)
-    event: dict[str, Any] = {"type": "error", "error": ErrorBody(**envelope["error"]).model_dump()}
+    event: dict[str, JsonValue] = {"type": "error", "error": ErrorBody(**envelope["error"]).model_dump()}
     if index is not None:
         event["segment_index"] = index
     try:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
-from omnistage.pipeline.pipeline import Pipeline
+from omnistage.pipeline.pipeline import LiveState, Pipeline
 
 
 async def assert_no_request_state(pipeline: Pipeline, settle_s: float = 5.0) -> None:
@@ -17,7 +16,7 @@ async def assert_no_request_state(pipeline: Pipeline, settle_s: float = 5.0) -> 
         AssertionError: listing every structure that still holds a request.
     """
     deadline = time.monotonic() + settle_s
-    state: dict[str, Any] = {}
+    state: dict[str, LiveState] = {}
     while time.monotonic() < deadline:
         state = await pipeline.live_state()
         if not state:

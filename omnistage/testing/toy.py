@@ -119,7 +119,7 @@ def double(ctx: StageBuildContext, chunk_size: int = 3, max_batch_size: int = 4)
     return scheduler
 
 
-class _Accumulate(StreamingScheduler):
+class _Accumulate(StreamingScheduler[int]):
     """Emits ``chunk + 1`` for every chunk; result: the sum of all emitted values."""
 
     def step(self, states: list[StreamState]) -> None:

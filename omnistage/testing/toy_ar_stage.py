@@ -151,7 +151,7 @@ SUMMARY = "omnistage.scheduling.ar:GenerationSummary"
 FRAMES = ["omnistage.scheduling.ar:CodeFrames", "omnistage.scheduling.ar:FrameWithHidden"]
 
 
-class _CollectFrames(StreamingScheduler):
+class _CollectFrames(StreamingScheduler[list[torch.Tensor]]):
     """Terminal: passes every chunk on to the client; result ``(streamed frames [T, G],
     the AR stage's GenerationSummary)``."""
 

@@ -125,3 +125,23 @@ def test_a_replacement_process_gets_the_messages_queued_before_its_stages_existe
     assert [type(m) for m in stage.got] == [Abort, StagePayload]
     host.on_message(Envelope("abort", None, "main", "r2"), "r2")  # afterwards: at once
     assert stage.got[-1] == Abort("r2")
+
+
+def test_control_messages_reach_the_control_handler_at_once_by_class():
+    """A stage process still building its stages answers control messages (a stop, a
+    state query) at once: only stage and abort messages are held; the handler gets the
+    typed message itself, and an envelope of an unknown kind does not decode."""
+    import msgspec
+
+    from omnistage.pipeline.control import StateQuery, Stop
+    from omnistage.pipeline.host import StageHost
+    from omnistage.pipeline.transport import Envelope
+
+    host = StageHost("engine", {"double": "engine"}, coordinator_sink=lambda e: None, hold_until_built=True)
+    got: list[object] = []
+    host.on_control = got.append
+    host.on_message(Envelope("control"), StateQuery("t1"))
+    host.on_message(Envelope("control"), Stop())
+    assert got == [StateQuery("t1"), Stop()]
+    with pytest.raises(msgspec.ValidationError, match="Invalid enum value 'state_query'"):
+        msgspec.msgpack.decode(msgspec.msgpack.encode(["state_query", "", "", "", {}]), type=Envelope)

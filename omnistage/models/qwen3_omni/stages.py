@@ -431,7 +431,7 @@ def create_thinker_stage(
     return ARScheduler(engine, build_input, token_text=TokenizerText(tokenizer))
 
 
-class TextDecodeScheduler(StreamingScheduler):
+class TextDecodeScheduler(StreamingScheduler[tuple[list[int], str]]):
     """The thinker's tokens -> reply text, streamed: each new token's text is emitted as a
     :class:`TextDelta` as soon as it decodes to whole characters (a byte token that ends
     mid-character waits for the next), then a :class:`ChatText` result (its prompt media

@@ -54,7 +54,6 @@ import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -97,7 +96,7 @@ class Qwen3TTSReference(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _audio_path_alias(cls, data: Any) -> Any:
+    def _audio_path_alias(cls, data: object) -> object:
         if not isinstance(data, Mapping) or "audio_path" not in data:
             return data
         data = dict(data)
