@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,14 +25,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omnistage.testing.waits import free_port
+
 RAY = str(Path(sys.executable).with_name("ray"))
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.2 now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.2", 0))
-        return s.getsockname()[1]
+NODE_IP = "127.0.0.2"  # every node's address (see above)
 
 
 @dataclass
@@ -55,14 +50,14 @@ class LocalRayCluster:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.2:{self.port}"
+        return f"{NODE_IP}:{self.port}"
 
     def start_head(self, name: str = "head", timeout_s: float = 60.0) -> None:
-        self.port = free_port()
+        self.port = free_port(NODE_IP)
         # --no-monitor: no autoscaler (nothing to scale), whose metrics server binds the fixed
         # port 44217 on every interface (two clusters at once would collide)
         head = ["--head", f"--port={self.port}", f"--temp-dir={self.root}", "--include-dashboard=false",
-                f"--dashboard-port={free_port()}", "--no-monitor"]  # fmt: skip
+                f"--dashboard-port={free_port(NODE_IP)}", "--no-monitor"]  # fmt: skip
         self._start(name, head, timeout_s)
 
     def add_node(self, name: str, timeout_s: float = 60.0) -> None:
@@ -82,11 +77,11 @@ class LocalRayCluster:
     def _start(self, name: str, role: list[str], timeout_s: float) -> None:
         log = self.root / f"{name}.log"
         command = [
-            RAY, "start", "--block", *role, "--node-ip-address=127.0.0.2", f"--num-cpus={self.cpus}",
+            RAY, "start", "--block", *role, f"--node-ip-address={NODE_IP}", f"--num-cpus={self.cpus}",
             "--num-gpus=0", f"--resources={json.dumps({name: 1})}", "--disable-usage-stats",
-            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-            f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}", f"--metrics-export-port={free_port()}",
+            f"--node-manager-port={free_port(NODE_IP)}", f"--object-manager-port={free_port(NODE_IP)}",
+            f"--dashboard-agent-listen-port={free_port(NODE_IP)}", f"--dashboard-agent-grpc-port={free_port(NODE_IP)}",
+            f"--runtime-env-agent-port={free_port(NODE_IP)}", f"--metrics-export-port={free_port(NODE_IP)}",
             "--object-store-memory=100000000", "--include-log-monitor=false",
         ]  # fmt: skip
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

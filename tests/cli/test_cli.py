@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 from omnistage.cli.bench import parse_extra_fields, spread_option_values
 from omnistage.cli.main import app
 from omnistage.serve.registry import ModelRegistry
+from omnistage.testing.waits import free_port
 
 TONE = "omnistage.testing.tone:ToneConfig"
 ENV = {"OMNISTAGE_EXTRA_MODELS": TONE, "COLUMNS": "200"}
@@ -196,7 +197,7 @@ def test_concurrency_takes_several_values(args, expected):
 
 def test_bench_speed_against_no_server_reports_failures(tmp_path: Path):
     out = tmp_path / "speed.json"
-    args = ("--base-url", f"http://127.0.0.1:{_free_port()}", "--warmup", "0", "--limit", "1")
+    args = ("--base-url", f"http://127.0.0.1:{free_port()}", "--warmup", "0", "--limit", "1")
     result = invoke("bench", "speed", *args, "--concurrency", "1", "2", "--output", str(out))
     assert result.exit_code == 1, result.output
     assert "3 of 3 requests failed" in result.stderr and "ConnectError" in result.stdout
@@ -227,12 +228,6 @@ def test_bench_usage_errors_exit_2(tmp_path: Path):
 # ----------------------------------------------------------------------------- end to end
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _omnistage() -> list[str]:
     script = Path(sys.executable).with_name("omnistage")
     return [str(script)] if script.exists() else [sys.executable, "-m", "omnistage.cli"]
@@ -255,7 +250,7 @@ def _wait_healthy(server: subprocess.Popen, url: str, timeout_s: float = 60.0) -
 def test_serve_then_bench_speed_end_to_end(tmp_path: Path):
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.update(ENV)
-    port = _free_port()
+    port = free_port()
     serve = [*_omnistage(), "serve", "--model-path", "tone-test", "--port", str(port)]
     server = subprocess.Popen(
         [*serve, "--max-concurrent-requests", "4"],
@@ -308,7 +303,7 @@ def _stage_process_of(server: subprocess.Popen) -> int:
 def test_serve_exits_non_zero_when_a_stage_process_dies_past_its_restart_limit():
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
     env.update(ENV)
-    port = _free_port()
+    port = free_port()
     serve = [
         *_omnistage(),
         "serve",

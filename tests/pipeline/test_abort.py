@@ -11,6 +11,7 @@ from omnistage.core.messages import Abort, StagePayload, StreamChunk
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.testing import toy
 from omnistage.testing.leaks import assert_no_request_state
+from omnistage.testing.waits import wait_until_async
 
 pytestmark = pytest.mark.anyio
 
@@ -20,14 +21,6 @@ def two_stage(first: str, second: str) -> PipelineConfig:
         return StageConfig(name=name, factory=FactoryConfig(path=f"omnistage.testing.toy:{factory}"), **kw)
 
     return PipelineConfig(stages=[stage("a", first, next="b"), stage("b", second, terminal=True)])
-
-
-async def wait_until(predicate, timeout=5.0):
-    for _ in range(int(timeout / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
 
 
 def released(stage: str, request_id: str) -> int:
@@ -46,7 +39,7 @@ async def test_abort_before_hand_off():
             await handle.result()
         toy.GATES.open("a:p1")
         await assert_no_request_state(pipeline)
-        await wait_until(lambda: released("a", handle.request_id) >= 1 and released("b", handle.request_id) >= 1)
+        await wait_until_async(lambda: released("a", handle.request_id) >= 1 and released("b", handle.request_id) >= 1)
         assert handle.request_id not in pipeline.host.stages["b"].scheduler.live_requests()
 
 
@@ -58,14 +51,14 @@ async def test_abort_after_hand_off_before_consumer_state():
         first = pipeline.submit(toy.ToyRequest("first"))
         assert await asyncio.to_thread(toy.GATES.wait_entered, "b:first")
         second = pipeline.submit(toy.ToyRequest("second"))
-        await wait_until(lambda: second.request_id in pipeline.host.stages["b"].live_state().get("active", []))
+        await wait_until_async(lambda: second.request_id in pipeline.host.stages["b"].live_state().get("active", []))
         pipeline.abort(second.request_id)
         with pytest.raises(RequestAbortedError):
             await second.result()
         toy.GATES.open("b:first")
         assert (await first.result()).outputs == {"b": "first"}
         await assert_no_request_state(pipeline)
-        await wait_until(lambda: released("b", second.request_id) >= 1)
+        await wait_until_async(lambda: released("b", second.request_id) >= 1)
 
 
 async def test_producer_finishes_after_the_request_is_gone():
@@ -76,9 +69,9 @@ async def test_producer_finishes_after_the_request_is_gone():
         handle = pipeline.submit(toy.ToyRequest("p3"))
         assert await asyncio.to_thread(toy.GATES.wait_entered, "a:p3")
         pipeline.abort(handle.request_id)
-        await wait_until(lambda: released("a", handle.request_id) == 1)
+        await wait_until_async(lambda: released("a", handle.request_id) == 1)
         toy.GATES.open("a:p3")
-        await wait_until(lambda: released("a", handle.request_id) == 2)
+        await wait_until_async(lambda: released("a", handle.request_id) == 2)
         await assert_no_request_state(pipeline)
 
 
@@ -98,14 +91,14 @@ async def test_late_chunks_after_abort_never_recreate_streaming_state():
         accumulate = pipeline.host.stages["accumulate"]
         request = toy.ToyRequest("late")
         accumulate.deliver(StreamChunk("r1", "double", torch.tensor([1]), request=request), "double")
-        await wait_until(lambda: accumulate.live_state().get("scheduler") == ["r1"])
+        await wait_until_async(lambda: accumulate.live_state().get("scheduler") == ["r1"])
         accumulate.deliver(Abort("r1"), "main")
-        await wait_until(lambda: not accumulate.live_state())
+        await wait_until_async(lambda: not accumulate.live_state())
         accumulate.deliver(StreamChunk("r1", "double", torch.tensor([2]), request=request), "double")
         accumulate.deliver(StagePayload("r1", request, 2), "double")
         # the stage handles its inbox in order: once a later probe request shows up, the
         # late messages before it have been handled (no fixed sleep stands in for that)
         accumulate.deliver(StreamChunk("probe", "double", torch.tensor([1]), request=request), "double")
-        await wait_until(lambda: accumulate.live_state().get("scheduler") == ["probe"])
+        await wait_until_async(lambda: accumulate.live_state().get("scheduler") == ["probe"])
         accumulate.deliver(Abort("probe"), "main")
-        await wait_until(lambda: not accumulate.live_state())
+        await wait_until_async(lambda: not accumulate.live_state())

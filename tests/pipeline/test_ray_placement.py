@@ -11,7 +11,6 @@ another cluster from the same process.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import time
@@ -35,6 +34,7 @@ from omnistage.testing import toy  # noqa: E402
 from omnistage.testing.leaks import assert_no_request_state  # noqa: E402
 from omnistage.testing.ray_cluster import LocalRayCluster  # noqa: E402
 from omnistage.testing.tone import ToneConfig  # noqa: E402
+from omnistage.testing.waits import wait_until_async  # noqa: E402
 from tests.pipeline.test_placement import replicated_linear, run_replicated, stream  # noqa: E402
 from tests.serve.conftest import run_uvicorn, wait_health  # noqa: E402
 from tests.serve.test_server import expected_pcm, speech, wait_idle  # noqa: E402
@@ -117,19 +117,12 @@ async def test_a_dead_or_hung_actor_fails_its_requests_and_its_restart_rejoins(c
         with pytest.raises(PipelineUnhealthyError, match=f"'engine'.*{found_by}"):
             await handle.result()
         assert time.monotonic() - started < min(death_timeout_s, 30.0)
-        await wait_until(lambda: pipeline.healthy, 90)
+        await wait_until_async(lambda: pipeline.healthy, 90, "the pipeline's health")
         assert ray.get(pipeline.placement.actors["engine"].pid.remote()) != pid
         result = await pipeline.submit(toy.ToyRequest("back")).result()
         assert result.outputs == {"accumulate": toy.expected_linear("back")[1]}
         await assert_no_request_state(pipeline)
     assert_nothing_left_in(cluster)
-
-
-async def wait_until(predicate, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def served_pcm(config: PipelineConfig, bodies: list[dict]) -> list[bytes]:

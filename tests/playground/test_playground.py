@@ -25,7 +25,8 @@ from fastapi.testclient import TestClient
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.playground import STATIC_DIR
 from omnistage.serve.registry import ModelRegistry
-from tests.serve.conftest import RunningServer, free_port, run_uvicorn, wait_health
+from omnistage.testing.waits import free_port, wait_until
+from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
 
 API_KEY = "playground-key"
 SHORT_TEXT = "Hello from the playground. A second sentence follows the first."
@@ -100,15 +101,6 @@ def aborted_requests(server: RunningServer) -> float:
     return sum(float(value) for value in re.findall(pattern, metrics, re.MULTILINE))
 
 
-def wait_until(condition, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
-
-
 # ----------------------------------------------------------------------------- the page
 
 
@@ -181,9 +173,7 @@ def test_stop_aborts_the_request_on_the_server(page, piper_server):
     page.click("#stop")
     stopped = status(page)
     assert stopped["state"] == "stopped" and page.is_disabled("#stop")
-    assert wait_until(lambda: coordinator.in_flight == 0, timeout_s=5), (
-        "the server kept the request"
-    )
+    wait_until(lambda: coordinator.in_flight == 0, 5, "the server's release of the request")
     assert aborted_requests(piper_server) == aborted_before + 1
     page.wait_for_timeout(300)
     assert status(page)["samplesReceived"] == stopped["samplesReceived"]
@@ -338,10 +328,8 @@ def test_serve_no_playground_flag_gives_404_at_root():
     )
     base_url = f"http://127.0.0.1:{port}"
     try:
-        healthy = wait_until(
-            lambda: _answers(f"{base_url}/health") == 200 or server.poll() is not None, 60
-        )
-        assert healthy and server.poll() is None, "the server did not start"
+        wait_until(lambda: _answers(f"{base_url}/health") == 200 or server.poll() is not None, 60, "the server's start")
+        assert server.poll() is None, "the server exited"
         assert _answers(f"{base_url}/") == 404
         assert _answers(f"{base_url}/v1/audio/voices") == 200
     finally:

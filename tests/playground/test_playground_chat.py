@@ -22,12 +22,12 @@ from omnistage.models.qwen3_omni.random_text_tokenizer import (
 )
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.registry import ModelRegistry
+from omnistage.testing.waits import wait_until
 from tests.playground.test_playground import (
     aborted_requests,
     open_playground,
     status,
     wait_final,
-    wait_until,
 )
 from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
 
@@ -107,7 +107,7 @@ def test_stop_aborts_the_chat_request_on_the_server(page, omni_server):
     page.wait_for_function("() => window.playground.samplesReceived > 0", timeout=120_000)
     page.click("#chat-stop")
     assert status(page)["state"] == "stopped"
-    assert wait_until(lambda: aborted_requests(omni_server) > before, timeout_s=30)
+    wait_until(lambda: aborted_requests(omni_server) > before, 30, "the request's abort")
 
 
 

@@ -1,7 +1,6 @@
 """A real uvicorn server on a free loopback port, serving the tone test model."""
 
 import asyncio
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ import uvicorn
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.testing.leaks import assert_no_request_state
 from omnistage.testing.tone import ToneConfig
+from omnistage.testing.waits import free_port
 
 
 @dataclass
@@ -31,12 +31,6 @@ class RunningServer:
         run on its coordinator's loop."""
         pipeline = self.speech.pipeline
         asyncio.run_coroutine_threadsafe(assert_no_request_state(pipeline), pipeline.coordinator.loop).result(timeout_s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_uvicorn(app) -> Iterator[RunningServer]:

@@ -27,6 +27,7 @@ from omnistage.serve.decode_jobs import (
 )
 from omnistage.serve.decoding import DecoderCrashed, DecoderPool, DecoderTimeout, request_id_var
 from omnistage.serve.media import MediaPolicy, load_reference_audio
+from omnistage.testing.waits import wait_until
 
 RATE = 16000
 
@@ -48,13 +49,6 @@ def pool():
     pool = DecoderPool(size=1)
     yield pool
     pool.close()
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.005)
 
 
 def test_a_job_decodes_to_mono_float32(pool):

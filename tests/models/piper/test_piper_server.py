@@ -17,7 +17,8 @@ from omnistage.bench.asr import PocketSphinxASR
 from omnistage.bench.wer import normalize_for_wer
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.registry import ModelRegistry
-from tests.serve.conftest import RunningServer, free_port
+from omnistage.testing.waits import free_port
+from tests.serve.conftest import RunningServer
 
 SENTENCES = [
     "Hello world, this is a test.",
