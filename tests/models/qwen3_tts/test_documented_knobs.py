@@ -1,5 +1,5 @@
 """Every Qwen3-TTS knob docs/qwen3_tts.md lists is settable from the command line and
-listed by ``config resolve`` (the factories' signatures are the knob schema). A Base
+from a YAML override file, and listed by ``config resolve`` (the factories' signatures are the knob schema). A Base
 checkpoint has every stage (its reference encoder included)."""
 
 from __future__ import annotations
@@ -51,15 +51,22 @@ def changed(value):
     return 1 << 20
 
 
+@pytest.mark.parametrize("source", ["cli", "yaml"])
 @pytest.mark.parametrize("path", documented_knobs())
-def test_a_documented_knob_is_listed_and_settable(tiny_checkpoints, path):
+def test_a_documented_knob_is_listed_and_settable(tiny_checkpoints, tmp_path, path, source):
     defaults = Qwen3TTSPipelineConfig.for_model_path(str(tiny_checkpoints["base"]))
     listed = resolve_config(defaults, None, [])
     assert listed.provenance[path] == "default"
     current = dict(line.split(" = ", 1) for line in listed.provenance_text().splitlines())[path]
     new = changed(yaml.safe_load(current.split("  # ")[0]))
-    resolved = resolve_config(defaults, None, [(path, yaml.safe_dump(new, default_flow_style=True).strip())])
-    assert resolved.provenance[path] == "cli"
     stage, _, _, name = path.split(".")
+    if source == "cli":
+        resolved = resolve_config(defaults, None, [(path, yaml.safe_dump(new, default_flow_style=True).strip())])
+    else:
+        overrides = tmp_path / "overrides.yaml"
+        overrides.write_text(yaml.safe_dump({"stages": {stage: {"factory": {"args": {name: new}}}}}))
+        resolved = resolve_config(defaults, overrides, [])
+        source = f"yaml:{overrides}"
+    assert resolved.provenance[path] == source
     got = resolved.config.stage(stage).factory.args[name]
     assert (list(got) if isinstance(got, tuple) else got) == new
