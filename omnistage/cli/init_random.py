@@ -46,9 +46,9 @@ def init_random(
         Path | None, typer.Argument(help="Directory to write (created; existing files are overwritten).")
     ] = None,
     arch: Annotated[str | None, typer.Option("--arch", help="Architecture (--list shows them).")] = None,
-    size: Annotated[str | None, typer.Option("--size", help="Size [default: the model's first].")] = None,
+    size: Annotated[str | None, typer.Option("--size", help="Size \\[default: the model's first].")] = None,
     model_type: Annotated[
-        str | None, typer.Option("--type", help="Model type, for models with several [default: the first].")
+        str | None, typer.Option("--type", help="Model type, for models with several \\[default: the first].")
     ] = None,
     seed: Annotated[int, typer.Option("--seed", min=0, help="Same seed, device and torch build: same bytes.")] = 0,
     device: Annotated[str, typer.Option("--device", help="Where tensors are drawn: cpu or cuda (real sizes).")] = "cpu",

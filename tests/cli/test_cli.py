@@ -171,6 +171,10 @@ def test_help_texts():
         "OMNISTAGE_API_KEY",
     ):
         assert text in serve_help.stdout
+    init_help = invoke("init-random", "--help", env={"COLUMNS": "200"})
+    assert init_help.exit_code == 0, init_help.output
+    for text in ("Size [default: the model's first].", "Model type, for models with several [default: the first]."):
+        assert text in init_help.stdout  # rich markup would eat an unescaped [default: ...]
 
 
 @pytest.mark.parametrize(
