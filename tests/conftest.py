@@ -42,13 +42,10 @@ MODEL_CACHES = (
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def free_memory_after_each_module():
-    """After a module (its own fixtures torn down first): drop the model caches, collect,
-    and give the freed heap back to the kernel (glibc ``malloc_trim``; without it the test
-    process keeps every module's high-water mark, and each stage or soak subprocess it
-    starts adds to that)."""
-    yield
+def free_memory() -> None:
+    """Drop the :data:`MODEL_CACHES`, collect, and give the freed heap back to the kernel
+    (glibc ``malloc_trim``; without it the test process keeps every module's high-water
+    mark, and each stage or soak subprocess it starts adds to that)."""
     for module, function in MODEL_CACHES:
         cached = getattr(sys.modules.get(module), function, None)
         if cached is not None:
@@ -163,10 +160,17 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     _peak = PeakRSS()
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item) -> None:
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """Names the running test for the peak report; after a test module's last test,
+    :func:`free_memory`. Here, not in a module fixture's teardown: until its protocol
+    ends, pytest keeps the last test's fixture values (``item.funcargs``, e.g. a module's
+    pipeline or server), so a collection in the teardown freed nothing of them."""
     if _peak is not None:
         _peak.test = item.nodeid
+    yield
+    if nextitem is None or nextitem.path != item.path:
+        free_memory()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
