@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import weakref
 
 from tests.conftest import tree_rss
 
@@ -28,3 +29,22 @@ def test_a_fork_that_has_not_exec_d_is_not_counted_again_but_a_subprocess_is():
         os.close(write_end)
         os.waitpid(forked, 0)
         child.communicate()
+
+
+def test_free_memory_releases_a_server_that_has_stopped():
+    """What the suite does after each module: a stopped server (and so its pipeline and
+    weights) is freed, although FastAPI's callable caches held its routes."""
+    from fastapi.testclient import TestClient
+
+    from omnistage.serve.app import ServerSettings, create_app
+    from omnistage.testing.tone import ToneConfig
+    from tests.conftest import free_memory
+
+    app = create_app(ToneConfig.for_model_path("tone-test"), ServerSettings(playground=False, warmup=False))
+    with TestClient(app) as client:
+        assert client.get("/health").status_code == 200
+        assert client.post("/v1/audio/speech", json={"input": "hi", "response_format": "pcm"}).status_code == 200
+    server = weakref.ref(app.state.server)
+    del app, client
+    free_memory()
+    assert server() is None, "the stopped server is still referenced"
