@@ -35,10 +35,6 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from transformers import PreTrainedTokenizerBase, Qwen2Tokenizer, WhisperFeatureExtractor
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-    Qwen2VLImageProcessorPil,
-    smart_resize,
-)
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.models.qwen3_omni.modeling.audio_encoder import AudioEncoderConfig, output_lengths
@@ -260,6 +256,13 @@ class Qwen3OmniProcessor:
         self.feature_extractor = WhisperFeatureExtractor(
             **{k: values[k] for k in _FEATURE_KEYS if k in values}
         )
+        # imported here, not at module level: it pulls in transformers.processing_utils (about
+        # 90 MiB and 1 s), which the model registry would otherwise import into every server,
+        # whatever model it serves (config -> payload_types -> this module)
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil,
+        )
+
         self.image_processor = Qwen2VLImageProcessorPil(
             **{k: values[k] for k in _IMAGE_KEYS if k in values}
         )
@@ -338,6 +341,10 @@ class Qwen3OmniProcessor:
 
     def _video_size(self, video: DecodedVideo) -> tuple[int, int]:
         """``(height, width)`` the frames are resized to (multiples of patch x merge)."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            smart_resize,  # see __init__
+        )
+
         ip = self.image_processor
         height, width = video.frames.shape[1:3]
         return smart_resize(
