@@ -112,11 +112,17 @@ class StopStringMatcher:
         return released
 
     def _stop_prefix_length(self, text: str) -> int:
-        """Characters at the end of ``text`` that could begin a stop string."""
-        return max(
-            (n for stop in self.stops for n in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:n])),
-            default=0,
-        )
+        """Characters at the end of ``text`` that could begin a stop string: the longest such
+        suffix. Each stop string is tried from its longest candidate down and only above the
+        longest found so far, so a held text that is wholly a stop string's prefix (it grows
+        with every token while it stays one) costs one comparison, not one per length."""
+        longest = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest
 
     def _tokens_within(self, prefix: str) -> int:
         """The most held tokens whose text is a prefix of ``prefix`` (and whole characters)."""

@@ -4,6 +4,8 @@ first token) keeps exactly the text before it, its tokens and a re-tokenized tai
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from omnistage.scheduling.stop_strings import StopMatch, StopStringMatcher
@@ -93,6 +95,20 @@ def test_a_reply_that_never_meets_a_stop_string_releases_every_token() -> None:
 def test_a_token_that_ends_inside_a_character_waits_for_the_next() -> None:
     verdicts, _ = run(["ok", "\ufffd", "!"], ("zz",))
     assert verdicts == [1, 0, 2, 0]
+
+
+def test_a_held_text_that_stays_a_long_stop_strings_prefix_costs_linear_work_per_token() -> None:
+    # A client's stop string = a greedy reply it has seen + one more character holds every
+    # token; the longest-suffix search tried every length at each token (cubic in the reply:
+    # 400 tokens of 100 characters took 5.5 s of the AR stage's thread, 4096 minutes).
+    pieces = ["ab" * 50] * 400
+    stop = "ab" * 100_000 + "!"
+    matcher = StopStringMatcher((stop,), PieceText(pieces))
+    started = time.perf_counter()
+    verdicts = [matcher.push(token) for token in range(len(pieces))]
+    elapsed = time.perf_counter() - started
+    assert verdicts == [0] * len(pieces) and matcher.flush() == len(pieces)
+    assert elapsed < 2.0, f"{elapsed:.2f} s for {len(pieces)} held tokens"
 
 
 @pytest.mark.parametrize("stops", [(), ("",), ("a", "")])
