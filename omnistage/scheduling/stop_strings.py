@@ -92,7 +92,10 @@ class StopStringMatcher:
         """
         self.held.append(token)
         text = self.token_text.decode(self.held)
-        found = [i for i in (text.find(stop) for stop in self.stops) if i >= 0]
+        # a character still being spelled shows as one last REPLACEMENT_CHAR that is not
+        # its text: a stop string (one holding U+FFFD too) is looked for before it
+        spelled = text[:-1] if text.endswith(REPLACEMENT_CHAR) else text
+        found = [i for i in (spelled.find(stop) for stop in self.stops) if i >= 0]
         if found:
             end = min(found)
             kept = self._tokens_within(text[:end])

@@ -111,6 +111,26 @@ def test_a_held_text_that_stays_a_long_stop_strings_prefix_costs_linear_work_per
     assert elapsed < 2.0, f"{elapsed:.2f} s for {len(pieces)} held tokens"
 
 
+class ByteText:
+    """A byte-level tokenizer: token id = one UTF-8 byte; a cut character decodes as U+FFFD."""
+
+    def decode(self, token_ids: list[int]) -> str:
+        return bytes(token_ids).decode("utf-8", errors="replace")
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+
+def test_a_replacement_char_stop_string_is_not_met_by_a_character_still_being_spelled() -> None:
+    # "é" is two byte tokens; after the first the text shows U+FFFD, which the reply never
+    # holds: the stop "\ufffd" cut the reply "aé" to "a"
+    matcher = StopStringMatcher(("\ufffd",), ByteText())
+    assert [matcher.push(token) for token in "aé".encode()] == [1, 0, 2]
+    # a byte that no character continues is U+FFFD in the reply: there the stop is met
+    matcher = StopStringMatcher(("\ufffd",), ByteText())
+    assert [matcher.push(token) for token in b"a\xffb"] == [1, 0, StopMatch(0, [])]
+
+
 @pytest.mark.parametrize("stops", [(), ("",), ("a", "")])
 def test_empty_stop_strings_are_refused(stops) -> None:
     with pytest.raises(ValueError, match="non-empty"):
