@@ -552,7 +552,7 @@ def _check_aspect_ratios(parts: Sequence[ChatPart]) -> None:
             continue
         if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
             raise RequestValidationError(
-                f"{part.param}: a {part.kind} of {width}x{height} pixels; its longer side may be at most "
+                f"{part.param}: the {part.kind} is {width}x{height} pixels; its longer side may be at most "
                 f"{MAX_ASPECT_RATIO} times its shorter side",
                 param=part.param,
             )
