@@ -143,7 +143,8 @@ class ChatCompletionRequest(_Strict):
 
     ``max_completion_tokens`` is OpenAI's current name of ``max_tokens``; either may be
     set (both: they must agree). ``stop``: a string or a list of at most
-    :data:`MAX_STOP_STRINGS`, each non-empty (an empty list: none); the reply ends before
+    :data:`MAX_STOP_STRINGS`, each non-empty and at most :data:`MAX_STOP_CHARS` characters
+    (an empty list: none); the reply ends before
     the first occurrence of any of them and does not contain it (finish_reason ``"stop"``),
     for a model that declares ``stop`` in its ``supported_fields``.
     """
@@ -192,6 +193,10 @@ def own_chat_fields(request_type: type[ChatCompletionRequest]) -> tuple[str, ...
 OPTIONAL_CHAT_FIELDS: frozenset[str] = frozenset({"top_k", "seed", "stop"})
 #: ``stop`` holds this many strings at most (OpenAI's limit).
 MAX_STOP_STRINGS = 4
+#: A stop string holds this many characters at most (ours, not OpenAI's: the text held back
+#: while it could still begin a stop is decoded again at every token, so its length bounds
+#: that cost per step).
+MAX_STOP_CHARS = 512
 
 
 # --------------------------------------------------------------------------- capabilities
@@ -332,7 +337,8 @@ def validate_chat_request(req: ChatCompletionRequest, caps: ChatCapabilities) ->
             ``audio`` is given without it; the voice or format is not available (the
             message lists them); an optional field is not supported; ``max_tokens`` and
             ``max_completion_tokens`` disagree or exceed the limit; ``stop`` holds more than
-            :data:`MAX_STOP_STRINGS` strings or an empty one; a content kind is not
+            :data:`MAX_STOP_STRINGS` strings, an empty one or one over
+            :data:`MAX_STOP_CHARS` characters; a content kind is not
             among ``input_modalities``, or there are more media items than allowed; the
             text is too long; the last message is the assistant's.
     """
@@ -418,6 +424,11 @@ def _check_limits(req: ChatCompletionRequest, caps: ChatCapabilities) -> None:
         if not stop:
             where = "stop" if isinstance(req.stop, str) else f"stop.{i}"
             raise RequestValidationError(f"{where}: a stop string must not be empty", param=where)
+        if len(stop) > MAX_STOP_CHARS:
+            where = "stop" if isinstance(req.stop, str) else f"stop.{i}"
+            raise RequestValidationError(
+                f"{where}: a stop string holds {len(stop)} characters; at most {MAX_STOP_CHARS}", param=where
+            )
 
 
 _KIND = {"text": "text", "image_url": "image", "input_audio": "audio", "video_url": "video"}

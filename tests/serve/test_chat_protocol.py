@@ -14,6 +14,7 @@ from PIL import Image
 from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
 from omnistage.serve.chat_media import ChatImage, ChatText, load_chat_inputs
 from omnistage.serve.chat_protocol import (
+    MAX_STOP_CHARS,
     ChatCapabilities,
     parse_chat_request,
     validate_chat_request,
@@ -108,7 +109,9 @@ def test_stop_from_a_model_that_does_not_declare_it_is_refused_naming_stop() -> 
 
 
 @pytest.mark.parametrize(
-    ("stop", "param"), [(["a"] * 5, "stop"), ("", "stop"), (["a", ""], "stop.1"), (3, "stop"), ([None], "stop")]
+    ("stop", "param"),
+    [(["a"] * 5, "stop"), ("", "stop"), (["a", ""], "stop.1"), (3, "stop"), ([None], "stop"),
+     ("x" * (MAX_STOP_CHARS + 1), "stop"), (["a", "x" * (MAX_STOP_CHARS + 1)], "stop.1")],
 )
 def test_bad_stop_values_are_refused_naming_the_field(stop, param) -> None:
     caps = TEXT_ONLY.model_copy(update={"supported_fields": frozenset({"stop"})})
@@ -121,3 +124,5 @@ def test_up_to_four_stop_strings_are_taken() -> None:
     assert validate_chat_request(parse_chat_request(body), caps).stop_sequences == ("a", "b", "c", "d")
     body["stop"] = "end"
     assert validate_chat_request(parse_chat_request(body), caps).stop_sequences == ("end",)
+    body["stop"] = "x" * MAX_STOP_CHARS
+    assert validate_chat_request(parse_chat_request(body), caps).stop_sequences == ("x" * MAX_STOP_CHARS,)
