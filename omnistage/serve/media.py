@@ -371,7 +371,7 @@ def _read_local(text: str, policy: MediaPolicy, param: str) -> bytes:
     root = policy.allowed_local_media_path
     if root is None:
         raise RequestValidationError(
-            f"{param} is not a data URI, base64 audio or an http(s) URL, and local file "
+            f"{param} is not a data URI, base64 data or an http(s) URL, and local file "
             "paths are disabled; start the server with --allowed-local-media-path DIR to "
             "allow files under DIR",
             param=param,
@@ -396,7 +396,7 @@ def _read_regular_file(real: Path, text: str, policy: MediaPolicy, param: str) -
         fd = os.open(real, flags)
     except OSError as exc:
         raise RequestValidationError(
-            f"{param} is not a data URI, base64 audio or an http(s) URL, and it names no "
+            f"{param} is not a data URI, base64 data or an http(s) URL, and it names no "
             f"readable local file ({text!r}: {exc.strerror})",
             param=param,
         ) from None
@@ -421,7 +421,7 @@ def _read_regular_file(real: Path, text: str, policy: MediaPolicy, param: str) -
 def _fetch_url(text: str, policy: MediaPolicy, param: str, transport) -> bytes:
     if not policy.allowed_media_domains:
         raise RequestValidationError(
-            f"{param}: URL fetch is disabled; send the audio as a data URI or base64, or "
+            f"{param}: URL fetch is disabled; send the media as a data URI or base64, or "
             "start the server with --allowed-media-domain DOMAIN",
             param=param,
         )
