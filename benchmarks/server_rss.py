@@ -23,14 +23,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import soundfile as sf
 
-from omnistage.testing.waits import free_port
+from omnistage.testing.waits import free_port, wait_until
 
 
 def tree_rss_mib(root: int) -> dict[int, float]:
@@ -79,19 +78,17 @@ def measure(name: str, root: Path, args: argparse.Namespace) -> dict:
         cmd, env=env, cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if server.poll() is not None:
+            raise RuntimeError(f"{name}: the server exited with {server.returncode}")
+        try:
+            return httpx.get(f"{url}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
     try:
-        deadline = time.monotonic() + args.start_timeout_s
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"{name}: the server exited with {server.returncode}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{name}: not healthy within {args.start_timeout_s} s")
-            time.sleep(0.2)
+        wait_until(healthy, args.start_timeout_s, f"{name}: /health 200")
         ready = tree_rss_mib(server.pid)
         body: dict = {"response_format": "pcm"}
         if args.clone:
