@@ -1,34 +1,47 @@
 """Qwen3-Omni served by omnistage: streamed chat with audio over ``POST /v1/chat/completions``.
 
-Drives a server (``--base-url``, or one this script starts from ``--model-dir`` with
-``omnistage serve`` and ``--server-arg`` values; the default serves random weights drawn from config.json,
-``--load-format dummy``, with the engines sized for the largest level) with
+Drives a server (``--base-url``; or one this script starts with ``omnistage serve`` from
+``--model-dir``, or from ``--size``: a config.json plus the test tokenizer written to a temporary
+directory; by default it serves random weights drawn from config.json, ``--load-format dummy``,
+with the engines sized for the largest level, see :func:`default_server_args`) with
 OpenAI's chat-completions shape: ``stream: true``, ``modalities: ["text", "audio"]``,
 ``audio: {"voice", "format": "pcm16"}`` (24 kHz 16-bit mono), ``stream_options:
 {"include_usage": true}``; text arrives as ``choices[0].delta.content`` (or
 ``delta.audio.transcript``), audio as base64 ``delta.audio.data``. Three prompts: a short text
-question, an image (a random 640x480 PNG as a data URI) + text, an audio clip (3 s of
-16 kHz WAV as ``input_audio``) + text. Closed loop: at each ``--concurrency`` level,
-``concurrency x --rounds`` requests with ``concurrency`` in flight.
+question, an image (a random 640x480 PNG as a data URI, 1.2 MB of base64) + text, an audio clip
+(3 s of 16 kHz WAV as ``input_audio``) + text. The media differ from request to request (a pool
+of ``max(--concurrency)`` seeded images and clips, made while the server starts), so no two
+requests in flight carry the same bytes. One request of each prompt warms the server up first.
+Closed loop: at each ``--concurrency`` level, ``--requests`` requests (default
+``concurrency x --rounds``) with ``concurrency`` in flight.
 
 Per request: TTFT (first text), TTFA (first audio bytes), end; per level: their p50/p90/p99,
 RTF per stream (wall time from the request to its last audio byte over the audio's
 duration), text tokens/s per stream (``usage.completion_tokens`` over the time from the first
-to the last text), aggregate audio seconds per wall second, failures, GPU memory used
-(``nvidia-smi``, sampled at the end of each level).
+to the last text), aggregate text tokens and audio seconds per wall second, failures, GPU
+memory used (``nvidia-smi``: the most seen while the level ran, sampled every 2 s, and at its end).
 
-``--reference`` (after the server is stopped, which needs ``--model-dir``): transformers'
-``Qwen3OmniMoeForConditionalGeneration.generate`` at batch 1 on the same config for the text
-prompt, greedy, ``--max-tokens`` thinker tokens: its whole time (it returns the audio at the
-end, so that is its TTFA) against ours. Its weights are transformers' own random init, not
-the ones the server drew: transformers 5 renames and fuses the checkpoint's expert tensors
-while loading, so ours cannot be copied in by name, and the 65.7 GB checkpoint does not fit
-the GPU machine's disk. A step's speed does not depend on the values; the lengths are set
-by the limits (a random talker may still stop early: its audio seconds are recorded).
+``--budget-s``: the whole run's wall time, counted from ``--started-at`` (a Unix time; default
+this script's start). Before each level the time it needs is estimated from the levels already
+run (:func:`estimate_round_s`); a level that does not fit, keeping ``--reference-reserve-s``
+for the reference, runs fewer rounds (``requests_reduced_from`` in its row) or is skipped (a
+row under ``skipped``), and a level still running at the budget's end is cut (its unfinished
+requests are counted in ``cut``, not in ``failed``). The JSON is written after every step.
+
+``--reference`` (after the server is stopped, so the two never share the GPU; needs a server this
+script started): transformers' ``Qwen3OmniMoeForConditionalGeneration.generate`` at batch 1 on
+the same config for the text prompt, greedy, ``--max-tokens`` thinker tokens and at most
+``--reference-frames`` talker frames, in a child process (``--reference-only``) stopped at the
+budget's end: its whole time (it returns the audio at the end, so that is its TTFA) and RTF
+against ours at concurrency 1. Its weights are transformers' own random init, not the ones
+the server drew: transformers 5 renames and fuses the checkpoint's expert tensors while
+loading, so ours cannot be copied in by name, and the 65.7 GB checkpoint does not fit the GPU
+machine's disk. A step's speed does not depend on the values; the lengths are set by the
+limits (a random talker may still stop early: its frames and audio seconds are recorded).
 
 Prints a table and writes ``OUT_DIR/qwen3_omni_served.json``::
 
-    python benchmarks/qwen3_omni_served.py --out-dir $OUT --model-dir DIR --reference
+    python benchmarks/qwen3_omni_served.py --out-dir $OUT --size 30b-a3b --reference --budget-s 500
 """
 
 from __future__ import annotations
@@ -36,10 +49,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import io
 import json
+import math
+import shlex
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -47,12 +64,20 @@ from pathlib import Path
 import httpx
 import numpy as np
 import soundfile
+import torch
 from PIL import Image
 
 from omnistage.bench.speed import Distribution
+from omnistage.testing.waits import free_port, wait_until
 
 PCM16_RATE = 24000
+PROMPTS = ("text", "image+text", "audio+text")
 TEXT_PROMPT = "What is the capital of France? Answer in one sentence."
+#: The issue's targets (issue 17): checked per level in the JSON's ``targets``.
+TARGETS = (
+    ("c=64 with image or audio inputs: no failures, TTFA p99 <= 1 s", 64, ("image+text", "audio+text"), 1000.0, None),
+    ("c=32: TTFA p99 <= 600 ms, RTF p99 <= 0.3", 32, PROMPTS, 600.0, 0.3),
+)  # fmt: skip
 
 
 def image_part(seed: int) -> dict:
@@ -66,7 +91,7 @@ def image_part(seed: int) -> dict:
 def audio_part(seed: int, seconds: float = 3.0) -> dict:
     rng = np.random.default_rng(seed)
     t = np.arange(int(16000 * seconds)) / 16000
-    wave = 0.3 * np.sin(2 * np.pi * 220 * t) + 0.02 * rng.standard_normal(t.shape)
+    wave = 0.3 * np.sin(2 * np.pi * (220 + seed) * t) + 0.02 * rng.standard_normal(t.shape)
     buffer = io.BytesIO()
     soundfile.write(buffer, wave.astype(np.float32), 16000, format="WAV")
     return {
@@ -75,12 +100,13 @@ def audio_part(seed: int, seconds: float = 3.0) -> dict:
     }
 
 
-def prompt_content(kind: str) -> list[dict]:
+def prompt_content(kind: str, seed: int) -> list[dict]:
+    """The user turn of prompt ``kind``; ``seed`` picks the image or the clip."""
     if kind == "text":
         return [{"type": "text", "text": TEXT_PROMPT}]
     if kind == "image+text":
-        return [image_part(0), {"type": "text", "text": "Describe this image in one sentence."}]
-    return [audio_part(0), {"type": "text", "text": "What do you hear? Answer in one sentence."}]
+        return [image_part(seed), {"type": "text", "text": "Describe this image in one sentence."}]
+    return [audio_part(seed), {"type": "text", "text": "What do you hear? Answer in one sentence."}]
 
 
 @dataclass
@@ -148,9 +174,9 @@ async def chat(client: httpx.AsyncClient, body: dict) -> ChatResult:
     return result
 
 
-def request_body(kind: str, voice: str, max_tokens: int, model: str | None) -> dict:
+def request_body(kind: str, seed: int, voice: str, max_tokens: int, model: str | None) -> dict:
     body = {
-        "messages": [{"role": "user", "content": prompt_content(kind)}],
+        "messages": [{"role": "user", "content": prompt_content(kind, seed)}],
         "modalities": ["text", "audio"], "audio": {"voice": voice, "format": "pcm16"},
         "stream": True, "stream_options": {"include_usage": True}, "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -158,6 +184,10 @@ def request_body(kind: str, voice: str, max_tokens: int, model: str | None) -> d
     if model is not None:
         body["model"] = model
     return body
+
+
+def gpu_name() -> str | None:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
 
 
 def gpu_memory_mib() -> float | None:
@@ -177,24 +207,50 @@ def dist(values: list[float]) -> dict:
 
 
 async def run_level(
-    base_url: str, body: dict, concurrency: int, rounds: int, timeout_s: float
+    base_url: str,
+    bodies: list[dict],
+    concurrency: int,
+    requests: int,
+    timeout_s: float,
+    deadline_s: float,
 ) -> dict:
-    total = concurrency * rounds
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(total):
-        queue.put_nowait(i)
+    """``requests`` requests, ``concurrency`` in flight, request ``i`` sending
+    ``bodies[i % len(bodies)]``; cut after ``deadline_s`` seconds (the unfinished are ``cut``)."""
+    next_index = 0
     results: list[ChatResult] = []
+    memory: list[float] = []
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s, limits=limits) as client:
 
         async def worker() -> None:
-            while not queue.empty():
-                queue.get_nowait()
+            nonlocal next_index
+            while next_index < requests:
+                body = bodies[next_index % len(bodies)]
+                next_index += 1
                 results.append(await chat(client, body))
 
+        async def sample_memory() -> None:
+            while True:
+                used = await asyncio.to_thread(gpu_memory_mib)
+                if used is None:
+                    return
+                memory.append(used)
+                await asyncio.sleep(2.0)
+
+        sampler = asyncio.create_task(sample_memory())
         start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        cut = False
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(worker() for _ in range(concurrency))),
+                None if math.isinf(deadline_s) else deadline_s,
+            )
+        except TimeoutError:
+            cut = True
         wall = time.perf_counter() - start
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sampler
     ok = [r for r in results if r.ok]
     rtf = [r.last_audio_ms / 1e3 / r.audio_s for r in ok if r.audio_s > 0 and r.last_audio_ms]
     tps = [
@@ -206,50 +262,44 @@ async def run_level(
         and r.last_text_ms > r.ttft_ms
     ]
     return {
-        "concurrency": concurrency, "requests": total, "failed": total - len(ok),
+        "concurrency": concurrency, "requests": requests, "done": len(results),
+        "failed": len(results) - len(ok), "cut": requests - len(results) if cut else 0,
         "errors": sorted({r.error for r in results if r.error})[:5],
         "ttft_ms": dist([r.ttft_ms for r in ok if r.ttft_ms is not None]),
         "ttfa_ms": dist([r.ttfa_ms for r in ok]), "rtf": dist(rtf), "rtf_max": round(max(rtf), 3) if rtf else None,
         "tokens_per_s_per_stream": dist(tps),
         "tokens_per_s": round(sum(r.completion_tokens or 0 for r in ok) / wall, 1),
+        "audio_s_per_request": dist([r.audio_s for r in ok]),
         "audio_s_per_s": round(sum(r.audio_s for r in ok) / wall, 2), "wall_s": round(wall, 2),
-        "gpu_memory_mib": gpu_memory_mib(),
+        "gpu_memory_mib": gpu_memory_mib(), "gpu_memory_mib_max": max(memory, default=None),
     }  # fmt: skip
 
 
-def start_server(model_dir: Path, port: int, server_args: list[str], log: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "omnistage.cli",
-        "serve",
-        "--model-path",
-        str(model_dir),
-        "--port",
-        str(port),
-        *server_args,
-    ]
-    print(" ".join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.terminate()
-    raise RuntimeError(f"the server did not become healthy in 900 s; see {log}")
+#: KV pool of each engine in tokens (the pool's bytes follow from the config). At real
+#: dimensions (thinker 96 KiB a token, talker 20 KiB) 16 GiB and 4 GiB: what the served runs
+#: used; c=64 image prompts reserve about 64 x (330 + 48) thinker and 64 x (330 + 505) talker
+#: tokens, and a pool must hold one ``max_model_len`` (8192). The stages' default (256 MiB)
+#: holds 2730 thinker tokens at real dimensions, too few.
+KV_TOKENS = {"thinker": 174762, "talker": 209715}
 
 
-def default_server_args(max_num_seqs: int) -> list[str]:
+def kv_bytes_per_token(text_config: dict, dtype_bytes: int) -> int:
+    """K and V of every layer for one token: ``2 x layers x kv_heads x head_dim x dtype``."""
+    return (
+        2 * text_config["num_hidden_layers"] * text_config["num_key_value_heads"]
+        * text_config["head_dim"] * dtype_bytes
+    )  # fmt: skip
+
+
+def default_server_args(max_num_seqs: int, config: dict, on_cuda: bool) -> list[str]:
     """Random weights drawn from config.json (``--load-format dummy``), and engines, vocoder
-    slots and KV pools sized for ``max_num_seqs`` concurrent streams."""
+    slots and KV pools (:data:`KV_TOKENS`, in bytes for ``config``: bf16 on CUDA, fp32 on the
+    CPU, as the stages load) sized for ``max_num_seqs`` concurrent streams."""
     args = ["--load-format", "dummy", "--max-concurrent-requests", str(4 * max_num_seqs)]
-    for stage, kv in (("thinker", 16 << 30), ("talker", 4 << 30)):
+    dtype_bytes = 2 if on_cuda else 4
+    for stage, text_config in (("thinker", config["thinker_config"]["text_config"]),
+                               ("talker", config["talker_config"]["text_config"])):  # fmt: skip
+        kv = KV_TOKENS[stage] * kv_bytes_per_token(text_config, dtype_bytes)
         args += [
             f"--{stage}.factory.args.max_num_seqs",
             str(max_num_seqs),
@@ -259,10 +309,106 @@ def default_server_args(max_num_seqs: int) -> list[str]:
     return [*args, "--code2wav.factory.args.num_slots", str(max_num_seqs)]
 
 
-def reference_generate(model_dir: Path, max_tokens: int, frames: int, voice: str) -> dict:
+def write_model_dir(size: str) -> Path:
+    """config.json of ``size`` and the test tokenizer (role words at their real ids) in a new
+    temporary directory: all that ``--load-format dummy`` and the chat processor read."""
+    from omnistage.models.qwen3_omni.random_checkpoint import write_config
+    from omnistage.models.qwen3_omni.random_text_tokenizer import (
+        give_role_words_their_ids,
+        write_text_tokenizer,
+    )
+
+    directory = write_config(Path(tempfile.mkdtemp(prefix="omni_served_")), size)
+    write_text_tokenizer(directory)
+    give_role_words_their_ids(directory)
+    return directory
+
+
+class Budget:
+    """The run's wall-time budget (``None``: unlimited), counted from ``started_at`` (Unix time)."""
+
+    def __init__(self, budget_s: float | None, started_at: float) -> None:
+        self.end = None if budget_s is None else started_at + budget_s
+
+    def left(self) -> float:
+        return math.inf if self.end is None else self.end - time.time()
+
+
+def estimate_round_s(levels: list[dict], kind: str, concurrency: int) -> float | None:
+    """Seconds one round (``concurrency`` requests at once) of prompt ``kind`` should take, from
+    the levels run so far: the slowest round at the same concurrency x 1.3 (another prompt may
+    be slower); else this prompt's round at the highest lower concurrency x the concurrency
+    ratio to the 0.6 (served H200 rounds of the text prompt grew x3.6 from 1 to 8 and x1.4 from
+    8 to 32) x 1.3; None without any level to go by."""
+    rounds = [(lv["concurrency"], lv["prompt"], lv["wall_s"] * lv["concurrency"] / lv["done"])
+              for lv in levels if lv.get("done")]  # fmt: skip
+    same = [s for c, _, s in rounds if c == concurrency]
+    if same:
+        return 1.3 * max(same)
+    lower = [(c, s) for c, k, s in rounds if k == kind and c < concurrency] or [
+        (c, s) for c, _, s in rounds if c < concurrency
+    ]
+    if not lower:
+        return None
+    c, s = max(lower)
+    return 1.3 * s * (concurrency / c) ** 0.6
+
+
+def targets_met(levels: list[dict]) -> list[dict]:
+    """Each :data:`TARGETS` entry per prompt level it names: met or not, with the numbers."""
+    rows = []
+    for name, concurrency, kinds, ttfa_p99_ms, rtf_p99 in TARGETS:
+        for lv in levels:
+            if lv["concurrency"] != concurrency or lv["prompt"] not in kinds:
+                continue
+            p99, rtf = lv["ttfa_ms"]["p99"], lv["rtf"]["p99"]
+            met = lv["failed"] == 0 and lv["cut"] == 0 and p99 is not None and p99 <= ttfa_p99_ms
+            if rtf_p99 is not None:
+                met = met and rtf is not None and rtf <= rtf_p99
+            rows.append({"target": name, "prompt": lv["prompt"], "met": met, "failed": lv["failed"],
+                         "ttfa_p99_ms": p99, "rtf_p99": rtf})  # fmt: skip
+    return rows
+
+
+def start_server(model_dir: Path, port: int, server_args: list[str], log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--model-path", str(model_dir),
+           "--port", str(port), "--no-playground", *server_args]  # fmt: skip
+    print(" ".join(cmd), flush=True)
+    return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def wait_healthy(proc: subprocess.Popen, port: int, timeout_s: float, log: Path) -> None:
+    """Raises: RuntimeError: the server exited; AssertionError: not healthy in ``timeout_s``."""
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(healthy, timeout_s, "the server's /health 200")
+
+
+def stop_server(proc: subprocess.Popen) -> float:
+    """SIGTERM, SIGKILL after 30 s; returns the seconds it took to exit."""
+    start = time.perf_counter()
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+    return round(time.perf_counter() - start, 1)
+
+
+def reference_generate(
+    model_dir: Path, max_tokens: int, frames: int, voice: str, out: Path
+) -> dict:
     """transformers' generate at batch 1, greedy, on its own random init of the same config
-    (module docstring)."""
-    import torch
+    (module docstring); writes ``out`` after each step (init, warm-up, timed run)."""
+    import transformers
     from transformers import AutoConfig, Qwen3OmniMoeForConditionalGeneration
 
     from omnistage.models.qwen3_omni.processing import Qwen3OmniProcessor
@@ -275,123 +421,267 @@ def reference_generate(model_dir: Path, max_tokens: int, frames: int, voice: str
     raw = json.loads((model_dir / "config.json").read_text())
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    result: dict = {
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "dtype": str(dtype),
+    }
     start = time.perf_counter()
     with device:
         ref = Qwen3OmniMoeForConditionalGeneration._from_config(
             AutoConfig.from_pretrained(str(model_dir)), dtype=dtype
         )
     ref.eval()
-    load_s = time.perf_counter() - start
+    sync()
+    result["init_s"] = round(time.perf_counter() - start, 1)
+    if device.type == "cuda":
+        result["gpu_memory_mib_after_init"] = round(torch.cuda.memory_allocated() / 2**20)
+    out.write_text(json.dumps(result, indent=1))
     # the chat turn by the config's ids (a test tokenizer has no role words at their real ids)
     tokenizer = Qwen3OmniProcessor.from_checkpoint(model_dir).tokenizer
     nl = tokenizer.encode("\n")
     start_id, end_id = raw["im_start_token_id"], raw["im_end_token_id"]
     turn = [start_id, raw["user_token_id"], *nl, *tokenizer.encode(TEXT_PROMPT), end_id, *nl]
     ids = torch.tensor([turn + [start_id, raw["assistant_token_id"], *nl]], device=device)
-    timings = []
-    for _ in range(2):  # the first call warms up
+
+    def generate(thinker_tokens: int, talker_frames: int) -> tuple[float, int, float]:
         sync()
         t0 = time.perf_counter()
         text_ids, audio = ref.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice, thinker_max_new_tokens=max_tokens,
-            thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=frames,
+            input_ids=ids, attention_mask=torch.ones_like(ids), speaker=voice, thinker_max_new_tokens=thinker_tokens,
+            thinker_do_sample=False, talker_do_sample=False, talker_max_new_tokens=talker_frames,
         )  # fmt: skip
         sync()
-        timings.append(time.perf_counter() - t0)
-    tokens = int(text_ids.shape[-1] - ids.shape[-1])
-    audio_s = 0.0 if audio is None else float(audio.numel()) / PCM16_RATE
-    return {"init_s": round(load_s, 1), "total_s": round(timings[-1], 3),
-            "thinker_tokens": tokens, "audio_s": round(audio_s, 2),
-            "rtf": round(timings[-1] / audio_s, 3) if audio_s else None}  # fmt: skip
+        audio_s = 0.0 if audio is None else float(audio.numel()) / PCM16_RATE
+        return time.perf_counter() - t0, int(text_ids.shape[-1] - ids.shape[-1]), audio_s
+
+    result["warmup_s"] = round(generate(4, 4)[0], 2)  # kernels and allocator warm; short
+    out.write_text(json.dumps(result, indent=1))
+    total_s, tokens, audio_s = generate(max_tokens, frames)
+    result |= {"total_s": round(total_s, 3), "thinker_tokens": tokens, "audio_s": round(audio_s, 2),
+               "rtf": round(total_s / audio_s, 3) if audio_s else None}  # fmt: skip
+    if device.type == "cuda":
+        result["gpu_memory_mib_peak"] = round(torch.cuda.max_memory_allocated() / 2**20)
+    out.write_text(json.dumps(result, indent=1))
+    return result
 
 
-def main() -> None:
+def run_reference(args: argparse.Namespace, model_dir: Path, timeout_s: float) -> dict:
+    """:func:`reference_generate` in a child process (``--reference-only``), killed after
+    ``timeout_s``; its JSON as far as it got, with ``error`` if it did not finish."""
+    out = args.out_dir / "qwen3_omni_reference.json"
+    out.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "--reference-only", "--out-dir", str(args.out_dir), "--model-dir",
+           str(model_dir), "--max-tokens", str(args.max_tokens), "--reference-frames", str(args.reference_frames),
+           "--voice", args.voice]  # fmt: skip
+    log = args.out_dir / "reference.log"
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        try:
+            code = subprocess.run(
+                cmd, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s
+            ).returncode
+            error = None if code == 0 else f"exited with {code}; see reference.log"
+        except subprocess.TimeoutExpired:
+            error = f"stopped at the budget's end after {timeout_s:.0f} s"
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["wall_s"] = round(time.perf_counter() - start, 1)
+    if error is not None:
+        result["error"] = error
+        result["log_tail"] = log.read_text()[-2000:]
+    return result
+
+
+def print_table(result: dict) -> None:
+    print(f"{'prompt':11} {'conc':>4} {'req':>7} {'fail':>4} {'cut':>3} {'TTFT p50':>9} {'TTFA p50':>9} "
+          f"{'TTFA p99':>9} {'RTF p50':>8} {'RTF max':>8} {'tok/s':>7} {'tok/s/st':>8} {'audio s/s':>9} "
+          f"{'GPU MiB':>8}")  # fmt: skip
+    for lv in result["levels"]:
+        asked = lv.get("requests_reduced_from", lv["requests"])
+        print(f"{lv['prompt']:11} {lv['concurrency']:>4} {str(lv['done']) + '/' + str(asked):>7} {lv['failed']:>4} {lv['cut']:>3} "
+              f"{lv['ttft_ms']['p50']!s:>9} {lv['ttfa_ms']['p50']!s:>9} {lv['ttfa_ms']['p99']!s:>9} "
+              f"{lv['rtf']['p50']!s:>8} {lv['rtf_max']!s:>8} {lv['tokens_per_s']:>7} "
+              f"{lv['tokens_per_s_per_stream']['p50']!s:>8} {lv['audio_s_per_s']:>9} "
+              f"{lv['gpu_memory_mib_max'] or lv['gpu_memory_mib']!s:>8}")  # fmt: skip
+    for skipped in result["skipped"]:
+        print("skipped", json.dumps(skipped))
+    if "reference" in result:
+        print(
+            "reference",
+            json.dumps({k: v for k, v in result["reference"].items() if k != "log_tail"}),
+        )
+    for row in result["targets"]:
+        print(f"target {'met' if row['met'] else 'NOT met'}: {row['target']} [{row['prompt']}] "
+              f"failed {row['failed']}, TTFA p99 {row['ttfa_p99_ms']} ms, RTF p99 {row['rtf_p99']}")  # fmt: skip
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, required=True)
-    parser.add_argument("--base-url", help="a running server (else --model-dir starts one)")
+    parser.add_argument(
+        "--base-url", help="a running server (else --model-dir or --size starts one)"
+    )
     parser.add_argument(
         "--model-dir", type=Path, help="checkpoint (config.json + tokenizer) to serve"
     )
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--size", choices=["tiny", "30b-a3b"],
+                        help="serve a config of this size with the test tokenizer, written to a temporary directory")  # fmt: skip
+    parser.add_argument(
+        "--port", type=int, default=None, help="the started server's port (default: a free one)"
+    )
     parser.add_argument("--server-arg", action="append", default=None,
                         help="one argument for omnistage serve (repeat); default: load_format dummy everywhere, "
                              "engines sized for the largest concurrency")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
-    parser.add_argument("--prompts", nargs="+", choices=["text", "image+text", "audio+text"],
-                        default=["text", "image+text", "audio+text"])  # fmt: skip
+    parser.add_argument("--prompts", nargs="+", choices=PROMPTS, default=list(PROMPTS))
     parser.add_argument(
         "--rounds", type=int, default=2, help="requests per level = concurrency x rounds"
     )
+    parser.add_argument("--requests", type=int, nargs="+",
+                        help="requests per level, one per --concurrency value (instead of --rounds)")  # fmt: skip
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--voice", default="ethan")
     parser.add_argument("--model", default=None, help="the request's model field (default: none)")
-    parser.add_argument("--timeout-s", type=float, default=300.0)
+    parser.add_argument(
+        "--timeout-s", type=float, default=60.0, help="httpx timeout of each request"
+    )
+    parser.add_argument(
+        "--start-timeout-s", type=float, default=900.0, help="the longest wait for /health"
+    )
+    parser.add_argument(
+        "--budget-s", type=float, default=None, help="the whole run's wall time (module docstring)"
+    )
+    parser.add_argument("--started-at", type=float, default=None,
+                        help="Unix time the budget counts from (default: now)")  # fmt: skip
     parser.add_argument(
         "--reference", action="store_true", help="transformers' generate at batch 1 afterwards"
     )
+    parser.add_argument(
+        "--reference-only", action="store_true", help="only the reference (the child process)"
+    )
     parser.add_argument("--reference-frames", type=int, default=100)
+    parser.add_argument("--reference-reserve-s", type=float, default=150.0,
+                        help="budget seconds kept for stopping the server and the reference")  # fmt: skip
     args = parser.parse_args()
-    if (args.base_url is None) == (args.model_dir is None):
-        parser.error("give exactly one of --base-url and --model-dir")
-    if args.reference and args.model_dir is None:
-        parser.error("--reference needs --model-dir (the server must be stopped to free the GPU)")
+    sources = [args.base_url, args.model_dir, args.size]
+    if args.reference_only:
+        if args.model_dir is None:
+            parser.error("--reference-only needs --model-dir")
+    elif sum(s is not None for s in sources) != 1:
+        parser.error("give exactly one of --base-url, --model-dir and --size")
+    if args.reference and args.base_url is not None:
+        parser.error(
+            "--reference needs a server this script starts (it is stopped to free the GPU)"
+        )
+    if args.requests is not None and len(args.requests) != len(args.concurrency):
+        parser.error("--requests takes one value per --concurrency value")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    if args.reference_only:
+        reference_generate(args.model_dir, args.max_tokens, args.reference_frames, args.voice,
+                           args.out_dir / "qwen3_omni_reference.json")  # fmt: skip
+        return
+    budget = Budget(args.budget_s, time.time() if args.started_at is None else args.started_at)
+    reserve = args.reference_reserve_s if args.reference else 0.0
+    requests = args.requests or [c * args.rounds for c in args.concurrency]
     out = args.out_dir / "qwen3_omni_served.json"
-    result: dict = {"levels": [], "args": {k: str(v) for k, v in vars(args).items()}}
+    result: dict = {"command": shlex.join(sys.argv), "torch": torch.__version__, "gpu": gpu_name(),
+                    "levels": [], "skipped": [], "targets": [], "args": {k: str(v) for k, v in vars(args).items()},
+                    "requests_per_level": dict(zip(map(str, args.concurrency), requests, strict=True))}  # fmt: skip
+
+    def save() -> None:
+        result["targets"] = targets_met(result["levels"])
+        out.write_text(json.dumps(result, indent=1))
+
+    model_dir = args.model_dir or (write_model_dir(args.size) if args.size else None)
     proc = None
     base_url = args.base_url
-    if args.model_dir is not None:
-        server_args = (
-            args.server_arg
-            if args.server_arg is not None
-            else default_server_args(max(args.concurrency))
-        )
-        start = time.perf_counter()
-        proc = start_server(args.model_dir, args.port, server_args, args.out_dir / "server.log")
-        result["server_start_s"] = round(time.perf_counter() - start, 1)
-        base_url = f"http://127.0.0.1:{args.port}"
+    pool = max(args.concurrency)
     try:
-        asyncio.run(
-            run_level(
-                base_url, request_body("text", args.voice, 8, args.model), 1, 1, args.timeout_s
+        if model_dir is not None:
+            config = json.loads((model_dir / "config.json").read_text())
+            server_args = args.server_arg
+            if server_args is None:
+                server_args = default_server_args(pool, config, torch.cuda.is_available())
+            port = args.port or free_port()
+            log = args.out_dir / "server.log"
+            start = time.perf_counter()
+            proc = start_server(model_dir, port, server_args, log)
+            result["server_args"] = server_args
+            base_url = f"http://127.0.0.1:{port}"
+        bodies = {kind: [request_body(kind, i, args.voice, args.max_tokens, args.model) for i in range(pool)]
+                  for kind in args.prompts}  # fmt: skip
+        if proc is not None:
+            wait_healthy(proc, port, min(args.start_timeout_s, budget.left() - reserve), log)
+            result["server_start_s"] = round(time.perf_counter() - start, 1)
+            result["gpu_memory_mib_at_start"] = gpu_memory_mib()
+            save()
+        warm = {}
+        for kind in args.prompts:  # each prompt's first use (encoders, graphs) outside the levels
+            body = {**bodies[kind][0], "max_tokens": 8}
+            warm[kind] = asyncio.run(
+                run_level(base_url, [body], 1, 1, args.timeout_s, args.timeout_s)
             )
-        )  # warm-up
+        result["warmup"] = {k: {"ok": v["failed"] == 0, "wall_s": v["wall_s"], "errors": v["errors"]}
+                            for k, v in warm.items()}  # fmt: skip
+        save()
         for kind in args.prompts:
-            body = request_body(kind, args.voice, args.max_tokens, args.model)
-            for concurrency in args.concurrency:
-                level = {
-                    "prompt": kind,
-                    **asyncio.run(
-                        run_level(base_url, body, concurrency, args.rounds, args.timeout_s)
-                    ),
-                }
+            for concurrency, wanted in zip(args.concurrency, requests, strict=True):
+                if proc is not None and proc.poll() is not None:
+                    result["skipped"].append({"prompt": kind, "concurrency": concurrency,
+                                              "why": f"the server exited with {proc.returncode}"})  # fmt: skip
+                    continue
+                left = budget.left() - reserve
+                per_round = estimate_round_s(result["levels"], kind, concurrency)
+                rounds = math.ceil(wanted / concurrency)
+                fit = rounds if per_round is None else min(rounds, math.floor(left / per_round))
+                if fit < 1 or left < 5:
+                    result["skipped"].append({"prompt": kind, "concurrency": concurrency, "why": "budget",
+                                              "left_s": round(left, 1), "round_estimate_s": per_round and round(per_round, 1)})  # fmt: skip
+                    save()
+                    continue
+                n = wanted if fit == rounds else fit * concurrency
+                level = {"prompt": kind, **asyncio.run(
+                    run_level(base_url, bodies[kind], concurrency, n, args.timeout_s, left)
+                )}  # fmt: skip
+                if n != wanted:
+                    level["requests_reduced_from"] = wanted
+                    level["round_estimate_s"] = round(per_round, 1)
                 result["levels"].append(level)
                 print(json.dumps(level), flush=True)
-                out.write_text(json.dumps(result, indent=1))
+                save()
+    except (RuntimeError, AssertionError) as exc:  # the server did not come up or died
+        result["server_error"] = str(exc)
+        if proc is not None:
+            result["server_log_tail"] = (args.out_dir / "server.log").read_text()[-3000:]
+        save()
     finally:
         if proc is not None:
-            proc.terminate()
-            proc.wait(timeout=120)
+            result["server_stop_s"] = stop_server(proc)
+            save()
     if args.reference:
-        result["reference"] = reference_generate(
-            args.model_dir, args.max_tokens, args.reference_frames, args.voice
-        )
+        left = budget.left() - 5
+        if left < 30:
+            result["reference"] = {"error": f"skipped: {left:.0f} s of the budget left"}
+        else:
+            result["reference"] = run_reference(args, model_dir, left)
+        ref = result["reference"]
         first = next(
             (lv for lv in result["levels"] if lv["prompt"] == "text" and lv["concurrency"] == 1),
             None,
         )
-        if first is not None and first["ttfa_ms"]["p50"] is not None:
-            result["reference"]["ttfa_ratio_ours_over_reference"] = round(
-                first["ttfa_ms"]["p50"] / 1e3 / result["reference"]["total_s"], 4
+        if first is not None and ref.get("total_s") and first["ttfa_ms"]["p50"] is not None:
+            ref["ttfa_ratio_ours_over_reference"] = round(
+                first["ttfa_ms"]["p50"] / 1e3 / ref["total_s"], 4
             )
-        print("reference", json.dumps(result["reference"]), flush=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"{'prompt':11} {'conc':>4} {'fail':>4} {'TTFT p50':>9} {'TTFA p50':>9} {'TTFA p99':>9} "
-          f"{'RTF max':>8} {'tok/s':>7} {'audio s/s':>9} {'GPU MiB':>8}")  # fmt: skip
-    for lv in result["levels"]:
-        print(f"{lv['prompt']:11} {lv['concurrency']:>4} {lv['failed']:>4} {lv['ttft_ms']['p50']!s:>9} "
-              f"{lv['ttfa_ms']['p50']!s:>9} {lv['ttfa_ms']['p99']!s:>9} {lv['rtf_max']!s:>8} "
-              f"{lv['tokens_per_s']:>7} {lv['audio_s_per_s']:>9} {lv['gpu_memory_mib']!s:>8}")  # fmt: skip
+        if first is not None and ref.get("rtf") and first["rtf"]["p50"] is not None:
+            ref["rtf_ratio_ours_over_reference"] = round(first["rtf"]["p50"] / ref["rtf"], 4)
+        save()
+    print_table(result)
 
 
 if __name__ == "__main__":
