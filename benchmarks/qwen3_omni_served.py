@@ -33,11 +33,13 @@ script started): transformers' ``Qwen3OmniMoeForConditionalGeneration.generate``
 the same config for the text prompt, greedy, ``--max-tokens`` thinker tokens and at most
 ``--reference-frames`` talker frames, in a child process (``--reference-only``) stopped at the
 budget's end: its whole time (it returns the audio at the end, so that is its TTFA) and RTF
-against ours at concurrency 1. Its weights are transformers' own random init, not the ones
-the server drew: transformers 5 renames and fuses the checkpoint's expert tensors while
-loading, so ours cannot be copied in by name, and the 65.7 GB checkpoint does not fit the GPU
-machine's disk. A step's speed does not depend on the values; the lengths are set by the
-limits (a random talker may still stop early: its frames and audio seconds are recorded).
+against ours at concurrency 1. Its thinker text model and talker get the weights the server
+drew (the same per-name draws on the same device, experts stacked as transformers stores them:
+:func:`fill_with_served_weights`; checked on the tiny config against transformers loading the
+``init-random`` checkpoint: every filled tensor equal); the encoders, which the text prompt does
+not use, and code2wav keep transformers' init. Greedy on both sides, so the lengths are set by
+the limits and the weights (a random talker may still stop early: the reference's thinker
+tokens and audio seconds are recorded).
 
 Prints a table and writes ``OUT_DIR/qwen3_omni_served.json``::
 
@@ -403,11 +405,58 @@ def stop_server(proc: subprocess.Popen) -> float:
     return round(time.perf_counter() - start, 1)
 
 
+#: transformers' prefixes of the thinker's text model and towers, and ours (the checkpoint's)
+HF_PREFIXES = (("thinker.model.language_model.", "thinker.model."),
+               ("thinker.model.audio_tower.", "thinker.audio_tower."), ("thinker.model.visual.", "thinker.visual."))  # fmt: skip
+#: Checkpoint prefixes of the parts a dummy load draws per part, not per name (SEEDED_PARTS)
+SEEDED_PREFIXES = ("thinker.audio_tower.", "thinker.visual.", "code2wav.")
+
+
+def fill_with_served_weights(ref: torch.nn.Module, raw: dict, device: torch.device) -> int:
+    """Give the thinker's text model and the talker of transformers' ``ref`` the weights the
+    server's dummy load draws (:func:`~omnistage.models.qwen3_omni.modeling.weights.random_source`,
+    seed 0, by checkpoint name), their experts stacked as transformers stores them
+    (``gate_up_proj`` ``[E, 2 x I, H]``: gate rows then up rows; ``down_proj`` ``[E, H, I]``).
+    The encoders and code2wav keep transformers' init: the text prompt uses no encoder, and
+    code2wav's output length does not depend on its weights. Returns the tensors filled."""
+    from omnistage.models.qwen3_omni.modeling.weights import random_source
+    from omnistage.models.qwen3_omni.random_checkpoint import checkpoint_tensor_shapes
+
+    shapes = checkpoint_tensor_shapes(raw)
+    source = random_source(0, device)
+
+    def draw(name: str) -> torch.Tensor:
+        return source(name, shapes[name])
+
+    filled = 0
+    for hf_name, param in ref.named_parameters():
+        name = next(
+            (ours + hf_name[len(hf) :] for hf, ours in HF_PREFIXES if hf_name.startswith(hf)),
+            hf_name,
+        )
+        if name.startswith(SEEDED_PREFIXES):
+            continue
+        experts, _, kind = name.rpartition(".")
+        if kind == "gate_up_proj":
+            value = torch.stack([torch.cat([draw(f"{experts}.{e}.gate_proj.weight"), draw(f"{experts}.{e}.up_proj.weight")])
+                                 for e in range(param.shape[0])])  # fmt: skip
+        elif kind == "down_proj" and experts.endswith(".experts"):
+            value = torch.stack(
+                [draw(f"{experts}.{e}.down_proj.weight") for e in range(param.shape[0])]
+            )
+        else:
+            value = draw(name)
+        param.copy_(value)
+        filled += 1
+    return filled
+
+
 def reference_generate(
     model_dir: Path, max_tokens: int, frames: int, voice: str, out: Path
 ) -> dict:
-    """transformers' generate at batch 1, greedy, on its own random init of the same config
-    (module docstring); writes ``out`` after each step (init, warm-up, timed run)."""
+    """transformers' generate at batch 1, greedy, with the server's weights where the text
+    prompt's run reads them (:func:`fill_with_served_weights`); writes ``out`` after each step
+    (init, warm-up, timed run)."""
     import transformers
     from transformers import AutoConfig, Qwen3OmniMoeForConditionalGeneration
 
@@ -434,6 +483,12 @@ def reference_generate(
     ref.eval()
     sync()
     result["init_s"] = round(time.perf_counter() - start, 1)
+    start = time.perf_counter()
+    result["tensors_filled"] = fill_with_served_weights(ref, raw, device)
+    sync()
+    result["fill_s"] = round(time.perf_counter() - start, 1)
+    result["experts_implementation"] = ref.config._experts_implementation
+    result["attn_implementation"] = ref.config._attn_implementation
     if device.type == "cuda":
         result["gpu_memory_mib_after_init"] = round(torch.cuda.memory_allocated() / 2**20)
     out.write_text(json.dumps(result, indent=1))
@@ -638,7 +693,11 @@ def main() -> None:
                 left = budget.left() - reserve
                 per_round = estimate_round_s(result["levels"], kind, concurrency)
                 rounds = math.ceil(wanted / concurrency)
-                fit = rounds if per_round is None else min(rounds, math.floor(left / per_round))
+                fit = (
+                    rounds
+                    if per_round is None or math.isinf(left)
+                    else min(rounds, math.floor(left / per_round))
+                )
                 if fit < 1 or left < 5:
                     result["skipped"].append({"prompt": kind, "concurrency": concurrency, "why": "budget",
                                               "left_s": round(left, 1), "round_estimate_s": per_round and round(per_round, 1)})  # fmt: skip
