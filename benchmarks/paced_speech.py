@@ -30,6 +30,7 @@ from pydantic import Field
 from omnistage.config.pipeline import FactoryConfig, StageConfig
 from omnistage.core.messages import Abort, StagePayload
 from omnistage.core.payloads import AudioChunk, AudioResult
+from omnistage.core.request import PipelineRequest
 from omnistage.pipeline.stage import StageBuildContext
 from omnistage.scheduling.base import Scheduler
 from omnistage.scheduling.vocoder import ChunkPlan
@@ -57,7 +58,7 @@ class PacedSpeechRequest(SpeechRequest):
 
 
 @dataclass(frozen=True)
-class PacedJob:
+class PacedJob(PipelineRequest):
     frames: int
 
 
