@@ -70,6 +70,7 @@ import torch
 from PIL import Image
 
 from omnistage.bench.speed import Distribution
+from omnistage.engine.kv_cache import kv_token_bytes
 from omnistage.testing.waits import free_port, wait_until
 
 PCM16_RATE = 24000
@@ -280,17 +281,10 @@ async def run_level(
 #: KV pool of each engine in tokens (the pool's bytes follow from the config). At real
 #: dimensions (thinker 96 KiB a token, talker 20 KiB) 16 GiB and 4 GiB: what the served runs
 #: used; c=64 image prompts reserve about 64 x (330 + 48) thinker and 64 x (330 + 505) talker
-#: tokens, and a pool must hold one ``max_model_len`` (8192). The stages' default (256 MiB)
-#: holds 2730 thinker tokens at real dimensions, too few.
+#: tokens, and a pool must hold one ``max_model_len`` (8192). Kept explicit so runs compare
+#: with those: the stages' default (docs/engine.md, "KV pool size") would size both pools for
+#: ``max_num_seqs`` x 8192 tokens, capped at half the free GPU memory.
 KV_TOKENS = {"thinker": 174762, "talker": 209715}
-
-
-def kv_bytes_per_token(text_config: dict, dtype_bytes: int) -> int:
-    """K and V of every layer for one token: ``2 x layers x kv_heads x head_dim x dtype``."""
-    return (
-        2 * text_config["num_hidden_layers"] * text_config["num_key_value_heads"]
-        * text_config["head_dim"] * dtype_bytes
-    )  # fmt: skip
 
 
 def default_server_args(max_num_seqs: int, config: dict, on_cuda: bool) -> list[str]:
@@ -298,10 +292,11 @@ def default_server_args(max_num_seqs: int, config: dict, on_cuda: bool) -> list[
     slots and KV pools (:data:`KV_TOKENS`, in bytes for ``config``: bf16 on CUDA, fp32 on the
     CPU, as the stages load) sized for ``max_num_seqs`` concurrent streams."""
     args = ["--load-format", "dummy", "--max-concurrent-requests", str(4 * max_num_seqs)]
-    dtype_bytes = 2 if on_cuda else 4
-    for stage, text_config in (("thinker", config["thinker_config"]["text_config"]),
-                               ("talker", config["talker_config"]["text_config"])):  # fmt: skip
-        kv = KV_TOKENS[stage] * kv_bytes_per_token(text_config, dtype_bytes)
+    dtype = torch.bfloat16 if on_cuda else torch.float32
+    for stage, text in (("thinker", config["thinker_config"]["text_config"]),
+                        ("talker", config["talker_config"]["text_config"])):  # fmt: skip
+        geometry = (text["num_hidden_layers"], text["num_key_value_heads"], text["head_dim"])
+        kv = KV_TOKENS[stage] * kv_token_bytes(*geometry, dtype)
         args += [
             f"--{stage}.factory.args.max_num_seqs",
             str(max_num_seqs),

@@ -29,23 +29,6 @@ class OutOfBlocksError(RuntimeError):
     :meth:`BlockManager.can_allocate` first; this is a scheduler bug, not a user error)."""
 
 
-def num_blocks_for_budget(
-    kv_cache_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, block_size: int
-) -> int:
-    """Blocks that fit in ``kv_cache_bytes``: one block holds K and V of ``block_size``
-    tokens in every layer, ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes *
-    block_size`` bytes.
-
-    Raises:
-        ValueError: the budget holds no block.
-    """
-    per_block = 2 * num_layers * num_kv_heads * head_dim * dtype_bytes * block_size
-    blocks = kv_cache_bytes // per_block
-    if blocks < 1:
-        raise ValueError(f"a KV budget of {kv_cache_bytes} bytes holds no block of {per_block} bytes")
-    return blocks
-
-
 class BlockManager:
     """Args:
     num_blocks: blocks in the pool (>= 1).

@@ -30,6 +30,7 @@ caller's batch boundary.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -40,11 +41,13 @@ from omnistage.core.errors import RequestValidationError
 from omnistage.core.request import FinishReason
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.cuda_graph import CUDAGraphRunner, default_batch_sizes
-from omnistage.engine.kv_cache import PagedKVCache, kv_budget_bytes
+from omnistage.engine.kv_cache import PagedKVCache, kv_pool_blocks, kv_token_bytes
 from omnistage.engine.model_runner import ARModel, ARModelSpec, ModelRunner, StepSampling
 from omnistage.engine.paged_attention import decode_attention_for
 from omnistage.engine.scheduler import BatchScheduler, ScheduledBatch
 from omnistage.engine.sequence import GenerationInput, GenerationResult, Sequence, SequenceStatus
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,14 @@ class EngineConfig:
     """Engine knobs.
 
     Attributes:
-        kv_cache_bytes / mem_fraction_static: the KV pool's budget, at most one of them
-            (the fraction is of the device memory free when the engine is built, i.e.
-            after the weights; CUDA only). Neither: the pool holds ``max_num_seqs``
-            requests of ``max_model_len`` tokens each, what this model can ever use at
-            once (the CPU default: host memory is not the pool's to take).
+        kv_cache_bytes: the KV pool's budget in bytes; None (the default): the pool holds
+            ``max_num_seqs`` requests of ``max_model_len`` tokens (what the engine can ever
+            use at once), on CUDA at most ``mem_fraction_static`` of the device memory
+            free when the engine is built (after the weights). The rule:
+            :func:`~omnistage.engine.kv_cache.kv_pool_blocks`.
+        mem_fraction_static: in (0, 1]; the share of the free device memory the pool may
+            take when ``kv_cache_bytes`` is None (CUDA only: on CPU the pool's pages are
+            committed as tokens are written).
         block_size: tokens per KV block.
         max_num_seqs: running requests at most.
         max_waiting: queued requests at most (more -> QueueFullError).
@@ -79,7 +85,7 @@ class EngineConfig:
     """
 
     kv_cache_bytes: int | None = None
-    mem_fraction_static: float | None = None
+    mem_fraction_static: float = 0.5
     block_size: int = 16
     max_num_seqs: int = 64
     max_waiting: int = 1024
@@ -134,10 +140,10 @@ class AREngine:
         config: see :class:`EngineConfig`.
 
     Raises:
-        ValueError: a bad budget (see :func:`~omnistage.engine.kv_cache.kv_budget_bytes`),
-            or a KV pool that cannot hold one request of ``max_model_len`` (so a request
-            that fits ``max_model_len`` always fits the pool: a request builder that
-            checks ``max_model_len`` need not know the pool's size).
+        ValueError: a KV pool that cannot hold one request of ``max_model_len`` (so a
+            request that fits ``max_model_len`` always fits the pool: a request builder
+            that checks ``max_model_len`` need not know the pool's size), or a bad
+            ``mem_fraction_static`` (:func:`~omnistage.engine.kv_cache.kv_pool_blocks`).
     """
 
     def __init__(self, model: ARModel, config: EngineConfig) -> None:
@@ -146,7 +152,6 @@ class AREngine:
         self.cache = self._kv_pool(spec, config)
         self.kv_blocks = BlockManager(self.cache.num_usable_blocks, config.block_size)
         self.row_blocks = BlockManager(math.ceil(config.num_step_rows / config.block_size), config.block_size)
-        self._check_kv_pool_holds_one_request(config)
         self.scheduler = BatchScheduler(
             self.kv_blocks, self.row_blocks, config.max_num_seqs, config.max_waiting,
             config.max_prefill_tokens, config.prefill_hold_ms / 1000, config.prefix_caching,
@@ -164,23 +169,24 @@ class AREngine:
         self._in_flight: _InFlight | None = None
         self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix cache, ever
 
-    def _check_kv_pool_holds_one_request(self, config: EngineConfig) -> None:
-        if self.kv_blocks.blocks_needed(config.max_model_len) > self.kv_blocks.num_blocks:
-            raise ValueError(
-                f"the KV pool holds {self.kv_blocks.num_blocks * config.block_size} tokens, fewer than one "
-                f"request of max_model_len {config.max_model_len}: raise kv_cache_bytes (or "
-                "mem_fraction_static) or lower max_model_len"
-            )
-
     @staticmethod
     def _kv_pool(spec: ARModelSpec, config: EngineConfig) -> PagedKVCache:
+        token_bytes = kv_token_bytes(spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        # measured here, after the weights (and the stages built before this one)
+        free = torch.cuda.mem_get_info(spec.device)[0] if spec.device.type == "cuda" else None
+        blocks = kv_pool_blocks(
+            token_bytes, config.block_size, config.max_num_seqs, config.max_model_len,
+            config.kv_cache_bytes, config.mem_fraction_static, free,
+        )  # fmt: skip
+        logger.info(
+            "KV pool: %d tokens, %.2f GiB (%d layers, %d bytes a token; need: max_num_seqs %d x max_model_len %d; "
+            "kv_cache_bytes %s, mem_fraction_static %g, free bytes %s)",
+            (blocks - 1) * config.block_size, blocks * config.block_size * token_bytes / 2**30, spec.num_layers,
+            token_bytes, config.max_num_seqs, config.max_model_len, config.kv_cache_bytes,
+            config.mem_fraction_static, free,
+        )  # fmt: skip
         geometry = (spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        if config.kv_cache_bytes is None and config.mem_fraction_static is None:
-            # every slot at max_model_len, plus the scratch block
-            blocks = config.max_num_seqs * math.ceil(config.max_model_len / config.block_size) + 1
-            return PagedKVCache(*geometry, blocks, config.block_size, spec.dtype, spec.device)
-        budget = kv_budget_bytes(spec.device, config.kv_cache_bytes, config.mem_fraction_static)
-        return PagedKVCache.for_budget(budget, *geometry, config.block_size, spec.dtype, spec.device)
+        return PagedKVCache(*geometry, blocks, config.block_size, spec.dtype, spec.device)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, inputs: GenerationInput, now: float | None = None) -> None:

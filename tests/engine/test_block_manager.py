@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from omnistage.engine.block_manager import BlockManager, OutOfBlocksError, num_blocks_for_budget
+from omnistage.engine.block_manager import BlockManager, OutOfBlocksError
 
 
 def test_prompt_takes_ceil_blocks_and_admission_checks_free_blocks():
@@ -48,10 +48,3 @@ def test_random_workload_never_shares_a_block_and_returns_all():
     for request_id in live:
         manager.release(request_id)
     assert manager.num_free_blocks == 64
-
-
-def test_pool_size_from_a_memory_budget():
-    # 28 layers, 8 KV heads of 128, bf16, 16-token blocks: 2*28*8*128*2*16 = 1.75 MiB a block
-    assert num_blocks_for_budget(1 << 30, 28, 8, 128, 2, 16) == (1 << 30) // (2 * 28 * 8 * 128 * 2 * 16)
-    with pytest.raises(ValueError):
-        num_blocks_for_budget(1000, 28, 8, 128, 2, 16)

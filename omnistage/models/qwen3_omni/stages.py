@@ -339,22 +339,30 @@ def create_audio_encoder_stage(
 
 
 def engine_config(
-    max_num_seqs: int, kv_cache_bytes: int, max_model_len: int, cuda_graphs: bool,
+    max_num_seqs: int, kv_cache_bytes: int | None, max_model_len: int, cuda_graphs: bool,
     graph_sampling: tuple[tuple[SamplingParams, SamplingParams], ...],
     num_step_rows: int = EngineConfig.num_step_rows,
+    mem_fraction_static: float = EngineConfig.mem_fraction_static,
 ) -> EngineConfig:
     """The thinker's and the talker's engine config. With ``cuda_graphs`` (used on CUDA
     only) decode steps and prefill tails run as CUDA graphs per batch bucket (1, 2, 4, 8,
     then every 8 up to ``max_num_seqs``), captured at start-up for the general sampler and
     for the step sampling of each ``(code 0, code predictor)`` pair of ``graph_sampling``
     (the stage's common requests); any other mix is captured when first used.
-    ``num_step_rows``: the step-row pool (the talker's: :func:`talker_step_rows`)."""
+    ``num_step_rows``: the step-row pool (the talker's: :func:`talker_step_rows`).
+    KV pool (:func:`~omnistage.engine.kv_cache.kv_pool_blocks`): ``kv_cache_bytes`` when
+    given; else ``max_num_seqs`` requests of ``max_model_len`` tokens, on CUDA at most
+    ``mem_fraction_static`` of the device memory free when the engine is built (the
+    thinker's after every weight of its process; the talker's also after the thinker's
+    pool and graphs when colocated). At real dimensions in bf16 a token takes 96 KiB in the
+    thinker and 20 KiB in the talker: 12 and 2.5 GiB at the defaults (16 x 8192)."""
     variants = tuple(
         StepSampling(SamplerFeatures.of([code0]), SamplerFeatures.of([predictor]))
         for code0, predictor in graph_sampling
     )
     return EngineConfig(
-        kv_cache_bytes=kv_cache_bytes, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+        kv_cache_bytes=kv_cache_bytes, mem_fraction_static=mem_fraction_static,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=variants,
         num_step_rows=num_step_rows,
     )  # fmt: skip
@@ -392,14 +400,15 @@ MAX_MODEL_LEN = 8192
 def create_thinker_stage(
     ctx: StageBuildContext,
     max_num_seqs: int = 16,
-    kv_cache_bytes: int = 256 << 20,
+    kv_cache_bytes: int | None = None,
+    mem_fraction_static: float = EngineConfig.mem_fraction_static,
     max_model_len: int = MAX_MODEL_LEN,
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
 ) -> ARScheduler:
     """The thinker on the AR engine; in a pipeline with a talker stage it returns the hidden
     states of layers 0 and ``accept_hidden_layer`` for audio requests (``return_hidden``).
-    ``cuda_graphs``: see :func:`engine_config`."""
+    ``cuda_graphs``, ``kv_cache_bytes``, ``mem_fraction_static``: see :func:`engine_config`."""
     model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format, language_parts(ctx))
     assert model.thinker is not None
     speaks = model.config.talker is not None and any(s.name == "talker" for s in ctx.pipeline.stages)
@@ -407,7 +416,8 @@ def create_thinker_stage(
     stop = model.config.im_end_id
     engine = AREngine(
         ThinkerEngineModel(model.thinker, layers),
-        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, thinker_graph_sampling(stop)),
+        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, thinker_graph_sampling(stop),
+                      mem_fraction_static=mem_fraction_static),
     )  # fmt: skip
     thinker = model.thinker
 
@@ -637,7 +647,8 @@ class TalkerFeed(StreamInput):
 def create_talker_stage(
     ctx: StageBuildContext,
     max_num_seqs: int = 16,
-    kv_cache_bytes: int = 256 << 20,
+    kv_cache_bytes: int | None = None,
+    mem_fraction_static: float = EngineConfig.mem_fraction_static,
     max_model_len: int = MAX_MODEL_LEN,
     talker_start_tokens: int = 2,
     load_format: LoadFormat = "safetensors",
@@ -646,7 +657,8 @@ def create_talker_stage(
     """The talker + code predictor on the AR engine, fed by the thinker's stream.
 
     Sampling: the request's :class:`TalkerSampling` (the reference's by default) and seed
-    (:func:`talker_sampling_params`). ``cuda_graphs``: see :func:`engine_config`.
+    (:func:`talker_sampling_params`). ``cuda_graphs``, ``kv_cache_bytes``,
+    ``mem_fraction_static``: see :func:`engine_config`.
 
     Raises: ValueError: ``talker_start_tokens < 2``."""
     if talker_start_tokens < 2:
@@ -661,7 +673,7 @@ def create_talker_stage(
     engine = AREngine(
         TalkerEngineModel(talker),
         engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, talker_graph_sampling(talker),
-                      talker_step_rows(max_num_seqs)),
+                      talker_step_rows(max_num_seqs), mem_fraction_static),
     )  # fmt: skip
     return ARScheduler(
         engine, stream_input=lambda request_id: TalkerFeed(model, embed, talker_start_tokens)

@@ -254,10 +254,11 @@ def create_tts_engine_stage(
     ``max_num_seqs``: running requests at most; None is 64 on CUDA and 4 on CPU (a CPU
     runs few streams at once, and 4 keeps the real 0.6B's fp32 CPU pool at 15 GB of
     address space).
-    KV pool: ``kv_cache_bytes`` when given; else on CUDA ``mem_fraction_static`` of the
-    device memory free once every stage before this one (the vocoder) is built; else (CPU)
-    ``max_num_seqs`` requests of ``max_model_len`` tokens, committed as tokens are written
-    (a tiny checkpoint: 256 bytes per token; the real 0.6B in fp32: 229 KB).
+    KV pool (:func:`~omnistage.engine.kv_cache.kv_pool_blocks`): ``kv_cache_bytes`` when
+    given; else ``max_num_seqs`` requests of ``max_model_len`` tokens, on CUDA at most
+    ``mem_fraction_static`` of the device memory free once every stage before this one (the
+    vocoder) is built; on CPU committed as tokens are written (a tiny checkpoint: 256 bytes
+    per token; the real 0.6B in fp32: 229 KB).
     ``max_model_len``: prompt + frames per request at most (:data:`MAX_MODEL_LEN`; the
     request builder refuses a request over it before any model work).
     ``prefix_caching``: the KV of full blocks of prompt rows is shared between requests
@@ -269,10 +270,9 @@ def create_tts_engine_stage(
     checkpoint = loaded_checkpoint(model_path, where)
     if max_num_seqs is None:
         max_num_seqs = 64 if where.type == "cuda" else 4
-    fraction = mem_fraction_static if kv_cache_bytes is None and where.type == "cuda" else None
     config = EngineConfig(
         kv_cache_bytes=kv_cache_bytes,
-        mem_fraction_static=fraction,
+        mem_fraction_static=mem_fraction_static,
         block_size=block_size,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
