@@ -25,6 +25,13 @@ A request that has not ended ``--stall-s`` seconds after it was sent stops its v
 stacks of every thread of this process go to ``<out>.<variant>.stacks.txt`` and each stage's
 live state to the JSON (``stalled``), and the next variant runs.
 
+``--sync-debug`` (CUDA): torch's sync debug mode (``torch.cuda.set_sync_debug_mode("warn")``)
+during the timed requests, and every synchronizing CUDA call it warns of counted per call site
+(the innermost omnistage frames of its stack), thread and host event it ran in (the talker's
+prompt build, its prefill launch, ...; ``other`` outside them): a table of the top sites per
+variant and ``sync_debug`` in its JSON row. Each warning costs a stack walk, so the marks of
+such a run are slower than without it. On CPU the mode does nothing; the run says so.
+
 Usage (device): ``python benchmarks/qwen3_omni_ttfa.py --out $OUT/qwen3_omni_ttfa.json``;
 a CPU dry run: ``--size tiny --requests 2 --variants one_stream talker_process``. The
 served benchmark's requests: ``--max-tokens 48 --frames 505`` (48 reply tokens, the talker
@@ -35,17 +42,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import faulthandler
+import functools
 import gc
 import json
 import statistics
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
+import omnistage
 from omnistage.core.errors import OmnistageError
 from omnistage.core.payloads import AudioChunk
 from omnistage.engine.engine import AREngine
@@ -78,6 +92,8 @@ MARKS = (
 
 # host events in this process: (name, monotonic start, end)
 EVENTS: list[tuple[str, float, float]] = []
+# the host event running on this thread (its ``name``), for --sync-debug's phases
+CURRENT_EVENT = threading.local()
 
 
 def record(cls: type, attr: str, name: Callable[..., str | None]) -> None:
@@ -86,12 +102,16 @@ def record(cls: type, attr: str, name: Callable[..., str | None]) -> None:
 
     def timed(self, *args, **kwargs):
         label = name(self, *args)
+        outer = getattr(CURRENT_EVENT, "name", None)
+        if label is not None:
+            CURRENT_EVENT.name = label
         start = time.monotonic()
         try:
             return original(self, *args, **kwargs)
         finally:
             if label is not None:
                 EVENTS.append((label, start, time.monotonic()))
+                CURRENT_EVENT.name = outer
 
     setattr(cls, attr, timed)
 
@@ -107,6 +127,89 @@ def instrument() -> None:
     record(AREngine, "_resolve", lambda self, step: "talker.first_frame_wait"
            if is_talker(self) and all(not s.frames for s in step.seqs) else None)  # fmt: skip
     record(StreamingDecoderArena, "decode", lambda self, *a: "code2wav.decode")
+
+
+#: torch's warning at a synchronizing CUDA call in sync debug mode (c10/cuda/CUDAFunctions.cpp)
+SYNC_WARNING = "called a synchronizing CUDA operation"
+PACKAGE_DIR = Path(omnistage.__file__).resolve().parent
+SITE_FRAMES = 3  # omnistage frames that name a call site, innermost first
+TOP_SITES = 30
+
+
+@functools.cache
+def package_path(filename: str) -> str | None:
+    """``omnistage/...`` for a file of the omnistage package, else None."""
+    path = Path(filename).resolve()
+    return str(path.relative_to(PACKAGE_DIR.parent)) if path.is_relative_to(PACKAGE_DIR) else None
+
+
+class SyncLog:
+    """Synchronizing CUDA calls counted by (thread name, host event, call site): the call
+    site is the innermost :data:`SITE_FRAMES` omnistage frames of the stack that warned (the
+    warning hook runs in the thread that made the call), the host event :data:`CURRENT_EVENT`
+    (``other`` outside the recorded ones).
+
+    What the mode sees (c10's ``warn_or_error_on_sync``): copies that wait for the stream
+    (``.item()``, ``.tolist()``, ``.cpu()``, a blocking host-to-device copy such as
+    ``torch.tensor(..., device="cuda")`` or a 0-d ``t[i] = x``), ``nonzero`` and boolean-mask
+    indexing, stream synchronizes. Not ``torch.cuda.synchronize()``, ``Event.synchronize()``
+    (the engine's wait for a step's frames) or non-blocking copies from pageable memory."""
+
+    def __init__(self) -> None:
+        self.calls: Counter[tuple[str, str, tuple[str, ...]]] = Counter()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[None]:
+        """Sync debug mode on, its warnings counted instead of shown (every one: the
+        ``always`` filter; the default shows a line's first only)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("always", message=SYNC_WARNING)
+            shown = warnings.showwarning
+
+            def hook(message, category, filename, lineno, file=None, line=None):
+                if SYNC_WARNING in str(message):
+                    self._count()
+                else:
+                    shown(message, category, filename, lineno, file, line)
+
+            warnings.showwarning = hook
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+
+    def _count(self) -> None:
+        named = [(package_path(f.filename), f) for f in traceback.extract_stack()]
+        inner = [f"{path}:{f.lineno} {f.name}" for path, f in named if path][-SITE_FRAMES:][::-1]
+        event = getattr(CURRENT_EVENT, "name", None) or "other"
+        key = (threading.current_thread().name, event, tuple(inner) or ("(no omnistage frame)",))
+        with self._lock:
+            self.calls[key] += 1
+
+    def summary(self, requests: int) -> dict:
+        """Totals per host event and thread, and every (thread, event, site) with its count,
+        most first (``requests``: the timed requests they came from)."""
+        by_event: Counter[str] = Counter()
+        by_thread: Counter[str] = Counter()
+        for (thread, event, _), count in self.calls.items():
+            by_event[event] += count
+            by_thread[thread] += count
+        sites = [{"count": count, "thread": thread, "event": event, "stack": list(site)}
+                 for (thread, event, site), count in self.calls.most_common()]  # fmt: skip
+        return {"requests": requests, "calls": sum(self.calls.values()), "by_event": dict(by_event.most_common()),
+                "by_thread": dict(by_thread.most_common()), "sites": sites}  # fmt: skip
+
+
+def print_sync_table(name: str, summary: dict) -> None:
+    per = max(summary["requests"], 1)
+    print(f"{name}: {summary['calls']} synchronizing CUDA calls in {summary['requests']} requests; by host event: "
+          + ", ".join(f"{e} {c}" for e, c in summary["by_event"].items()))  # fmt: skip
+    print(f"{'count':>6} {'/req':>6}  {'thread':16} {'host event':24} call site (innermost first)")
+    for site in summary["sites"][:TOP_SITES]:
+        print(f"{site['count']:>6} {site['count'] / per:>6.1f}  {site['thread']:16} {site['event']:24} "
+              + " < ".join(site["stack"]))  # fmt: skip
 
 
 def model_dir(size: str) -> Path:
@@ -189,14 +292,16 @@ async def run_variant(path: Path, variant: str, concurrency: int, args: argparse
     row: dict = {"variant": name, "concurrency": concurrency}
     began = time.perf_counter()
     runs: list[dict] = []
+    syncs = SyncLog() if args.sync_debug and torch.cuda.is_available() else None
     try:
         async with Pipeline(config) as pipeline:
             row["start_s"] = round(time.perf_counter() - began, 1)
             try:
                 for _ in range(args.warmup):
                     await one_round(pipeline, args, 1)
-                for _ in range(args.requests):
-                    runs += await one_round(pipeline, args, concurrency)
+                with syncs.recording() if syncs is not None else contextlib.nullcontext():
+                    for _ in range(args.requests):
+                        runs += await one_round(pipeline, args, concurrency)
             except Stalled:
                 stacks = args.out.with_suffix(f".{name}.stacks.txt")
                 with stacks.open("w") as f:
@@ -209,6 +314,9 @@ async def run_variant(path: Path, variant: str, concurrency: int, args: argparse
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if syncs is not None:
+        row["sync_debug"] = syncs.summary(len(runs))
+        print_sync_table(name, row["sync_debug"])
     row["failed"] = [r["error"] for r in runs if "error" in r]
     done = [r for r in runs if "error" not in r]
     if done:
@@ -244,12 +352,22 @@ def main() -> None:
         "--concurrency", type=int, default=1, help="also run every variant at this concurrency"
     )
     parser.add_argument("--stall-s", type=float, default=60.0)
+    parser.add_argument(
+        "--sync-debug",
+        action="store_true",
+        help="count synchronizing CUDA calls per call site (CUDA only)",
+    )
     args = parser.parse_args()
+    if args.sync_debug and not torch.cuda.is_available():
+        print("--sync-debug: sync debugging needs CUDA (torch's sync debug mode does nothing on CPU); "
+              "nothing is recorded", flush=True)  # fmt: skip
     torch.set_grad_enabled(False)
     instrument()
     path = model_dir(args.size)
     result: dict = {"args": {k: str(v) for k, v in vars(args).items()}, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "variants": []}  # fmt: skip
+    if args.sync_debug and not torch.cuda.is_available():
+        result["sync_debug"] = "needs CUDA: nothing recorded"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     levels = sorted({1, args.concurrency})
     for variant in args.variants:
