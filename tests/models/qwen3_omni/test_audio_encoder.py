@@ -3,6 +3,8 @@ tools/parity/qwen3_omni_encoders_reference.py), output lengths, input errors."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from encoder_fixtures import check_inputs, load_fixture, rel_error, seeded_module
@@ -38,6 +40,42 @@ def test_embeddings_match_transformers(encoder: AudioEncoder, reference: dict) -
         out = encoder(features, frames)
     assert out.lengths.tolist() == [33, 5, 130]
     assert rel_error(out.embeddings, reference["embeddings"]) <= 1e-4
+
+
+def test_a_batch_of_prompts_gives_each_the_rows_it_gets_alone(encoder: AudioEncoder) -> None:
+    # the first convolution's bias raised so that its activations of padding frames (which
+    # the later convolutions see) move a tail chunk's rows well above rounding
+    encoder = copy.deepcopy(encoder)
+    with torch.no_grad():
+        encoder.conv2d1.bias.fill_(1.0)
+    # prompts of a tail-only clip (alone padded to its own 45 / 37 frames), of two clips
+    # (a whole chunk and a tail), of whole chunks and a tail, of whole chunks only
+    frames = [[45], [250, 70], [130], [37], [300]]
+    generator = torch.Generator().manual_seed(5)
+    features = [
+        torch.randn(encoder.config.num_mel_bins, sum(f), generator=generator) for f in frames
+    ]
+    every = (torch.cat(features, dim=1), torch.tensor([n for f in frames for n in f]))
+    with torch.inference_mode():
+        alone = [encoder(x, torch.tensor(f)) for x, f in zip(features, frames, strict=True)]
+        batched = encoder(*every, prompts=[len(f) for f in frames])
+        shared = encoder(*every)  # one prompt: every chunk padded to 100 frames
+    sizes = [int(out.lengths.sum()) for out in alone]
+    assert torch.equal(batched.lengths, torch.cat([out.lengths for out in alone]))
+    for ours, out in zip(batched.embeddings.split(sizes), alone, strict=True):
+        # the same computation per row, but a matmul over more rows may take another CPU
+        # kernel (blocking, gemv for a 2-row prompt alone), so equal up to fp32 rounding
+        # (measured <= 6e-7 on rows of magnitude ~1), not bitwise
+        torch.testing.assert_close(ours, out.embeddings, rtol=1e-5, atol=1e-5)
+    # padding the short prompts' chunks with the others' changes their rows: the
+    # per-prompt padding is what the equality rests on
+    first = shared.embeddings[: sizes[0]]
+    assert float((first - alone[0].embeddings).abs().max()) > 1e-2
+
+
+def test_prompts_must_partition_the_audios(encoder: AudioEncoder) -> None:
+    with pytest.raises(ValueError, match=r"prompts \[1\] do not partition 2 audios"):
+        encoder(torch.zeros(128, 10), torch.tensor([4, 6]), prompts=[1])
 
 
 def test_output_lengths_follow_the_reference_formula() -> None:

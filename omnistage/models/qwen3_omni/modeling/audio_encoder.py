@@ -13,7 +13,9 @@ tokens) of one audio, then LayerNorm, Linear, GELU, Linear -> ``output_dim``.
 As in the reference, the chunks of one call are zero-padded to the longest among them, and
 the second and third convolutions see the first ones' activations of those padding frames:
 a short tail chunk's last tokens depend on what it is encoded with. Encode the audios of
-one prompt in one call (as transformers does) to get the reference's embeddings.
+one prompt in one call (as transformers does) to get the reference's embeddings; several
+prompts go in one call with ``prompts`` (audios per prompt), which pads each prompt's
+chunks to that prompt's own longest chunk, so each gets the rows it gets alone.
 """
 
 from __future__ import annotations
@@ -184,20 +186,26 @@ class AudioEncoder(nn.Module):
         self.proj1 = nn.Linear(c.d_model, c.d_model)
         self.proj2 = nn.Linear(c.d_model, c.output_dim)
 
-    def forward(self, features: torch.Tensor, frames: torch.Tensor) -> AudioEncoderOutput:
+    def forward(
+        self, features: torch.Tensor, frames: torch.Tensor, prompts: list[int] | None = None
+    ) -> AudioEncoderOutput:
         """Encode ``B`` audios.
 
         Args:
             features: ``[num_mel_bins, sum(frames)]`` float log-mel frames, the audios end
                 to end (the Whisper feature extractor's output with padding removed).
             frames: ``[B]`` int64 mel frames per audio, each >= 1.
+            prompts: audios per prompt, in order, summing to ``B`` (None: one prompt). Each
+                prompt's chunks are padded to its own longest chunk (the reference's padding
+                of a call with that prompt alone); attention never crosses an audio, so a
+                prompt's embeddings do not depend on the others of the call.
 
         Returns:
             :class:`AudioEncoderOutput`.
 
         Raises:
-            ValueError: ``features`` is not ``[num_mel_bins, sum(frames)]`` or an audio
-                has no frames.
+            ValueError: ``features`` is not ``[num_mel_bins, sum(frames)]``, an audio
+                has no frames, or ``prompts`` does not partition the ``B`` audios.
         """
         c = self.config
         counts = [int(n) for n in frames.tolist()]
@@ -211,19 +219,42 @@ class AudioEncoder(nn.Module):
             )
         if not counts or min(counts) < 1:
             raise ValueError(f"every audio needs >= 1 mel frame, got {counts}")
-        chunk_lengths = [
-            min(c.chunk_frames, n - s) for n in counts for s in range(0, n, c.chunk_frames)
+        prompts = [len(counts)] if prompts is None else prompts
+        if sum(prompts) != len(counts) or min(prompts) < 1:
+            raise ValueError(f"prompts {prompts} do not partition {len(counts)} audios")
+        per_audio = [
+            [min(c.chunk_frames, n - s) for s in range(0, n, c.chunk_frames)] for n in counts
         ]
+        chunk_lengths, chunk_pads, audios = [], [], iter(per_audio)
+        for size in prompts:
+            lengths = [n for _ in range(size) for n in next(audios)]
+            chunk_lengths += lengths
+            chunk_pads += [max(lengths)] * len(lengths)
         chunks = torch.split(features.T, chunk_lengths)  # [len, mel] each
-        padded = nn.utils.rnn.pad_sequence(list(chunks), batch_first=True)  # [C, max_len, mel]
-        padded = padded.transpose(1, 2)[:, None].to(self.conv_out.weight.dtype)  # [C, 1, mel, len]
-        hidden = torch.cat(
-            [self._convolve(part) for part in padded.split(c.conv_chunksize)]
-        )  # [C, t, d]
-        positions = _sinusoids(hidden.shape[1], c.d_model).to(hidden)
-        hidden = hidden + positions
-        valid = torch.arange(hidden.shape[1]) < _conv_length(torch.tensor(chunk_lengths))[:, None]
-        x = hidden[valid.to(hidden.device)]  # [N, d]: the chunks' tokens in order
+        tokens = _conv_length(torch.tensor(chunk_lengths))  # [C] tokens per chunk
+        starts = torch.cumsum(tokens, 0) - tokens
+        positions = _sinusoids(_conv_length(max(chunk_pads)), c.d_model)
+        x = None
+        # the chunks padded to one length are convolved together, their tokens put in order
+        for pad in sorted(set(chunk_pads)):
+            picked = [i for i, p in enumerate(chunk_pads) if p == pad]
+            # [Cp, pad, mel] -> [Cp, 1, mel, pad]
+            padded = nn.utils.rnn.pad_sequence([chunks[i] for i in picked], batch_first=True)
+            padded = padded.transpose(1, 2)[:, None].to(self.conv_out.weight.dtype)
+            hidden = torch.cat(
+                [self._convolve(part) for part in padded.split(c.conv_chunksize)]
+            )  # [Cp, t, d]
+            hidden = hidden + positions[: hidden.shape[1]].to(hidden)
+            valid = torch.arange(hidden.shape[1]) < tokens[picked][:, None]
+            rows = hidden[valid.to(hidden.device)]  # [Np, d]: the picked chunks' tokens
+            if len(picked) == len(chunk_pads):
+                x = rows
+                break
+            if x is None:
+                x = rows.new_empty(int(tokens.sum()), c.d_model)
+            index = torch.cat([torch.arange(starts[i], starts[i] + tokens[i]) for i in picked])
+            x.index_copy_(0, index.to(x.device), rows)
+        assert x is not None
         lengths = output_lengths(frames.cpu(), c)
         windows = [
             min(c.window_tokens, n - s)
