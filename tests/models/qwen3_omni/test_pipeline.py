@@ -318,6 +318,31 @@ def test_media_requests_batched_in_the_encoders_equal_their_references(pipeline,
     loop.run_until_complete(assert_no_request_state(running))
 
 
+def test_the_audio_encoder_encodes_a_batch_as_each_prompt_alone(checkpoint) -> None:
+    """One audio-tower call over several prompts' audios (1 s; a video's 0.5 s track, one
+    tail chunk; two clips of 1.3 s and 0.37 s in one prompt) gives every prompt the rows it
+    gets alone."""
+    config = Qwen3OmniPipelineConfig.for_model_path(str(checkpoint), load_format="dummy")
+    stages = {stage.name: stage for stage in config.stages}
+    prepare = build_scheduler(config, stages["preprocessing"]).compute
+    encode = build_scheduler(config, stages["audio_encoder"]).compute
+    two_clips = (
+        ChatMessage("user", (ChatPart("audio", audio=np.tile(_clip(), 2)[:20800]), ChatPart("text", text="And?"),
+                             ChatPart("audio", audio=_clip()[:5920]))),
+    )  # fmt: skip
+    batch = [
+        StagePayload(f"r{i}", req, prepare(StagePayload(f"r{i}", req, None)))
+        for i, req in enumerate(request(audio=False, messages=m) for m in (HEARD, WATCHED_AND_HEARD, two_clips))
+    ]  # fmt: skip
+    assert [p.data.audio_frames.tolist() for p in batch] == [[100], [50], [130, 37]]
+    together = encode(batch)
+    for payload, batched in zip(batch, together, strict=True):
+        (alone,) = encode([payload])
+        assert batched.audio_features is None and batched.audio_rows.shape == alone.audio_rows.shape
+        # a matmul over more rows may take another CPU kernel: fp32 rounding, not bitwise
+        torch.testing.assert_close(batched.audio_rows, alone.audio_rows)
+
+
 def test_the_image_encoder_encodes_a_batch_as_each_prompt_alone(checkpoint) -> None:
     """One vision-encoder call over several prompts' images and videos gives every prompt the
     rows (and deepstack levels) it gets alone."""
