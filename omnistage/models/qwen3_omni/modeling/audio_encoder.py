@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.qwen3_omni.modeling.segment_attention import attend_segments
+from omnistage.models.qwen3_omni.modeling.segment_attention import Segments, attend_segments
 
 # The sinusoids' longest period (Whisper's position embedding, as the reference).
 MAX_TIMESCALE = 10000.0
@@ -138,8 +138,8 @@ class AudioAttention(nn.Module):
         self.v_proj = nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, windows: list[int]) -> torch.Tensor:
-        """``x [N, d_model]``, ``windows``: attention segment lengths summing to ``N``."""
+    def forward(self, x: torch.Tensor, windows: Segments) -> torch.Tensor:
+        """``x [N, d_model]``, ``windows``: the attention windows, partitioning ``N``."""
         shape = (x.shape[0], self.heads, -1)
         q, k, v = (proj(x).view(shape) for proj in (self.q_proj, self.k_proj, self.v_proj))
         return self.out_proj(attend_segments(q, k, v, windows).reshape(x.shape[0], -1))
@@ -154,7 +154,7 @@ class AudioEncoderLayer(nn.Module):
         self.fc1 = nn.Linear(config.d_model, config.encoder_ffn_dim)
         self.fc2 = nn.Linear(config.encoder_ffn_dim, config.d_model)
 
-    def forward(self, x: torch.Tensor, windows: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, windows: Segments) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), windows)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
@@ -256,11 +256,14 @@ class AudioEncoder(nn.Module):
             x.index_copy_(0, index.to(x.device), rows)
         assert x is not None
         lengths = output_lengths(frames.cpu(), c)
-        windows = [
-            min(c.window_tokens, n - s)
-            for n in lengths.tolist()
-            for s in range(0, n, c.window_tokens)
-        ]
+        windows = Segments.of(
+            [
+                min(c.window_tokens, n - s)
+                for n in lengths.tolist()
+                for s in range(0, n, c.window_tokens)
+            ],
+            x.device,
+        )
         for layer in self.layers:
             x = layer(x, windows)
         x = self.proj2(F.gelu(self.proj1(self.ln_post(x))))

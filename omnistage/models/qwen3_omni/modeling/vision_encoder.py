@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.models.qwen3_omni.modeling.segment_attention import attend_segments
+from omnistage.models.qwen3_omni.modeling.segment_attention import Segments, attend_segments
 
 NORM_EPS = 1e-6  # the blocks' and mergers' LayerNorm epsilon in the reference
 
@@ -142,10 +142,10 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[int]
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: Segments
     ) -> torch.Tensor:
         """``x [N, hidden]``, ``rope`` = cos, sin ``[N, head_dim]`` fp32, ``segments``:
-        patches per frame, summing to ``N``."""
+        the frames (patches per frame), partitioning ``N``."""
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, -1).unbind(1)
         cos, sin = (t[:, None] for t in rope)
@@ -178,7 +178,7 @@ class VisionBlock(nn.Module):
         self.mlp = VisionMLP(config)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: list[int]
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], segments: Segments
     ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, segments)
         return x + self.mlp(self.norm2(x))
@@ -268,7 +268,7 @@ class VisionEncoder(nn.Module):
         x = self.patch_embed(pixel_values.to(self.pos_embed.weight.dtype))
         positions, rope = self._positions(grids)
         x = x + positions.to(x.dtype)
-        segments = [h * w for t, h, w in grids for _ in range(t)]
+        segments = Segments.of([h * w for t, h, w in grids for _ in range(t)], x.device)
         deepstack = []
         for index, block in enumerate(self.blocks):
             x = block(x, rope, segments)
