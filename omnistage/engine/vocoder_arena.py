@@ -50,6 +50,26 @@ DEFAULT_GRAPH_CHUNK_LENGTHS = tuple(range(1, 9))  # the ramp 1, 2, 4, 8 and flus
 FULL_DECODE_CHUNK_FRAMES = 128
 
 
+def graph_batch_buckets(requested: Sequence[int], num_slots: int) -> list[int]:
+    """The batch sizes to capture vocoder graphs for: ``requested`` capped at ``num_slots``,
+    then doubled from the largest until one holds ``num_slots`` (the last capped at it), so
+    no batch of live streams falls back to eager decoding (at 128 streams on the H200,
+    eager decoding of batches above 64 held 55% of the vocoder thread's busy samples:
+    benchmarks/results/qwen3_tts_gpu_0.6b_pyspy.json), ascending.
+
+    Raises:
+        ValueError: ``requested`` is empty or holds a size < 1, or ``num_slots < 1``.
+    """
+    if not requested or min(requested) < 1 or num_slots < 1:
+        raise ValueError(
+            f"batch buckets must be >= 1 and num_slots >= 1, got {list(requested)}, {num_slots}"
+        )
+    buckets = {min(b, num_slots) for b in requested}
+    while max(buckets) < num_slots:
+        buckets.add(min(2 * max(buckets), num_slots))
+    return sorted(buckets)
+
+
 class ArenaFullError(RuntimeError):
     """Every slot of the state arena is in use."""
 
@@ -304,8 +324,9 @@ class StreamingDecoderArena:
     ) -> None:
         """Record a CUDA graph per (batch bucket, chunk length), largest first, in one
         memory pool; later calls pad to the smallest bucket >= their batch and replay
-        (other shapes run eagerly). Call at start-up, before serving. Graphs only read and
-        write the scratch slot while capturing, so live streams are untouched.
+        (other chunk lengths run eagerly). The buckets are :func:`graph_batch_buckets`, so
+        every batch up to ``num_slots`` has one. Call at start-up, before serving. Graphs
+        only read and write the scratch slot while capturing, so live streams are untouched.
 
         Raises:
             RuntimeError: the decoder is not on a CUDA device.
@@ -313,7 +334,7 @@ class StreamingDecoderArena:
         if self._stream is None:
             raise RuntimeError("CUDA graphs need the decoder on a CUDA device")
         pool = torch.cuda.graph_pool_handle()
-        buckets = sorted({min(b, self.num_slots) for b in batch_buckets})
+        buckets = graph_batch_buckets(batch_buckets, self.num_slots)
         for bucket in reversed(buckets):
             for n in sorted(chunk_lengths, reverse=True):
                 self._graphs[(bucket, n)] = self._capture(bucket, n, pool)

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from omnistage.engine.vocoder_arena import (
     ArenaFullError,
     StreamingDecoderArena,
+    graph_batch_buckets,
 )
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import (
     SpeechTokenizerDecoder,
@@ -230,3 +231,27 @@ def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decod
         full = utterance if context is None else torch.cat([context, utterance])
         skip = 0 if context is None else 5 * SPF
         assert (audio - _offline(decoder, full)[skip:]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("requested", "num_slots", "expected"),
+    [
+        ((1, 2, 4, 8, 16, 32, 64), 128, [1, 2, 4, 8, 16, 32, 64, 128]),
+        ((1, 2, 4, 8, 16, 32, 64), 100, [1, 2, 4, 8, 16, 32, 64, 100]),
+        ((1, 2, 4, 8, 16, 32, 64), 300, [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]),
+        ((1, 4, 16), 8, [1, 4, 8]),
+        ((64,), 1, [1]),
+    ],
+)
+def test_graph_buckets_hold_every_batch_up_to_the_slot_count(
+    requested, num_slots, expected
+) -> None:
+    buckets = graph_batch_buckets(requested, num_slots)
+    assert buckets == expected
+    assert all(any(b >= batch for b in buckets) for batch in range(1, num_slots + 1))
+
+
+@pytest.mark.parametrize(("requested", "num_slots"), [((), 8), ((0, 4), 8), ((1, 4), 0)])
+def test_graph_buckets_refuse_sizes_below_one(requested, num_slots) -> None:
+    with pytest.raises(ValueError, match="batch buckets"):
+        graph_batch_buckets(requested, num_slots)
