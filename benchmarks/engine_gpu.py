@@ -8,8 +8,13 @@ serves it: top-k 50, T 0.9, repetition penalty 1.05 (code 0; EOS never sampled, 
 2048..3071 suppressed), predictor top-k 50, T 0.9.
 
 Measures, on CUDA: the frame step time (talker + code predictor + sampling, the engine's
-own loop, host overlap on) at batch 1, 8, 32, 64, 128, eager vs CUDA graphs; the prefill
-time of one 100-token prompt; frames and audio seconds per wall second (80 ms per frame).
+own loop, host overlap on) at batch 1, 8, 32, 64, 128, eager vs CUDA graphs; frames and
+audio seconds per wall second (80 ms per frame); the prefill step (the prefill and the
+first frame, launch to frames on the host) of one 100-token prompt, and of a 14-token
+suffix after a 96-token prefix that is a prefix-cache hit (a known voice's prompt), in
+three modes: ``eager`` (no graphs), ``tail_graphs`` (decode steps and prefill tails
+replayed, the prefill's forward eager: ``cuda_graph_prefill_tokens=()``) and
+``cuda_graphs`` (the defaults: small prefills replayed too).
 Prints a table and writes JSON (default benchmarks/results/engine_gpu.json).
 
 Usage: python benchmarks/engine_gpu.py [--output PATH]
@@ -34,6 +39,7 @@ from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 FRAME_S = 0.08  # one frame = 80 ms of audio (12.5 Hz)
 PROMPT_LEN = 100
+PREFIX_LEN, SUFFIX_LEN = 96, 14  # a known voice: 6 cached blocks of 16, then its text
 
 
 def sync(device: torch.device) -> None:
@@ -41,16 +47,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def request(config: ToyARConfig, device: torch.device, dtype: torch.dtype, seed: int, max_new: int) -> GenerationInput:
+def request(config: ToyARConfig, device: torch.device, dtype: torch.dtype, seed: int, max_new: int,
+            prefix: torch.Tensor | None = None) -> GenerationInput:
+    """A random ``PROMPT_LEN``-row prompt, or ``prefix`` then ``SUFFIX_LEN`` random rows
+    (with ``cache_prompt``)."""
     g = torch.Generator(device=device).manual_seed(seed)
     h = config.hidden_size
     sampling = SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, seed=seed,
                               suppress_ranges=((min(2048, config.vocab_size - 1), config.vocab_size),))
+    rows = torch.randn(PROMPT_LEN if prefix is None else SUFFIX_LEN, h, generator=g, device=device, dtype=dtype)
     return GenerationInput(
-        torch.randn(PROMPT_LEN, h, generator=g, device=device, dtype=dtype), sampling, max_new,
+        rows if prefix is None else torch.cat([prefix, rows]), sampling, max_new,
         step_rows=torch.randn(8, h, generator=g, device=device, dtype=dtype),
         pad_embed=torch.randn(h, generator=g, device=device, dtype=dtype),
         predictor_sampling=SamplingParams(temperature=0.9, top_k=50, seed=seed + 1),
+        cache_prompt=prefix is not None,
     )
 
 
@@ -76,16 +87,25 @@ def frame_step_ms(engine: AREngine, model: ToyTalker, batch: int, warmup: int, s
     return 1000 * elapsed / steps
 
 
-def prefill_ms(engine: AREngine, model: ToyTalker, runs: int) -> float:
-    """Median time of one prefill step of a single 100-token prompt (launch to device done)."""
+def prefill_ms(engine: AREngine, model: ToyTalker, runs: int, prefix: torch.Tensor | None = None) -> float:
+    """Median time of one prefill step of a single prompt (launch to its first frame on the
+    host): ``PROMPT_LEN`` rows, or with ``prefix`` its ``SUFFIX_LEN`` rows after the
+    cached prefix (a first request caches it; every measured one must hit it)."""
     spec, times = model.spec, []
+    if prefix is not None:
+        engine.add_request("cache-prefix", request(model.c, spec.device, spec.dtype, 999, 2, prefix))
+        while engine.has_work():
+            engine.step()
     for run in range(runs):
-        engine.add_request(f"p{run}", request(model.c, spec.device, spec.dtype, 1000 + run, 2))
+        hits = engine.prefix_hit_tokens
+        engine.add_request(f"p{run}", request(model.c, spec.device, spec.dtype, 1000 + run, 2, prefix))
         sync(spec.device)
         start = time.perf_counter()
         engine.step()
         sync(spec.device)
         times.append(1000 * (time.perf_counter() - start))
+        if prefix is not None and engine.prefix_hit_tokens - hits != PREFIX_LEN:
+            raise RuntimeError(f"the prefix was not a cache hit ({engine.prefix_hit_tokens - hits} tokens)")
         engine.abort(f"p{run}")
         while engine.has_work():
             engine.step()
@@ -109,31 +129,44 @@ def main() -> None:
     engine_args = dict(kv_cache_bytes=(8 << 30) if on_cuda else (16 << 20), max_num_seqs=max(batches),
                        max_model_len=512, max_prefill_tokens=PROMPT_LEN * max(batches), prefill_hold_ms=0.0,
                        num_step_rows=16 * max(batches))
-    modes = {"eager": ()} | ({"cuda_graphs": tuple(batches)} if on_cuda else {})
+    # mode: (decode and tail buckets, prefill buckets (None: the defaults), frame steps measured)
+    all_modes = {"eager": ((), (), True), "tail_graphs": (tuple(batches), (), False),
+                 "cuda_graphs": (tuple(batches), None, True)}
+    modes = all_modes if on_cuda else {"eager": all_modes["eager"]}
+    prefix = torch.randn(PREFIX_LEN, config.hidden_size, generator=torch.Generator(device=device).manual_seed(7),
+                         device=device, dtype=dtype)
     rows: dict[str, dict[int, float]] = {}
     prefill: dict[str, float] = {}
-    for mode, sizes in modes.items():
+    prefill_suffix: dict[str, float] = {}
+    for mode, (sizes, prefill_tokens, frame_steps) in modes.items():
         built = time.perf_counter()
-        engine = AREngine(model, EngineConfig(**engine_args, cuda_graph_batch_sizes=sizes))
+        engine = AREngine(model, EngineConfig(**engine_args, cuda_graph_batch_sizes=sizes,
+                                              cuda_graph_prefill_tokens=prefill_tokens))
         print(f"{mode}: engine built in {time.perf_counter() - built:.1f} s", flush=True)
         prefill[mode] = prefill_ms(engine, model, runs=5 if on_cuda else 1)
-        rows[mode] = {b: frame_step_ms(engine, model, b, warmup, steps) for b in batches}
+        prefill_suffix[mode] = prefill_ms(engine, model, runs=9 if on_cuda else 1, prefix=prefix)
+        if frame_steps:
+            rows[mode] = {b: frame_step_ms(engine, model, b, warmup, steps) for b in batches}
         del engine
+    stepped = [m for m in modes if m in rows]
     print(f"\nframe step (ms), {config.num_layers}-layer talker + {config.num_code_groups - 1} predictor sub-steps,"
           f" {dtype}, {device}")
-    print(f"{'batch':>6} " + " ".join(f"{m:>12}" for m in modes) + "   frames/s (best)  audio s/s")
+    print(f"{'batch':>6} " + " ".join(f"{m:>12}" for m in stepped) + "   frames/s (best)  audio s/s")
     results = []
     for b in batches:
-        best = min(rows[m][b] for m in modes)
-        print(f"{b:>6} " + " ".join(f"{rows[m][b]:>12.2f}" for m in modes)
+        best = min(rows[m][b] for m in stepped)
+        print(f"{b:>6} " + " ".join(f"{rows[m][b]:>12.2f}" for m in stepped)
               + f"   {1000 * b / best:>15.0f}  {1000 * b / best * FRAME_S:>9.1f}")
-        results.append({"batch": b, **{f"{m}_ms": rows[m][b] for m in modes},
+        results.append({"batch": b, **{f"{m}_ms": rows[m][b] for m in stepped},
                         "frames_per_s": 1000 * b / best, "audio_s_per_s": 1000 * b / best * FRAME_S})
-    print("prefill of a 100-token prompt (ms): " + ", ".join(f"{m} {v:.2f}" for m, v in prefill.items()))
+    print(f"\nprefill step, prefill + first frame (ms, median)\n{'prompt':>28} " + " ".join(f"{m:>12}" for m in modes))
+    for name, times in ((f"{PROMPT_LEN} tokens", prefill), (f"{SUFFIX_LEN} after {PREFIX_LEN} cached", prefill_suffix)):
+        print(f"{name:>28} " + " ".join(f"{times[m]:>12.2f}" for m in modes))
     report = {
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": str(dtype), "tiny": args.tiny,
         "steps_measured": steps, "frame_step": results, "prefill_100_tokens_ms": prefill,
+        f"prefill_{SUFFIX_LEN}_after_{PREFIX_LEN}_cached_ms": prefill_suffix,
         "wall_s": time.perf_counter() - started,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

@@ -1,28 +1,42 @@
-"""Decode steps (talker + code predictor + sampling) and prefill tails captured as CUDA graphs.
+"""Decode steps (talker + code predictor + sampling), prefill tails and small prefills
+captured as CUDA graphs.
 
-Graphs per bucketed batch size, all sharing one memory pool (captured largest first,
-as in nano-vllm). A decode graph reads one static ``[bucket, 3] int64`` index buffer (slot,
-step row, context length; see :meth:`ModelRunner.decode_meta`); a batch of ``B`` requests
-is padded up to its bucket with rows that touch only scratch state (the scratch slot, the
+Graphs per bucketed batch size (decode steps, prefill tails) and per bucketed token count
+(prefill forwards), all sharing one memory pool (captured largest first, as in
+nano-vllm). A decode graph reads one static ``[bucket, 3] int64`` index buffer (slot, step
+row, context length; see :meth:`ModelRunner.decode_meta`); a batch of ``B`` requests is
+padded up to its bucket with rows that touch only scratch state (the scratch slot, the
 scratch step row and the KV pool's scratch block), so replaying a graph never writes to
 another request's state. Everything else a step reads (next input embeddings, sampling
 state, block tables, the KV pool) lives at fixed addresses already.
 
+A prefill graph is the backbone over ``bucket`` rows (:meth:`ModelRunner.forward_rows`):
+a prefill's computed tokens (those after its prefix-cache hits, of any number of requests)
+are rows of the same index layout, each attending through its request's block table, then
+padding rows as a decode batch's; their input embeddings are copied into a static buffer.
+A prefill of more tokens than the largest bucket, or with hidden additions, runs eagerly.
+
 Why: a 0.6B frame is thousands of small kernels (28 talker layers, 15 predictor passes of
 5 layers, 16 samplings), so eagerly it is bound by kernel launches from Python: measured
-on an H200, 100-190 ms per step eager vs 16 ms replayed at batch 1, and a 100-token
-prefill 110 ms eager vs 35 ms with its tail replayed (benchmarks/results/engine_gpu.json).
+on an H200, 83 ms per step eager vs 7.8 ms replayed at batch 1, and a 100-token prefill
+54.1 ms eager vs 18.9 ms with its tail replayed (benchmarks/results/engine_gpu.json). A
+prefill of a few tokens (a known voice's text after its cached prefix) is launch-bound
+the same way: 28 layers of small kernels whatever the token count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import torch
 
 from omnistage.engine.model_runner import ModelRunner, StepSampling
+from omnistage.engine.sequence import Sequence
 
-Outputs = tuple[torch.Tensor, torch.Tensor | None]  # frames [B, G]; hidden-layer states [B, K, H] or None
+Outputs = tuple[torch.Tensor, torch.Tensor | None]  # frames [B, G] (a prefill: hidden [R, H]); states [., K, H] or None
+DEFAULT_PREFILL_TOKENS = (16, 32, 64, 128)
+"""Prefill buckets captured by default (tokens computed in one prefill): a known voice's
+text after its cached prefix is ~15 tokens, a whole short prompt up to ~100."""
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -32,41 +46,59 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    """Captures, per bucket, :meth:`ModelRunner.decode` (a whole decode step) and
+    """Captures, per bucket, :meth:`ModelRunner.decode` (a whole decode step),
     :meth:`ModelRunner.frame_tail` (what follows a prefill's forward: code 0, the code
-    predictor, sampling; ~3/4 of a 0.6B prefill's kernel launches), and replays them.
+    predictor, sampling; ~3/4 of a 0.6B prefill's kernel launches) and
+    :meth:`ModelRunner.forward_rows` (a prefill's forward), and replays them.
 
-    A graph is also specific to a :class:`~omnistage.engine.model_runner.StepSampling`
-    (which sampler work its batches need). The general one, which serves any batch, is
-    captured for every bucket here; a step that needs less replays its own variant,
-    captured on first use (a one-off pause of about one eager step).
+    A decode or tail graph is also specific to a
+    :class:`~omnistage.engine.model_runner.StepSampling` (which sampler work its batches
+    need). The general one, which serves any batch, is captured for every bucket here; a
+    step that needs less replays its own variant, captured on first use (a one-off pause of
+    about one eager step).
 
     Args:
         runner: the eager runner (its state buffers are what the graphs read and write).
-        batch_sizes: buckets to capture.
+        batch_sizes: decode and tail buckets to capture (may be empty).
         sampling_variants: more :class:`StepSampling` values to capture for every bucket
             at start-up (besides the general one).
+        prefill_tokens: prefill buckets to capture, in computed tokens (None: none).
 
     Raises:
-        ValueError: the runner's device is not CUDA.
+        ValueError: the runner's device is not CUDA, or there is no bucket at all.
     """
 
-    def __init__(self, runner: ModelRunner, batch_sizes: list[int], sampling_variants: Sequence[StepSampling] = ()) -> None:
+    def __init__(
+        self, runner: ModelRunner, batch_sizes: list[int], sampling_variants: Iterable[StepSampling] = (),
+        prefill_tokens: list[int] | None = None,
+    ) -> None:
         if runner.spec.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.runner = runner
-        self.batch_sizes = sorted(batch_sizes)
-        largest, spec = self.batch_sizes[-1], runner.spec
-        self.padding = runner.padding_meta(largest).to(spec.device)
-        self.meta = self.padding.clone()  # decode input: slot, step row, context length
-        self.hidden = torch.zeros(largest, spec.hidden_size, dtype=spec.dtype, device=spec.device)  # tail input
+        self.batch_sizes, self.prefill_tokens = sorted(batch_sizes), sorted(prefill_tokens or [])
+        if not self.batch_sizes and not self.prefill_tokens:
+            raise ValueError("no CUDA-graph bucket to capture")
+        spec = runner.spec
+        rows = max(self.batch_sizes + self.prefill_tokens)
+        self.padding = runner.padding_meta(rows).to(spec.device)
+        self.meta = self.padding.clone()  # decode and prefill input: slot, step row, context length
+        self.hidden = torch.zeros(rows, spec.hidden_size, dtype=spec.dtype, device=spec.device)  # tail input
         self.tail_slots = self.padding[:, 0].clone()  # tail input: slot
+        # prefill input: the rows' embeddings (padding rows keep earlier prompts' rows: they
+        # reach only scratch state) and, for 3-row RoPE, their positions
+        self.embeds = torch.zeros(rows, spec.hidden_size, dtype=spec.dtype, device=spec.device)
+        self.positions = torch.zeros(3, rows, device=spec.device) if spec.position_rows == 3 else None
         self.graphs: dict[tuple[str, int, StepSampling], tuple[torch.cuda.CUDAGraph, Outputs]] = {}
         # the graphs write into these predictor caches: they must live as long as the graphs
         # (shared by the graphs of a bucket: they never run at the same time)
         self.frame_caches = {size: runner.model.new_frame_cache(size) for size in self.batch_sizes}
         self._pool = None
-        for size in reversed(self.batch_sizes):  # largest first, as in nano-vllm
+        # largest first, as in nano-vllm; prefill graphs before the tails: a prefill's
+        # hidden-layer states are read after its tail's replay, so no tail graph may have
+        # been given their memory (a graph captured later never takes a live output's)
+        for size in reversed(self.prefill_tokens):
+            self._capture("prefill", size, StepSampling())
+        for size in reversed(self.batch_sizes):
             for kind in ("decode", "tail"):
                 for sampling in dict.fromkeys((StepSampling(), *sampling_variants)):
                     self._capture(kind, size, sampling)
@@ -74,14 +106,40 @@ class CUDAGraphRunner:
 
     @property
     def max_batch_size(self) -> int:
-        return self.batch_sizes[-1]
+        """The largest decode bucket (0: none)."""
+        return self.batch_sizes[-1] if self.batch_sizes else 0
+
+    def fits_prefill(self, seqs: list[Sequence]) -> bool:
+        """Whether the prefill of ``seqs`` replays a graph: it computes at most the largest
+        prefill bucket's tokens and has no hidden additions (their rows vary)."""
+        tokens = sum(s.prompt_len - s.num_cached for s in seqs)
+        return bool(self.prefill_tokens) and tokens <= self.prefill_tokens[-1] and all(
+            s.inputs.hidden_additions is None for s in seqs
+        )
+
+    def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Replay the forward of the prefill of ``seqs`` (one that :meth:`fits_prefill`);
+        returns what :meth:`ModelRunner.prefill` does: the last hidden ``[B, H]``, the slot
+        ids ``[B] int64`` and the hidden-layer states ``[n, K, H]`` (or None), the last
+        a view valid until the next replay."""
+        n = sum(s.prompt_len - s.num_cached for s in seqs)
+        size = self._bucket(self.prefill_tokens, n)
+        graph, (hidden, layers) = self._graph("prefill", size, StepSampling())
+        rows = self.runner.prefill_rows(seqs, size)
+        self.meta[:size].copy_(rows.meta.pin_memory(), non_blocking=True)
+        if self.positions is not None and rows.positions is not None:
+            self.positions[:, :size].copy_(rows.positions.pin_memory(), non_blocking=True)
+        self.embeds[:n].copy_(rows.embeds)
+        slot_ids, last = self.runner.upload_meta(rows.ends)
+        graph.replay()
+        return hidden.index_select(0, last), slot_ids, None if layers is None else layers[:n]
 
     def decode(self, meta: torch.Tensor, sampling: StepSampling) -> Outputs:
         """Replay the decode step for ``meta`` (``[B, 3] int64`` host tensor, ``B <=``
         :attr:`max_batch_size`) and ``sampling`` (its requests'); returns views of the
         graph's outputs (:meth:`ModelRunner.decode`'s), valid until the next replay."""
         batch = meta.shape[0]
-        size = self._bucket(batch)
+        size = self._bucket(self.batch_sizes, batch)
         graph, (codes, layers) = self._graph("decode", size, sampling)
         padded = torch.cat([meta, self.runner.padding_meta(size - batch)])
         self.meta[:size].copy_(padded.pin_memory(), non_blocking=True)
@@ -92,7 +150,7 @@ class CUDAGraphRunner:
         """Replay :meth:`ModelRunner.frame_tail` for ``B <=`` :attr:`max_batch_size`
         requests (device inputs); returns a view ``[B, G]``, valid until the next replay."""
         batch = hidden.shape[0]
-        size = self._bucket(batch)
+        size = self._bucket(self.batch_sizes, batch)
         graph, (codes, _) = self._graph("tail", size, sampling)
         self.hidden[:batch].copy_(hidden)
         self.tail_slots[:batch].copy_(slot_ids)
@@ -107,10 +165,15 @@ class CUDAGraphRunner:
     def _capture(self, kind: str, size: int, sampling: StepSampling) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         """Warm up and capture one graph on padding inputs: it touches only scratch state,
         and it is ordered after any replay still queued on the stream."""
-        runner, cache = self.runner, self.frame_caches[size]
+        runner, cache = self.runner, self.frame_caches.get(size)
         self.meta[:size].copy_(self.padding[:size])
         self.tail_slots[:size].copy_(self.padding[:size, 0])
-        if kind == "decode":
+        if kind == "prefill":
+            positions = None if self.positions is None else self.positions[:, :size]
+
+            def step() -> Outputs:
+                return runner.forward_rows(self.meta[:size], self.embeds[:size], positions)
+        elif kind == "decode":
             def step() -> Outputs:
                 return runner.decode(self.meta[:size], cache, sampling=sampling)
         else:
@@ -128,5 +191,6 @@ class CUDAGraphRunner:
         self.graphs[(kind, size, sampling)] = (graph, outputs)
         return graph, outputs
 
-    def _bucket(self, batch: int) -> int:
-        return next(s for s in self.batch_sizes if s >= batch)
+    @staticmethod
+    def _bucket(sizes: list[int], count: int) -> int:
+        return next(s for s in sizes if s >= count)

@@ -40,7 +40,7 @@ import torch
 from omnistage.core.errors import RequestValidationError
 from omnistage.core.request import FinishReason
 from omnistage.engine.block_manager import BlockManager
-from omnistage.engine.cuda_graph import CUDAGraphRunner, default_batch_sizes
+from omnistage.engine.cuda_graph import DEFAULT_PREFILL_TOKENS, CUDAGraphRunner, default_batch_sizes
 from omnistage.engine.kv_cache import PagedKVCache, kv_pool_blocks, kv_token_bytes
 from omnistage.engine.model_runner import ARModel, ARModelSpec, ModelRunner, StepSampling
 from omnistage.engine.paged_attention import decode_attention_for
@@ -76,6 +76,15 @@ class EngineConfig:
         graph_sampling: sampling variants captured at start-up for every bucket beside the
             general one (e.g. the model's default request sampling), so serving never
             pauses to capture them on first use.
+        cuda_graph_prefill_tokens: prefill buckets to capture, in tokens computed by one
+            prefill (after its prefix-cache hits, summed over its requests): a prefill of
+            at most the largest replays its forward padded up to its bucket, its rows
+            attending through the block tables as decode steps do (the padding rows touch
+            only the scratch block); a larger one, or one with hidden additions, runs
+            eagerly. A small prefill is bound by kernel launches, not tokens (a known
+            voice's ~15-token text after its cached prefix). None = the default buckets
+            (:data:`~omnistage.engine.cuda_graph.DEFAULT_PREFILL_TOKENS`, 16 to 128) up to
+            ``max_prefill_tokens`` on CUDA; () = none. Ignored on CPU.
         use_triton: Triton decode attention (None: on CUDA when installed).
         overlap: resolve step t while step t+1 runs (None: on CUDA).
         prefix_caching: share the KV blocks of prompt prefixes between requests whose
@@ -95,9 +104,26 @@ class EngineConfig:
     num_step_rows: int = 65536
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     graph_sampling: tuple[StepSampling, ...] = ()
+    cuda_graph_prefill_tokens: tuple[int, ...] | None = None
     use_triton: bool | None = None
     overlap: bool | None = None
     prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        tokens = self.cuda_graph_prefill_tokens
+        if tokens is not None and not all(
+            isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= self.max_prefill_tokens for t in tokens
+        ):
+            raise ValueError(
+                f"cuda_graph_prefill_tokens must be token counts in 1..max_prefill_tokens "
+                f"({self.max_prefill_tokens}), got {tokens!r}"
+            )
+
+    def prefill_graph_tokens(self) -> list[int]:
+        """The prefill buckets to capture on CUDA (see ``cuda_graph_prefill_tokens``)."""
+        if self.cuda_graph_prefill_tokens is not None:
+            return sorted(set(self.cuda_graph_prefill_tokens))
+        return [t for t in DEFAULT_PREFILL_TOKENS if t <= self.max_prefill_tokens]
 
 
 @dataclass(frozen=True)
@@ -164,8 +190,11 @@ class AREngine:
         self.overlap = is_cuda if config.overlap is None else config.overlap
         sizes = config.cuda_graph_batch_sizes
         sizes = default_batch_sizes(config.max_num_seqs) if sizes is None else list(sizes)
-        with torch.no_grad():
-            self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling) if is_cuda and sizes else None
+        prefill_tokens = config.prefill_graph_tokens()
+        self.graphs = None
+        if is_cuda and (sizes or prefill_tokens):
+            with torch.no_grad():
+                self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling, prefill_tokens)
         self._in_flight: _InFlight | None = None
         self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix cache, ever
 
@@ -352,7 +381,10 @@ class AREngine:
                 pending, seq.pending_rows = seq.pending_rows, []
                 for rows in pending:
                     self._store_rows(seq, rows)
-            last, slot_ids, layers = self.runner.prefill(seqs)
+            if self.graphs is not None and self.graphs.fits_prefill(seqs):
+                last, slot_ids, layers = self.graphs.prefill(seqs)
+            else:
+                last, slot_ids, layers = self.runner.prefill(seqs)
             for seq in seqs:  # their KV is written (in stream order): later prompts may share it
                 self.prefix_hit_tokens += seq.num_cached
                 if seq.prompt_keys:

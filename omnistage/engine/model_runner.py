@@ -19,6 +19,11 @@ use): the last frame, the sampling state, the block table. A decode step reads i
 through one small ``[B, 3] int64`` index tensor (slot, step row, context length), so the
 same code runs eagerly or replayed from a CUDA graph
 (:class:`~omnistage.engine.cuda_graph.CUDAGraphRunner`).
+
+A small prefill can be replayed too (:meth:`ModelRunner.forward_rows`): its computed tokens
+are the rows of a decode-like forward, each attending through its request's block table to
+its context so far (the cached prefix and the prompt tokens before it), so the shapes depend
+only on the number of rows, padded up to a bucket with rows that touch only scratch state.
 """
 
 from __future__ import annotations
@@ -64,6 +69,35 @@ class StepSampling:
             SamplerFeatures.of([s.inputs.sampling for s in seqs]),
             SamplerFeatures.of([s.inputs.predictor_sampling or GREEDY for s in seqs]),
         )
+
+
+@dataclass(frozen=True)
+class PrefillRows:
+    """A prefill laid out as the ``size`` rows of :meth:`ModelRunner.forward_rows` (the input
+    of a captured prefill graph; :meth:`ModelRunner.prefill_rows` makes it).
+
+    Attributes:
+        meta: ``[size, 3] int64`` host: for each computed prompt token, in batch order, a
+            decode step's index row (slot, step row: the scratch row, not read; context
+            length through the token, i.e. its position + 1), then
+            :meth:`ModelRunner.padding_meta` rows.
+        positions: ``[3, size] float32`` host, the tokens' multimodal positions then zeros,
+            for a model with ``spec.position_rows == 3``; else None (a 1-D position is the
+            context length - 1).
+        embeds: ``[n, H]`` (model dtype, on the device) the computed tokens' input
+            embeddings, not padded (``n <= size``).
+        ends: ``[2, B] int64`` host: each request's slot, and the row of its last token.
+    """
+
+    meta: torch.Tensor
+    positions: torch.Tensor | None
+    embeds: torch.Tensor
+    ends: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """``n``: rows that are prompt tokens (the rest pad)."""
+        return self.embeds.shape[0]
 
 
 @dataclass(frozen=True)
@@ -226,6 +260,28 @@ class ModelRunner:
         """``[rows, 3]`` meta rows that touch only scratch state (CUDA-graph padding)."""
         return torch.tensor([[self.scratch_slot, self.scratch_row, 1]] * rows, dtype=torch.int64).reshape(rows, 3)
 
+    def prefill_rows(self, seqs: list[Sequence], size: int) -> PrefillRows:
+        """The prefill of ``seqs`` (admitted, nothing scheduled yet; each from its first token
+        not in the prefix cache, as in :meth:`prefill`) as ``size`` rows of
+        :meth:`forward_rows` (see :class:`PrefillRows`).
+
+        Raises:
+            ValueError: the requests compute more than ``size`` tokens.
+        """
+        n = sum(s.prompt_len - s.num_cached for s in seqs)
+        if n > size:
+            raise ValueError(f"a prefill of {n} tokens does not fit {size} rows")
+        rows = [[s.slot, self.scratch_row, t + 1] for s in seqs for t in range(s.num_cached, s.prompt_len)]
+        meta = torch.cat([torch.tensor(rows, dtype=torch.int64).reshape(n, 3), self.padding_meta(size - n)])
+        positions = None
+        if self.rope_deltas is not None:
+            given = [_prompt_positions(s)[:, s.num_cached :] for s in seqs]
+            positions = torch.cat([*given, torch.zeros(3, size - n)], dim=1)
+        ends = [0, *itertools.accumulate(s.prompt_len - s.num_cached for s in seqs)]
+        last = torch.tensor([[s.slot for s in seqs], [end - 1 for end in ends[1:]]], dtype=torch.int64)
+        embeds = torch.cat([self._prompt_embeds(s)[s.num_cached :] for s in seqs])
+        return PrefillRows(meta, positions, embeds, last)
+
     # --------------------------------------------------------------- device side
     def prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """One variable-length forward over the prompts of ``seqs`` (admitted, nothing
@@ -271,18 +327,50 @@ class ModelRunner:
         captured graph); ``sampling``: :meth:`StepSampling.of` the requests (or more).
         Returns the frames ``[B, G] int64`` and the states of ``spec.hidden_layers`` of
         the fed tokens ``[B, K, H]`` (None without any)."""
-        slot_ids, row_ids, context_lens = meta[:, 0], meta[:, 1], meta[:, 2]
-        positions = context_lens - 1
-        tables = self.block_tables.index_select(0, slot_ids)[:, :width]
-        size = self.cache.block_size
-        kv_slots = tables.gather(1, (positions // size)[:, None])[:, 0] * size + positions % size
-        self.attn.prepare_decode(kv_slots, tables, context_lens)
+        slot_ids, row_ids = meta[:, 0], meta[:, 1]
+        positions = self._prepare_rows(meta, width)
         fed = self.model.next_input_embeds(self.last_codes.index_select(0, slot_ids),
                                            self.step_rows.index_select(0, row_ids))
         if self.rope_deltas is not None:
             positions = (positions + self.rope_deltas.index_select(0, slot_ids)).expand(3, -1)
         hidden, layers = self._forward(fed.to(self.spec.dtype), positions)
         return self.frame_tail(hidden, slot_ids, cache, sampling), layers
+
+    def forward_rows(
+        self, meta: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The backbone over ``R`` rows of given input, each attending as a decode step's
+        token does: it writes its ``k, v`` at its slot, then attends to its request's first
+        ``context length`` tokens through the block table (all rows' writes of a layer come
+        before its attention, so the rows of one prompt attend causally to each other and to
+        a cached prefix; a padding row attends to the scratch block only). Static shapes,
+        no host sync: what a prefill graph replays (:class:`PrefillRows`).
+
+        Args:
+            meta: ``[R, 3] int64`` on the device (:attr:`PrefillRows.meta`; the step-row
+                column is not read).
+            embeds: ``[R, H]`` input embeddings, model dtype.
+            positions: ``[3, R] float32`` on the device for ``spec.position_rows == 3``
+                (else None: ``context length - 1``).
+
+        Returns:
+            The hidden ``[R, H]`` and the states of ``spec.hidden_layers`` ``[R, K, H]``
+            (None without any) of every row.
+        """
+        rope_positions = self._prepare_rows(meta, None)
+        return self._forward(embeds, rope_positions if positions is None else positions)
+
+    def _prepare_rows(self, meta: torch.Tensor, width: int | None) -> torch.Tensor:
+        """Announce a forward of one token per ``meta`` row (slot, -, context length) to
+        the attention backend, with ``width`` block-table columns (None: all); returns the
+        rows' positions ``[R] int64``."""
+        slot_ids, context_lens = meta[:, 0], meta[:, 2]
+        positions = context_lens - 1
+        tables = self.block_tables.index_select(0, slot_ids)[:, :width]
+        size = self.cache.block_size
+        kv_slots = tables.gather(1, (positions // size)[:, None])[:, 0] * size + positions % size
+        self.attn.prepare_decode(kv_slots, tables, context_lens)
+        return positions
 
     def _forward(
         self, embeds: torch.Tensor, positions: torch.Tensor, additions: HiddenAdditions | None = None

@@ -364,7 +364,9 @@ def engine_config(
     only) decode steps and prefill tails run as CUDA graphs per batch bucket (1, 2, 4, 8,
     then every 8 up to ``max_num_seqs``), captured at start-up for the general sampler and
     for the step sampling of each ``(code 0, code predictor)`` pair of ``graph_sampling``
-    (the stage's common requests); any other mix is captured when first used.
+    (the stage's common requests; any other mix is captured when first used), and so are
+    prefills of at most 128 computed tokens, per token bucket
+    (``EngineConfig.cuda_graph_prefill_tokens``).
     ``num_step_rows``: the step-row pool (the talker's: :func:`talker_step_rows`).
     KV pool (:func:`~omnistage.engine.kv_cache.kv_pool_blocks`): ``kv_cache_bytes`` when
     given; else ``max_num_seqs`` requests of ``max_model_len`` tokens, on CUDA at most
@@ -380,7 +382,7 @@ def engine_config(
         kv_cache_bytes=kv_cache_bytes, mem_fraction_static=mem_fraction_static,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=variants,
-        num_step_rows=num_step_rows,
+        cuda_graph_prefill_tokens=None if cuda_graphs else (), num_step_rows=num_step_rows,
     )  # fmt: skip
 
 

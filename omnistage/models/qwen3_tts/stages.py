@@ -281,6 +281,7 @@ def create_tts_engine_stage(
         num_step_rows=max(EngineConfig.num_step_rows, max_model_len),
         prefill_hold_ms=prefill_hold_ms,
         cuda_graph_batch_sizes=None if cuda_graphs else (),
+        cuda_graph_prefill_tokens=None if cuda_graphs else (),
         graph_sampling=_default_step_sampling(checkpoint),
         prefix_caching=prefix_caching,
     )
