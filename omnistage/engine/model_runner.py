@@ -223,16 +223,18 @@ class ModelRunner:
     def admit(self, seq: Sequence) -> None:
         """Write an admitted request's slot state: sampling rows, block table, step rows."""
         inputs, device = seq.inputs, self.spec.device
+        # nothing here waits for the device (fills and pinned uploads, see
+        # SamplingBatch.set_row): a request admitted while another engine's step is queued on
+        # the same stream (the Omni talker's beside the thinker's) is not held behind it
         self.sampling.set_row(seq.slot, inputs.sampling)
         if self.rope_deltas is not None:
-            self.rope_deltas[seq.slot] = inputs.rope_delta
+            self.rope_deltas[seq.slot].fill_(inputs.rope_delta)
         if self.predictor_sampling is not None:
             self.predictor_sampling.set_row(seq.slot, inputs.predictor_sampling or GREEDY)
-        table = torch.tensor(seq.block_table, dtype=torch.int64)
         self.block_tables[seq.slot].fill_(self.cache.scratch_block)
-        self.block_tables[seq.slot, : len(table)] = table.to(device)
+        self.block_tables[seq.slot, : len(seq.block_table)] = upload(seq.block_table, device)
         hidden = self.spec.hidden_size
-        pad = inputs.pad_embed if inputs.pad_embed is not None else torch.zeros(hidden)
+        pad = inputs.pad_embed if inputs.pad_embed is not None else torch.zeros(hidden, dtype=self.spec.dtype, device=device)
         self._write_rows([seq.row_slots[-1]], pad.reshape(1, hidden))
         if inputs.step_rows is not None:
             self._write_rows(seq.row_slots[: inputs.num_given_rows], inputs.step_rows)
@@ -246,7 +248,7 @@ class ModelRunner:
         # ordered after any step already queued on the device, so a step in flight reads
         # the rows it was launched with
         rows = rows.to(self.spec.device, self.spec.dtype, non_blocking=True)
-        self.step_rows.index_copy_(0, _upload(slots, self.spec.device), rows)
+        self.step_rows.index_copy_(0, upload(slots, self.spec.device), rows)
 
     def decode_meta(self, seqs: list[Sequence]) -> torch.Tensor:
         """``[B, 3] int64`` host tensor (slot, step row of the frame fed back, context
@@ -301,13 +303,13 @@ class ModelRunner:
         per_seq = [s.slot for s in seqs] + ends
         n, b = len(positions), len(seqs)
         if self.rope_deltas is None:
-            flat = _upload(positions + kv_slots + context + per_seq, device)
+            flat = upload(positions + kv_slots + context + per_seq, device)
             positions_d, kv_slots_d = flat[: 2 * n].view(2, n)
             context_d = flat[2 * n : 2 * n + len(context)]
         else:
             # float32: multimodal positions may be fractional
-            positions_d = _upload(torch.cat([_prompt_positions(s)[:, s.num_cached :] for s in seqs], dim=1), device)
-            flat = _upload(kv_slots + context + per_seq, device)
+            positions_d = upload(torch.cat([_prompt_positions(s)[:, s.num_cached :] for s in seqs], dim=1), device)
+            flat = upload(kv_slots + context + per_seq, device)
             kv_slots_d, context_d = flat[:n], flat[n : n + len(context)]
         slot_ids, last = flat[flat.shape[0] - 2 * b :].view(2, b)
         embeds = torch.cat([self._prompt_embeds(s)[s.num_cached :] for s in seqs])
@@ -381,10 +383,10 @@ class ModelRunner:
         return self.model.forward(embeds, positions, self.attn, **extra), None
 
     def upload_meta(self, meta: torch.Tensor) -> torch.Tensor:
-        return _upload(meta, self.spec.device)
+        return upload(meta, self.spec.device)
 
     def _prompt_embeds(self, seq: Sequence) -> torch.Tensor:
-        prompt = seq.inputs.prompt.to(self.spec.device)
+        prompt = upload(seq.inputs.prompt, self.spec.device)
         if prompt.dim() == 1:
             return self.model.embed_tokens(prompt)
         return prompt.to(self.spec.dtype)
@@ -453,17 +455,19 @@ def _batch_additions(seqs: list[Sequence], lengths: list[int], spec: ARModelSpec
                    for _, a in given])  # fmt: skip
         for layer in range(layers)
     )
-    return HiddenAdditions(_upload(rows, spec.device), embeds)
+    return HiddenAdditions(upload(rows, spec.device), embeds)
 
 
 def _no_sub_codes(group: int, logits: torch.Tensor) -> torch.Tensor:
     raise RuntimeError("a single-codebook model sampled a code-predictor group")
 
 
-def _upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host int list (as int64) or tensor on ``device``; on CUDA through pinned memory,
-    without waiting (the copy is ordered before later kernels on the stream)."""
+def upload(values: list[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host int list (as int64) or tensor on ``device``; from the host to CUDA through
+    pinned memory, without waiting (the copy is ordered before later kernels on the stream;
+    a plain ``.to(device)`` or ``torch.tensor(..., device=...)`` waits for the stream to
+    drain first). A tensor on a device already is moved with ``.to(device)``."""
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.int64)
-    if device.type != "cuda":
+    if device.type != "cuda" or host.device.type != "cpu":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)

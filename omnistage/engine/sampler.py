@@ -155,20 +155,27 @@ class SamplingBatch:
 
     def set_row(self, row: int, params: SamplingParams) -> None:
         """Make ``row`` a fresh request with ``params`` (nothing generated yet). The engine
-        keeps one persistent batch with a row per slot and calls this on admission."""
-        self.temperature[row] = params.temperature
-        self.top_p[row] = params.top_p
-        self.repetition_penalty[row] = params.repetition_penalty
-        self.top_k[row] = params.top_k
-        self.min_new_tokens[row] = params.min_new_tokens
-        self.seed[row] = params.seed
-        self.banned[row] = False
+        keeps one persistent batch with a row per slot and calls this on admission.
+
+        Every write is a fill of a host value (a kernel taking it as an argument), so none
+        waits for the device: ``t[row] = x`` of one element copies ``x`` in from the host
+        and waits for the stream to drain, and a list index is uploaded the same way; with
+        another engine's step queued on the stream (the Omni thinker beside the talker) each
+        such write waited for that step."""
+        self.temperature[row].fill_(params.temperature)
+        self.top_p[row].fill_(params.top_p)
+        self.repetition_penalty[row].fill_(params.repetition_penalty)
+        self.top_k[row].fill_(params.top_k)
+        self.min_new_tokens[row].fill_(params.min_new_tokens)
+        self.seed[row].fill_(params.seed)
+        self.banned[row].fill_(False)
         for start, end in params.suppress_ranges:
-            self.banned[row, start:end] = True
-        self.stop[row] = False
-        self.stop[row, list(params.stop_token_ids)] = True
-        self.generated[row] = False
-        self.num_generated[row] = 0
+            self.banned[row, start:end].fill_(True)
+        self.stop[row].fill_(False)
+        for token in params.stop_token_ids:
+            self.stop[row, token].fill_(True)
+        self.generated[row].fill_(False)
+        self.num_generated[row].fill_(0)
 
     def select(self, rows: torch.Tensor) -> SamplingBatch:
         """The batch of ``rows`` (``[B] int64`` device tensor), gathered on the device (no

@@ -30,7 +30,7 @@ from omnistage.core.errors import RequestValidationError
 from omnistage.core.messages import StagePayload, StreamChunk
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.layers import fuse_projections
-from omnistage.engine.model_runner import GREEDY, StepSampling
+from omnistage.engine.model_runner import GREEDY, StepSampling, upload
 from omnistage.engine.sampler import SamplerFeatures, SamplingParams
 from omnistage.engine.sequence import GenerationInput
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
@@ -589,7 +589,7 @@ class TalkerFeed(StreamInput):
                 self.tokens.append(int(data.frame[0, 0]))
         elif isinstance(data, StopTail):
             with torch.inference_mode():
-                rows = self.embed_tokens(data.token_ids.to(self.embed_tokens.weight.device))
+                rows = self.embed_tokens(upload(data.token_ids, self.embed_tokens.weight.device))
             self.embeds.append(rows)
             if not self.started:
                 # a reply token's accept_hidden_layer row is never read by the talker's
@@ -658,7 +658,7 @@ class TalkerFeed(StreamInput):
 
     def _tts_eos(self) -> torch.Tensor:
         model = self.model
-        ids = torch.tensor([model.config.tts_eos_id], device=model.talker.codec_head.weight.device)
+        ids = upload([model.config.tts_eos_id], model.talker.codec_head.weight.device)
         return model.talker.text_projection(self.embed_tokens(ids))
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from omnistage.engine.model_runner import upload
 from omnistage.models.qwen3_omni.modeling.config import Qwen3OmniConfig
 from omnistage.models.qwen3_omni.modeling.mrope import (
     MultimodalLayout,
@@ -136,16 +137,19 @@ def build_talker_prompt(
     )
     user = _user_mask(ids, config)
     device = rows.embeds.device
+    # the ids are host tensors and every index is found on the host; the indices reach the
+    # device by pinned uploads (upload), which do not wait for the device: the talker's
+    # prompt is built while the thinker's steps are queued on the same stream
     user_idx, mm = user.nonzero().flatten(), multimodal[user]
-    user_rows = talker.text_projection(rows.embeds[user_idx.to(device)])
+    user_rows = talker.text_projection(rows.embeds[upload(user_idx, device)])
     if bool(mm.any()):
-        mm_rows = talker.hidden_projection(rows.hidden[user_idx[mm].to(device)])
-        user_rows = user_rows.index_copy(0, mm.nonzero().flatten().to(device), mm_rows)
-    special = torch.tensor([config.tts_pad_id, config.tts_bos_id, config.tts_eos_id], device=device)
+        mm_rows = talker.hidden_projection(rows.hidden[upload(user_idx[mm], device)])
+        user_rows = user_rows.index_copy(0, upload(mm.nonzero().flatten(), device), mm_rows)
+    special = upload([config.tts_pad_id, config.tts_bos_id, config.tts_eos_id], device)
     tts_pad, tts_bos, tts_eos = talker.text_projection(thinker_embed(special)).to(user_rows.dtype)
     assistant = talker.text_projection(rows.embeds[start:fed])
     text = torch.cat((assistant[:3], tts_pad.expand(4, -1), tts_bos[None], assistant[3:4]))
-    codec_ids = torch.tensor(
+    codec_ids = upload(
         [
             tc.codec_nothink_id,
             tc.codec_think_bos_id,
@@ -154,7 +158,7 @@ def build_talker_prompt(
             tc.codec_pad_id,
             tc.codec_bos_id,
         ],
-        device=device,
+        device,
     )
     codec = torch.cat(
         (
