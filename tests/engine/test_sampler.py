@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.engine.sampler import (
     SamplerFeatures,
@@ -92,6 +93,43 @@ def test_params_beyond_float32_are_rejected_before_they_reach_a_batch():
     for bad in ({"temperature": 1e300}, {"repetition_penalty": 1e39}):
         with pytest.raises(ValueError, match="float32"):
             SamplingParams(**bad)
+
+
+class DispatchedOps(TorchDispatchMode):
+    """The names of the aten ops dispatched inside it (``aten.fill_.Scalar``, ...)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_row_is_set_by_fills_of_host_values_alone():
+    """Admission writes a slot's sampling row without waiting for the device: a one-element
+    ``t[row] = x`` copies a host scalar in (``aten.copy_``) and a list-indexed write uploads
+    its index (``aten.index_put_``), and on CUDA each waits for the stream to drain, behind
+    any other engine's step queued on it (the Omni talker's admission behind the thinker's
+    steps). Ops dispatch the same on every device, so the CPU shows which ones run."""
+    batch = SamplingBatch.empty(3, V, "cpu")
+    batch.generated[1, 3], batch.num_generated[1] = True, 4  # the slot's previous request
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, repetition_penalty=1.1, min_new_tokens=2,
+                            stop_token_ids=(1, 6), suppress_ranges=((2, 4),), seed=11)  # fmt: skip
+    with DispatchedOps() as ops:
+        batch.set_row(1, params)
+    assert ops.names <= {"aten.select.int", "aten.slice.Tensor", "aten.fill_.Scalar"}, ops.names
+    floats = torch.stack([batch.temperature, batch.top_p, batch.repetition_penalty])[:, 1]
+    assert torch.equal(floats, torch.tensor([0.7, 0.9, 1.1], dtype=torch.float32))
+    ints = (batch.top_k[1], batch.min_new_tokens[1], batch.seed[1], batch.num_generated[1])
+    assert ints == (5, 2, 11, 0)
+    assert batch.banned[1].nonzero().flatten().tolist() == [2, 3]
+    assert batch.stop[1].nonzero().flatten().tolist() == [1, 6]
+    assert not batch.generated[1].any()
+    fresh = SamplingBatch.empty(3, V, "cpu")  # the other rows are untouched
+    for name in ("temperature", "top_k", "banned", "stop", "generated", "num_generated"):
+        assert torch.equal(getattr(batch, name)[0::2], getattr(fresh, name)[0::2]), name
 
 
 @pytest.mark.gpu
