@@ -82,7 +82,9 @@ def assert_nothing_left_in(cluster: LocalRayCluster) -> None:
 async def test_stages_on_two_nodes_with_replicas_serve_what_one_host_does(cluster):
     """encode on the head node; double and accumulate in two replicas each on the worker:
     tensors cross nodes inline, each request stays on its replicas."""
-    config = replicated_linear({"encode": "pre"}, placement="ray", ray_address=cluster.address)
+    # placement is under test here, not liveness (the hung/killed test below is): five actors
+    # starting on a loaded 2-core machine went silent for 1.7 s, past the 2 s default
+    config = replicated_linear({"encode": "pre"}, placement="ray", ray_address=cluster.address, process_death_timeout_s=30.0)
     pin(config, {"encode": "head", "double": "worker", "accumulate": "worker"})
     async with Pipeline(config) as pipeline:
         placement = pipeline.placement
