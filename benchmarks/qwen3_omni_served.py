@@ -41,6 +41,12 @@ not use, and code2wav keep transformers' init. Greedy on both sides, so the leng
 the limits and the weights (a random talker may still stop early: the reference's thinker
 tokens and audio seconds are recorded).
 
+Per level also the server's own mean TTFA decomposition (``server_ttfa_phases_ms``: the
+growth of its ``omnistage_request_phase_seconds`` sums over the level per request that sent
+audio, largest phase first; see :mod:`omnistage.pipeline.timeline`), and with ``--py-spy BIN``
+a py-spy profile of the server's process tree during the ``--py-spy-at`` levels
+(:class:`profiling.PySpyProfile`; the raw stacks beside the JSON).
+
 Prints a table and writes ``OUT_DIR/qwen3_omni_served.json``::
 
     python benchmarks/qwen3_omni_served.py --out-dir $OUT --size 30b-a3b --reference --budget-s 500
@@ -68,6 +74,7 @@ import numpy as np
 import soundfile
 import torch
 from PIL import Image
+from profiling import PySpyProfile, first_audio_sums, mean_phases_between, print_profile
 
 from omnistage.bench.speed import Distribution
 from omnistage.engine.kv_cache import kv_token_bytes
@@ -553,6 +560,13 @@ def print_table(result: dict) -> None:
               f"{lv['rtf']['p50']!s:>8} {lv['rtf_max']!s:>8} {lv['tokens_per_s']:>7} "
               f"{lv['tokens_per_s_per_stream']['p50']!s:>8} {lv['audio_s_per_s']:>9} "
               f"{lv['gpu_memory_mib_max'] or lv['gpu_memory_mib']!s:>8}")  # fmt: skip
+    for lv in result["levels"]:
+        if phases := lv.get("server_ttfa_phases_ms"):
+            top = ", ".join(f"{name} {ms}" for name, ms in list(phases.items())[:8] if name != "ttfa")
+            print(f"{lv['prompt']} c={lv['concurrency']}: server TTFA {phases['ttfa']} ms mean = {top} ...")
+    for lv in result["levels"]:
+        if "py_spy" in lv:
+            print_profile(f"{lv['prompt']} c={lv['concurrency']}", lv["py_spy"])
     for skipped in result["skipped"]:
         print("skipped", json.dumps(skipped))
     if "reference" in result:
@@ -609,6 +623,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--reference-only", action="store_true", help="only the reference (the child process)"
     )
+    parser.add_argument("--py-spy", metavar="BIN",
+                        help="profile the started server with this py-spy binary during the --py-spy-at levels")  # fmt: skip
+    parser.add_argument("--py-spy-at", nargs="+", metavar="PROMPT:CONCURRENCY",
+                        help="the levels --py-spy profiles (default: each prompt's largest concurrency)")  # fmt: skip
+    parser.add_argument("--py-spy-s", type=float, default=8.0, help="seconds each profile samples")
     parser.add_argument("--reference-frames", type=int, default=100)
     parser.add_argument("--reference-reserve-s", type=float, default=150.0,
                         help="budget seconds kept for stopping the server and the reference")  # fmt: skip
@@ -623,6 +642,9 @@ def parse_args() -> argparse.Namespace:
         parser.error(
             "--reference needs a server this script starts (it is stopped to free the GPU)"
         )
+    levels = {f"{kind}:{c}" for kind in args.prompts for c in args.concurrency}
+    if unknown := sorted(set(args.py_spy_at or ()) - levels):
+        parser.error(f"--py-spy-at {' '.join(unknown)}: not a level of this run (one of {' '.join(sorted(levels))})")
     if args.requests is not None and len(args.requests) != len(args.concurrency):
         parser.error("--requests takes one value per --concurrency value")
     return args
@@ -679,6 +701,7 @@ def main() -> None:
         result["warmup"] = {k: {"ok": v["failed"] == 0, "wall_s": v["wall_s"], "errors": v["errors"]}
                             for k, v in warm.items()}  # fmt: skip
         save()
+        profiled = set(args.py_spy_at or (f"{kind}:{max(args.concurrency)}" for kind in args.prompts))
         for kind in args.prompts:
             for concurrency, wanted in zip(args.concurrency, requests, strict=True):
                 if proc is not None and proc.poll() is not None:
@@ -699,9 +722,17 @@ def main() -> None:
                     save()
                     continue
                 n = wanted if fit == rounds else fit * concurrency
+                profile = None
+                if args.py_spy and proc is not None and f"{kind}:{concurrency}" in profiled:
+                    raw = args.out_dir / f"py_spy_{kind}_c{concurrency}.txt"
+                    profile = PySpyProfile(args.py_spy, proc.pid, raw, delay_s=3.0, duration_s=args.py_spy_s)
+                before = first_audio_sums(base_url)
                 level = {"prompt": kind, **asyncio.run(
                     run_level(base_url, bodies[kind], concurrency, n, args.timeout_s, left)
                 )}  # fmt: skip
+                level["server_ttfa_phases_ms"] = mean_phases_between(before, first_audio_sums(base_url))
+                if profile is not None:
+                    level |= profile.stop()
                 if n != wanted:
                     level["requests_reduced_from"] = wanted
                     level["round_estimate_s"] = round(per_round, 1)

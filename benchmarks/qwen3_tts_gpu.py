@@ -69,6 +69,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import soundfile
+from profiling import PySpyProfile, print_profile
 
 from omnistage.bench import BenchSample, SpeechTarget
 from omnistage.bench.speed import SpeechResult, mean_phases, request_speech
@@ -116,65 +117,6 @@ def gpu_sample() -> tuple[float, float]:
     )  # fmt: skip
     memory, util = out.stdout.strip().split(",")
     return float(memory), float(util)
-
-
-class PySpyProfile:
-    """``py-spy record`` of the server's process tree during one level (``--py-spy BIN``):
-    after ``delay_s`` it samples every thread that is running (not waiting) at 100 Hz for
-    ``duration_s``, without pausing the process (``--nonblocking``), into collapsed stacks
-    (``--format raw``: one ``frame;frame;... count`` line per distinct stack, the thread
-    first). ``stop()`` waits for it and returns where the samples went (:func:`stack_summary`)."""
-
-    def __init__(self, binary: str, pid: int, out: Path, delay_s: float, duration_s: float) -> None:
-        self.out, self.proc = out, None
-        cmd = [
-            binary, "record", "--pid", str(pid), "--rate", "100", "--duration", str(int(duration_s)),
-            "--format", "raw", "--threads", "--subprocesses", "--nonblocking", "--output", str(out),
-        ]  # fmt: skip
-        self._timer = threading.Timer(delay_s, self._start, (cmd,))
-        self._timer.start()
-
-    def _start(self, cmd: list[str]) -> None:
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-
-    def stop(self) -> dict:
-        self._timer.cancel()
-        if self.proc is None:
-            return {"py_spy": {"error": "the level ended before the profile started"}}
-        _, err = self.proc.communicate(timeout=120)
-        if not self.out.exists():
-            return {"py_spy": {"error": err[-500:]}}
-        return {"py_spy": stack_summary(self.out.read_text().splitlines()) | {"raw": self.out.name}}
-
-
-def stack_summary(lines: list[str], top: int = 25) -> dict:
-    """Where the samples of collapsed-stack ``lines`` went: per thread its share of all
-    samples, and over all threads the ``top`` functions by self samples (the innermost
-    frame) and the ``top`` omnistage functions by inclusive samples (on the stack at all),
-    each as ``[frame, samples, share of all samples]``."""
-    threads: dict[str, int] = {}
-    own: dict[str, int] = {}
-    inclusive: dict[str, int] = {}
-    total = 0
-    for line in lines:
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():  # a process's command line may span lines
-            continue
-        count = int(count_text)
-        frames = stack.split(";")
-        if frames[0].startswith("process ") and len(frames) > 1:  # --subprocesses: process, then thread
-            frames = [f"{frames[0].split(':', 1)[0]} {frames[1]}", *frames[2:]]
-        total += count
-        threads[frames[0]] = threads.get(frames[0], 0) + count
-        own[frames[-1]] = own.get(frames[-1], 0) + count
-        for frame in set(frames[1:]):
-            if "omnistage/" in frame:
-                inclusive[frame] = inclusive.get(frame, 0) + count
-
-    def ranked(counts: dict[str, int], n: int) -> list:
-        return [[k, v, round(v / total, 4)] for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:n]]
-
-    return {"samples": total, "threads": ranked(threads, 40), "self": ranked(own, top), "inclusive": ranked(inclusive, top)}
 
 
 def gpu_memory_mib() -> float:
@@ -693,18 +635,6 @@ def print_table(results: dict, frames: int) -> None:
             print(f"our c=1 TTFA p50 / faster-qwen3-tts streaming chunk 1 TTFA: {results['ttfa_ratio_ours_to_peer_chunk1']:.3f}")
         for err in [*peer.get("errors", []), *([peer["error"]] if "error" in peer else [])]:
             print(f"peer error: {err}")
-
-
-def print_profile(name: str, profile: dict) -> None:
-    """A :func:`stack_summary` as text: threads, then functions by self and inclusive share."""
-    if "error" in profile:
-        print(f"{name}: py-spy failed: {profile['error']}")
-        return
-    print(f"\n{name}: py-spy, {profile['samples']} samples of running threads at 100 Hz (share of all)")
-    for title in ("threads", "self", "inclusive"):
-        print(f"  by {title}:")
-        for frame, _, share in profile[title]:
-            print(f"    {100 * share:5.1f}%  {frame[:150]}")
 
 
 def _load_name(lv: dict) -> str:

@@ -50,7 +50,6 @@ from omnistage.core.errors import (
 from omnistage.core.messages import StreamChunk
 from omnistage.core.request import PipelineRequest, new_request_id
 from omnistage.pipeline.coordinator import PipelineResult, RequestHandle
-from omnistage.pipeline.timeline import FIRST_BYTE
 from omnistage.serve.audio import (
     StreamingAudioEncoder,
     audio_of_chunk,
@@ -91,6 +90,7 @@ from omnistage.serve.server_core import (
     count_request_end,
     quiet_stream_cuts,
     read_body,
+    record_first_audio,
     require_json,
     watch_disconnect,
 )
@@ -589,18 +589,7 @@ class _SpeechCall:
 
     def _first_byte(self) -> None:
         if self.first_audio_at is None:
-            self.first_audio_at = time.monotonic()
-            self.server.metrics.first_audio(self.first_audio_at - self.received)
-            timeline = self.handle.timeline
-            timeline.add(FIRST_BYTE, self.first_audio_at)
-            phases = timeline.phases(FIRST_BYTE)
-            self.server.metrics.first_audio_phases(phases)
-            if logger.isEnabledFor(logging.DEBUG):
-                steps = " ".join(f"{name}=+{seconds * 1e3:.1f}" for name, seconds in phases)
-                ttfa_ms = (self.first_audio_at - self.received) * 1e3
-                logger.debug(
-                    "request %s: TTFA %.1f ms = %s (ms)", self.handle.request_id, ttfa_ms, steps
-                )
+            self.first_audio_at = record_first_audio(self.server.metrics, self.handle, self.received)
 
     def _finished(self, error: BaseException | None, finish_reason: str = "stop") -> None:
         if self._reported:

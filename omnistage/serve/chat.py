@@ -80,6 +80,7 @@ from omnistage.serve.server_core import (
     admit,
     count_request_end,
     read_body,
+    record_first_audio,
     require_json,
     watch_disconnect,
 )
@@ -182,6 +183,7 @@ class _ChatCall:
         self.samples = 0
         self.text: list[str] = []
         self.result: PipelineResult | None = None
+        self.first_audio_at: float | None = None
         self._reported = False
 
     # -------------------------------------------------------------- pieces
@@ -216,6 +218,8 @@ class _ChatCall:
                     audio.append(piece.audio)
             assert self.result is not None
             message = ReplyMessage(content="".join(self.text), audio=await self._whole_audio(audio))
+            if message.audio is not None:
+                self._first_audio()
         except BaseException as exc:
             self._finished(exc)
             self.handle.close()
@@ -297,9 +301,14 @@ class _ChatCall:
             self._close(error)
 
     def _audio_chunk(self, data: bytes) -> bytes:
+        self._first_audio()
         return self._chunk(Delta(audio=DeltaAudio(id=self.audio_id, data=base64.b64encode(data).decode("ascii"))))
 
     # -------------------------------------------------------------- helpers
+    def _first_audio(self) -> None:
+        if self.first_audio_at is None:
+            self.first_audio_at = record_first_audio(self.server.metrics, self.handle, self.received)
+
     def _finish_reason(self) -> str:
         assert self.result is not None
         return "length" if self.result.finish_reason == "length" else "stop"

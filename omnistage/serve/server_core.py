@@ -23,7 +23,9 @@ from omnistage.core.errors import (
     UnsupportedMediaTypeError,
 )
 from omnistage.core.request import PipelineRequest
+from omnistage.pipeline.coordinator import RequestHandle
 from omnistage.pipeline.pipeline import Pipeline
+from omnistage.pipeline.timeline import FIRST_BYTE
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.metrics import ServerMetrics
 from omnistage.serve.model import ModelConfig
@@ -131,6 +133,23 @@ async def admit(server: ModelServer, request_id: str, prepare_and_submit: Callab
         raise
     server.metrics.request_started()
     return admitted
+
+
+def record_first_audio(metrics: ServerMetrics, handle: RequestHandle, received: float) -> float:
+    """Record that a request's first audio byte is being handed to its response now: its
+    time to first audio (``omnistage_time_to_first_audio_seconds``, from ``received``,
+    ``time.monotonic()`` seconds), the ``first_byte`` mark of its timeline, and the phases of
+    that TTFA (``omnistage_request_phase_seconds``; with DEBUG logging also one line per
+    request). Returns the time of first audio (``time.monotonic()`` seconds)."""
+    at = time.monotonic()
+    metrics.first_audio(at - received)
+    handle.timeline.add(FIRST_BYTE, at)
+    phases = handle.timeline.phases(FIRST_BYTE)
+    metrics.first_audio_phases(phases)
+    if logger.isEnabledFor(logging.DEBUG):
+        steps = " ".join(f"{name}=+{seconds * 1e3:.1f}" for name, seconds in phases)
+        logger.debug("request %s: TTFA %.1f ms = %s (ms)", handle.request_id, (at - received) * 1e3, steps)
+    return at
 
 
 def count_request_end(

@@ -161,6 +161,36 @@ def test_streamed_reply_equals_the_whole_reply_and_ends_with_usage(server, clien
     assert_nothing_left(server)
 
 
+def first_audio_observations(server: RunningServer) -> tuple[float, float, dict[str, float]]:
+    """The server's TTFA count and sum (s), and the sum (s) of each TTFA phase so far."""
+    registry = server.app.state.server.metrics.registry
+    phases = {
+        sample.labels["phase"]: sample.value for family in registry.collect() for sample in family.samples
+        if sample.name == "omnistage_request_phase_seconds_sum"
+    }  # fmt: skip
+    count = registry.get_sample_value("omnistage_time_to_first_audio_seconds_count") or 0.0
+    return count, registry.get_sample_value("omnistage_time_to_first_audio_seconds_sum") or 0.0, phases
+
+
+def test_a_spoken_reply_records_its_ttfa_decomposed_into_phases(server, client) -> None:
+    count, total, phases = first_audio_observations(server)
+    client.chat.completions.create(model="qwen3-omni", messages=HELLO, max_tokens=4)
+    assert first_audio_observations(server)[:2] == (count, total)  # no audio, no TTFA
+    stream = client.chat.completions.create(
+        model="qwen3-omni", messages=HELLO, max_tokens=4, modalities=["text", "audio"],
+        audio={"voice": "ethan", "format": "pcm16"}, stream=True,
+    )  # fmt: skip
+    assert any(c.choices and c.choices[0].delta.audio for c in stream)
+    after_count, after_total, after_phases = first_audio_observations(server)
+    grown = {name: seconds - phases.get(name, 0.0) for name, seconds in after_phases.items()}
+    grown = {name: seconds for name, seconds in grown.items() if seconds > 0}
+    assert after_count == count + 1
+    # one request's phases: from admission through the thinker, talker and code2wav to the byte
+    assert {"admitted", "thinker.first_output", "talker.first_output", "code2wav.first_output", "first_byte"} <= set(grown)
+    assert sum(grown.values()) == pytest.approx(after_total - total, abs=1e-6)
+    assert_nothing_left(server)
+
+
 def test_system_prompt_image_and_audio_input_are_in_the_prompt(client, checkpoint) -> None:
     system = [{"role": "system", "content": "You are brief."}, *HELLO]
     clip = wav_clip(1.0)

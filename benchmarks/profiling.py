@@ -1,0 +1,138 @@
+"""Profiling helpers of the device benchmarks (``qwen3_tts_gpu.py``, ``qwen3_omni_served.py``):
+a py-spy profile of a served process tree during one level, and the server's own TTFA
+decomposition read from its ``/metrics`` (``omnistage_request_phase_seconds``, see
+:mod:`omnistage.pipeline.timeline`)."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class PySpyProfile:
+    """``py-spy record`` of the server's process tree during one level (``--py-spy BIN``):
+    after ``delay_s`` it samples every thread that is running (not waiting) at 100 Hz for
+    ``duration_s``, without pausing the process (``--nonblocking``), into collapsed stacks
+    (``--format raw``: one ``frame;frame;... count`` line per distinct stack, the thread
+    first). ``stop()`` waits for it and returns where the samples went (:func:`stack_summary`)."""
+
+    def __init__(self, binary: str, pid: int, out: Path, delay_s: float, duration_s: float) -> None:
+        self.out, self.proc = out, None
+        cmd = [
+            binary, "record", "--pid", str(pid), "--rate", "100", "--duration", str(int(duration_s)),
+            "--format", "raw", "--threads", "--subprocesses", "--nonblocking", "--output", str(out),
+        ]  # fmt: skip
+        self._timer = threading.Timer(delay_s, self._start, (cmd,))
+        self._timer.start()
+
+    def _start(self, cmd: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+
+    def stop(self) -> dict:
+        self._timer.cancel()
+        if self.proc is None:
+            return {"py_spy": {"error": "the level ended before the profile started"}}
+        _, err = self.proc.communicate(timeout=120)
+        if not self.out.exists():
+            return {"py_spy": {"error": err[-500:]}}
+        return {"py_spy": stack_summary(self.out.read_text().splitlines()) | {"raw": self.out.name}}
+
+
+def stack_summary(lines: list[str], top: int = 25) -> dict:
+    """Where the samples of collapsed-stack ``lines`` went: per thread its share of all
+    samples, and over all threads the ``top`` functions by self samples (the innermost
+    frame) and the ``top`` omnistage functions by inclusive samples (on the stack at all),
+    each as ``[frame, samples, share of all samples]``."""
+    threads: dict[str, int] = {}
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in lines:
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():  # a process's command line may span lines
+            continue
+        count = int(count_text)
+        frames = stack.split(";")
+        if (
+            frames[0].startswith("process ") and len(frames) > 1
+        ):  # --subprocesses: process, then thread
+            frames = [f"{frames[0].split(':', 1)[0]} {frames[1]}", *frames[2:]]
+        total += count
+        threads[frames[0]] = threads.get(frames[0], 0) + count
+        own[frames[-1]] = own.get(frames[-1], 0) + count
+        for frame in set(frames[1:]):
+            if "omnistage/" in frame:
+                inclusive[frame] = inclusive.get(frame, 0) + count
+
+    def ranked(counts: dict[str, int], n: int) -> list:
+        return [
+            [k, v, round(v / total, 4)]
+            for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:n]
+        ]
+
+    return {
+        "samples": total,
+        "threads": ranked(threads, 40),
+        "self": ranked(own, top),
+        "inclusive": ranked(inclusive, top),
+    }
+
+
+def print_profile(name: str, profile: dict) -> None:
+    """A :func:`stack_summary` as text: threads, then functions by self and inclusive share."""
+    if "error" in profile:
+        print(f"{name}: py-spy failed: {profile['error']}")
+        return
+    print(
+        f"\n{name}: py-spy, {profile['samples']} samples of running threads at 100 Hz (share of all)"
+    )
+    for title in ("threads", "self", "inclusive"):
+        print(f"  by {title}:")
+        for frame, _, share in profile[title]:
+            print(f"    {100 * share:5.1f}%  {frame[:150]}")
+
+
+def first_audio_sums(base_url: str) -> dict[str, float]:
+    """The server's TTFA sums so far from ``GET /metrics``: ``"ttfa_count"`` (requests that
+    sent audio), ``"ttfa_s"`` (their summed TTFA, seconds) and per phase its summed seconds
+    (``omnistage_request_phase_seconds_sum``, keyed by phase name).
+
+    Raises:
+        httpx.HTTPError: the server did not answer.
+    """
+    response = httpx.get(f"{base_url}/metrics", timeout=30)
+    response.raise_for_status()
+    sums: dict[str, float] = {"ttfa_count": 0.0, "ttfa_s": 0.0}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name == "omnistage_request_phase_seconds_sum":
+                sums[sample.labels["phase"]] = sample.value
+            elif sample.name == "omnistage_time_to_first_audio_seconds_count":
+                sums["ttfa_count"] = sample.value
+            elif sample.name == "omnistage_time_to_first_audio_seconds_sum":
+                sums["ttfa_s"] = sample.value
+    return sums
+
+
+def mean_phases_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The mean server-side TTFA decomposition (ms per phase, largest first, and ``"ttfa"``:
+    their sum) of the requests that sent audio between two :func:`first_audio_sums`; empty
+    when none did."""
+    count = after["ttfa_count"] - before["ttfa_count"]
+    if count <= 0:
+        return {}
+    phases = {
+        k: (v - before.get(k, 0.0)) / count * 1e3
+        for k, v in after.items()
+        if k not in ("ttfa_count", "ttfa_s")
+    }
+    ranked = dict(
+        sorted(((k, round(v, 2)) for k, v in phases.items() if v > 0), key=lambda kv: -kv[1])
+    )
+    return ranked | {"ttfa": round((after["ttfa_s"] - before["ttfa_s"]) / count * 1e3, 2)}
