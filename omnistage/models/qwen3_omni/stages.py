@@ -721,8 +721,17 @@ def create_code2wav_stage(
     ramp: tuple[int, ...] = (1, 2, 4),
     steady: int = 8,
     load_format: LoadFormat = "safetensors",
+    cuda_graphs: bool = True,
 ) -> VocoderScheduler:
-    """code2wav through the shared streaming vocoder (exact streaming, chunk ramp)."""
-    code2wav = load_code2wav(_model_path(ctx), torch.device(ctx.stage.device), load_format)
+    """code2wav through the shared streaming vocoder (exact streaming, chunk ramp).
+    ``cuda_graphs`` (on CUDA only): chunk decodes replay a CUDA graph per (batch bucket up to
+    ``num_slots``, chunk of 1..8 frames), captured at start-up
+    (:meth:`~omnistage.engine.vocoder_arena.StreamingDecoderArena.capture_graphs`); eager
+    decoding held 20% of a c=64 server's busy samples, all of them on the code2wav thread
+    (H200, 30B-A3B, ``benchmarks/results/qwen3_omni_served.json``, 2026-12-02)."""
+    device = torch.device(ctx.stage.device)
+    code2wav = load_code2wav(_model_path(ctx), device, load_format)
     arena = StreamingDecoderArena(code2wav, num_slots)
+    if device.type == "cuda" and cuda_graphs:
+        arena.capture_graphs()
     return VocoderScheduler(arena, SAMPLE_RATE, ChunkPlan(tuple(ramp), steady))

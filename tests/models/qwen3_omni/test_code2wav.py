@@ -107,6 +107,25 @@ def test_a_batch_mixing_new_and_running_streams_equals_single_streams(code2wav) 
     )
 
 
+@pytest.mark.gpu
+def test_cuda_graph_replays_equal_the_offline_decode(code2wav, monkeypatch) -> None:
+    """The code2wav stage's CUDA path: graphs per batch bucket and chunk length, streams at
+    different positions in one batch, the ramp then the steady chunk (true fp32: cuDNN's and
+    matmul's TF32 off)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    device_model = Code2Wav(code2wav.config).to("cuda")
+    device_model.load_state_dict(code2wav.state_dict())
+    arena = StreamingDecoderArena(device_model, num_slots=4)
+    arena.capture_graphs(batch_buckets=(1, 4), chunk_lengths=(1, 2, 4, 8))
+    utterances = [_codes(15, seed=10 + s) for s in range(3)]
+    slots = [arena.allocate() for _ in utterances]
+    pieces = [arena.decode(slots, torch.stack([u[a:b] for u in utterances])) for a, b in ((0, 1), (1, 3), (3, 7), (7, 15))]
+    for s, utterance in enumerate(utterances):
+        streamed = torch.cat([piece[s] for piece in pieces])
+        assert (streamed - _offline(code2wav, utterance)).abs().max() <= TOLERANCE
+
+
 def test_decode_full_equals_offline(code2wav) -> None:
     arena = StreamingDecoderArena(code2wav, num_slots=1)
     short, long_ = _codes(2, seed=3), _codes(130, seed=4)  # 130 > the 128-frame inner chunks
