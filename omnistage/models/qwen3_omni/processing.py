@@ -4,10 +4,12 @@ What transformers' ``Qwen3OmniMoeProcessor`` does (the numerical reference), bui
 transformers' own parts constructed offline: the ``WhisperFeatureExtractor`` (128 log-mel
 bins, 16 kHz, 10 ms hop) and the PIL ``Qwen2VLImageProcessorPil`` (the fast one and the
 video processor need torchvision, which does not import beside the local CPU torch), from
-the checkpoint's ``preprocessor_config.json`` or :data:`DEFAULT_PREPROCESSOR`. Videos are
-decoded with PyAV, sampled as Qwen samples them (:func:`decode_video`) and cut into
-patches in the Qwen2-VL layout (:func:`video_patches`; the layout of the image processor
-with ``temporal_patch_size`` real frames per patch).
+the checkpoint's ``preprocessor_config.json`` or :data:`DEFAULT_PREPROCESSOR`. The image
+processor gives the sizes and values; the patches are ours, the same floats in fewer
+passes (:meth:`Qwen3OmniProcessor._patchify`). Videos are decoded with PyAV, sampled as
+Qwen samples them (:func:`decode_video`) and cut into patches in the Qwen2-VL layout
+(:meth:`Qwen3OmniProcessor.video_patches`; the layout of the image processor with
+``temporal_patch_size`` real frames per patch).
 
 The prompt comes from the checkpoint's chat template (``tokenizer_config.json`` or
 ``chat_template.jinja``) when it has one, else from :data:`CHAT_TEMPLATE` (ours: the
@@ -241,6 +243,8 @@ class Qwen3OmniProcessor:
         chat_template: the checkpoint's template, or None for :data:`CHAT_TEMPLATE`.
         audio_config: the audio encoder's config (its chunking decides the pad counts).
         video: frame sampling.
+        pin_memory: image and video patches are made in pinned (page-locked) host memory,
+            which a CUDA encoder uploads without a copy or a wait (needs CUDA).
     """
 
     def __init__(
@@ -250,6 +254,7 @@ class Qwen3OmniProcessor:
         chat_template: str | None = None,
         audio_config: AudioEncoderConfig | None = None,
         video: VideoSampling = VideoSampling(),
+        pin_memory: bool = False,
     ) -> None:
         values = {**DEFAULT_PREPROCESSOR, **(preprocessor or {})}
         self.tokenizer = tokenizer
@@ -266,9 +271,19 @@ class Qwen3OmniProcessor:
         self.image_processor = Qwen2VLImageProcessorPil(
             **{k: values[k] for k in _IMAGE_KEYS if k in values}
         )
+        ip = self.image_processor
+        if not ip.do_resize:
+            raise ValueError("preprocessor_config.json: do_resize false is not supported (patches need the resize)")
+        # every uint8 value's float per channel, by the reference's arithmetic: rescale in
+        # float64 cast to float32, then (x - mean) / std in float32
+        levels = np.arange(256, dtype=np.float64)
+        levels = (levels * ip.rescale_factor if ip.do_rescale else levels).astype(np.float32)
+        mean, std = (np.broadcast_to(np.asarray(v, np.float32), (3,)) for v in (ip.image_mean, ip.image_std))
+        self._levels = tuple((levels - mean[c]) / std[c] if ip.do_normalize else levels for c in range(3))
         self.chat_template = chat_template or CHAT_TEMPLATE
         self.audio_config = audio_config or AudioEncoderConfig()
         self.video = video
+        self.pin_memory = pin_memory
         if self.feature_extractor.sampling_rate != SAMPLE_RATE:
             raise ValueError(
                 f"preprocessor_config.json: sampling_rate {self.feature_extractor.sampling_rate} != {SAMPLE_RATE}"
@@ -280,6 +295,7 @@ class Qwen3OmniProcessor:
         directory: str | Path,
         audio_config: AudioEncoderConfig | None = None,
         video: VideoSampling = VideoSampling(),
+        pin_memory: bool = False,
     ) -> Qwen3OmniProcessor:
         """Tokenizer, preprocessor config and chat template from a checkpoint directory
         (``preprocessor_config.json`` and a template optional).
@@ -293,7 +309,7 @@ class Qwen3OmniProcessor:
         preprocessor = (
             json.loads(preprocessor_file.read_text()) if preprocessor_file.exists() else None
         )
-        return cls(tokenizer, preprocessor, tokenizer.chat_template, audio_config, video)
+        return cls(tokenizer, preprocessor, tokenizer.chat_template, audio_config, video, pin_memory)
 
     # -- media -> features
 
@@ -312,15 +328,28 @@ class Qwen3OmniProcessor:
         return features.float(), mask.sum(-1).to(torch.int64)
 
     def image_patches(self, images: Sequence[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(pixel_values [sum(t*h*w), 1536] float32, image_grid_thw [I, 3] int64)``."""
-        out = self.image_processor(images=list(images), return_tensors="pt")
-        return out["pixel_values"].float(), out["image_grid_thw"].to(torch.int64)
+        """``(pixel_values [sum(t*h*w), 1536] float32, image_grid_thw [I, 3] int64)``: what
+        transformers' ``Qwen2VLImageProcessorPil`` gives (RGB, resized with PIL to its
+        ``smart_resize`` size, rescaled, normalized, cut into patches of
+        ``temporal_patch_size`` copies of the image), computed as :meth:`_patchify` does."""
+        ip = self.image_processor
+        pictures, grids = [], []
+        for image in images:
+            rgb = image if image.mode == "RGB" else image.convert("RGB")
+            h, w = self._resized(rgb.height, rgb.width, ip.size["shortest_edge"], ip.size["longest_edge"])
+            pictures.append(np.asarray(rgb if (w, h) == rgb.size else rgb.resize((w, h), ip.resample)))
+            grids.append((1, h // ip.patch_size, w // ip.patch_size))
+        sizes = [h * w for _, h, w in grids]
+        out = self._patch_rows(sum(sizes))
+        for picture, rows in zip(pictures, np.split(out.numpy(), np.cumsum(sizes)[:-1]), strict=True):
+            self._patchify(picture[None], rows)
+        return out, torch.tensor(grids, dtype=torch.int64).reshape(-1, 3)
 
     def video_patches(self, video: DecodedVideo) -> tuple[torch.Tensor, tuple[int, int, int]]:
         """Patches of one sampled video in the Qwen2-VL layout: ``([t*h*w, 1536] float32,
-        (t, h, w))``, ``t = T / temporal_patch_size`` (the last frame repeated to fill)."""
-        ip = self.image_processor
-        p, tp = ip.patch_size, ip.temporal_patch_size
+        (t, h, w))``, ``t = T / temporal_patch_size`` (the last frame repeated to fill);
+        frames resized with PIL (bicubic) to :meth:`_video_size`."""
+        tp = self.image_processor.temporal_patch_size
         h, w = self._video_size(video)
         frames = np.stack(
             [
@@ -330,27 +359,52 @@ class Qwen3OmniProcessor:
         )
         if len(frames) % tp:
             frames = np.concatenate([frames, np.repeat(frames[-1:], tp - len(frames) % tp, axis=0)])
-        mean, std = np.asarray(ip.image_mean, np.float32), np.asarray(ip.image_std, np.float32)
-        x = ((frames.astype(np.float32) * np.float32(ip.rescale_factor) - mean) / std).transpose(
-            0, 3, 1, 2
-        )
         t, gh, gw = self._video_grid(video)
-        m = ip.merge_size
-        x = x.reshape(t, tp, 3, gh // m, m, p, gw // m, m, p).transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        return torch.from_numpy(np.ascontiguousarray(x).reshape(t * gh * gw, -1)), (t, gh, gw)
+        out = self._patch_rows(t * gh * gw)
+        self._patchify(frames, out.numpy())
+        return out, (t, gh, gw)
 
-    def _video_size(self, video: DecodedVideo) -> tuple[int, int]:
-        """``(height, width)`` the frames are resized to (multiples of patch x merge)."""
+    def _patch_rows(self, count: int) -> torch.Tensor:
+        """An empty ``[count, 3 * tp * p * p]`` float32 patch tensor (pinned with ``pin_memory``)."""
+        ip = self.image_processor
+        width = 3 * ip.temporal_patch_size * ip.patch_size**2
+        return torch.empty(count, width, dtype=torch.float32, pin_memory=self.pin_memory)
+
+    def _patchify(self, frames: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """``[F, H, W, 3]`` uint8 frames (``F`` a multiple of ``temporal_patch_size``, or 1:
+        an image, repeated to fill each patch), ``H`` and ``W`` multiples of patch x merge ->
+        their patches written to ``out`` ``[t * H/p * W/p, 3 * tp * p * p]`` float32 (returned)
+        in the Qwen2-VL order: merge groups of ``merge^2`` patches, row-major; a patch's values
+        by channel, time, row, column. The uint8 frames are put in that order first, then each
+        value is looked up in :attr:`_levels` (one float a channel and byte), so every float
+        is computed and written once."""
+        ip = self.image_processor
+        p, tp, m = ip.patch_size, ip.temporal_patch_size, ip.merge_size
+        count, height, width, _ = frames.shape
+        t, gh, gw = max(1, count // tp), height // p, width // p
+        x = frames.reshape(t, count // t, gh // m, m, p, gw // m, m, p, 3).transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+        x = np.ascontiguousarray(x)  # [t, gh/m, gw/m, m, m, 3, F/t, p, p]
+        view = out.reshape(t, gh // m, gw // m, m, m, 3, tp, p, p)
+        for channel, levels in enumerate(self._levels):
+            view[:, :, :, :, :, channel] = np.take(levels, x[:, :, :, :, :, channel])  # F/t = 1 fills tp
+        return out
+
+    def _resized(self, height: int, width: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        """``(height, width)`` a picture of that size is resized to: transformers' Qwen2-VL
+        ``smart_resize`` (multiples of patch x merge, pixels in ``[min_pixels, max_pixels]``)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
             smart_resize,  # see __init__
         )
 
         ip = self.image_processor
-        height, width = video.frames.shape[1:3]
         return smart_resize(
-            height, width, factor=ip.patch_size * ip.merge_size,
-            min_pixels=self.video.min_pixels, max_pixels=self.video.max_pixels,
-        )  # fmt: skip
+            height, width, factor=ip.patch_size * ip.merge_size, min_pixels=min_pixels, max_pixels=max_pixels
+        )
+
+    def _video_size(self, video: DecodedVideo) -> tuple[int, int]:
+        """``(height, width)`` the frames are resized to (multiples of patch x merge)."""
+        height, width = video.frames.shape[1:3]
+        return self._resized(height, width, self.video.min_pixels, self.video.max_pixels)
 
     def _video_grid(self, video: DecodedVideo) -> tuple[int, int, int]:
         """The video's patch grid ``(t, h, w)``: ``t`` temporal patches (the last frame

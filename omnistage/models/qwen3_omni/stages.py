@@ -209,7 +209,8 @@ def talker_sampling_params(
 def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> ThreadedScheduler:
     """Request -> :class:`ThinkerPrompt` (prompt ids with media placeholders expanded,
     Whisper features, image / video patches, MRoPE positions); for an audio request it also
-    streams the talker and code2wav their :class:`AudioSetup` at once.
+    streams the talker and code2wav their :class:`AudioSetup` at once. With the
+    ``image_encoder`` stage on CUDA the patches are made in pinned host memory.
 
     Raises (per request): RequestValidationError naming ``messages.<i>.content.<j>``: the
     videos of one prompt differ in whether their audio is asked (transformers' positions
@@ -217,7 +218,10 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 4) -> 
     model_path = _model_path(ctx)
     config = load_config(model_path)
     audio_config = config.thinker.audio
-    processor = Qwen3OmniProcessor.from_checkpoint(model_path, audio_config)
+    # patches made pinned for a CUDA vision encoder: its upload then neither copies nor waits
+    encoder = next((s for s in ctx.pipeline.stages if s.name == "image_encoder"), None)
+    pinned = encoder is not None and torch.device(encoder.device).type == "cuda"
+    processor = Qwen3OmniProcessor.from_checkpoint(model_path, audio_config, pin_memory=pinned)
 
     def compute(payload: StagePayload) -> ThinkerPrompt:
         request: Qwen3OmniRequest = payload.request
@@ -282,9 +286,10 @@ def create_image_encoder_stage(
         prompts: list[ThinkerPrompt] = [payload.data for payload in batch]
         items = [(pixels, grid) for p in prompts for pixels, grid in
                  ((p.pixel_values, p.image_grid_thw), (p.pixel_values_videos, p.video_grid_thw)) if pixels is not None]  # fmt: skip
-        out = visual(
-            torch.cat([pixels for pixels, _ in items]).to(device), torch.cat([grid for _, grid in items])
-        )
+        # each item uploaded without waiting (a copy that waits would wait for the engines'
+        # work queued on the stream), then joined on the device: one host copy (the pinning)
+        pixels = torch.cat([upload(pixels, device) for pixels, _ in items])
+        out = visual(pixels, torch.cat([grid for _, grid in items]))
         # rows per item (a prompt's images, or its videos), from the rows per grid
         per_grid, sizes = iter(out.lengths.tolist()), []
         for _, grid in items:
@@ -341,7 +346,8 @@ def create_audio_encoder_stage(
             features.append(prompt.audio_features)
             frames.append(prompt.audio_frames)
         counts = [len(f) for f in frames]
-        out = tower(torch.cat(features, dim=1).to(device), torch.cat(frames), prompts=counts)
+        joined = torch.cat([upload(f, device) for f in features], dim=1)  # uploads that do not wait
+        out = tower(joined, torch.cat(frames), prompts=counts)
         sizes = [int(n.sum()) for n in out.lengths.split(counts)]
         return [
             replace(prompt, audio_features=None, audio_rows=rows)
@@ -446,9 +452,10 @@ def create_thinker_stage(
         ids, deepstack = prompt.input_ids, None
         if prompt.audio_rows is not None or prompt.vision_rows is not None:
             # embeddings with the encoders' rows at their placeholders; the deepstack
-            # features become the request's hidden additions at the visual positions
+            # features become the request's hidden additions at the visual positions (the
+            # placeholders found in the host ids: no wait for the device on this thread)
             rows = replace(prompt.vision_rows or EncoderRows(), audio=prompt.audio_rows)
-            ids, deepstack = thinker.merge(ids.to(thinker.lm_head.weight.device), rows)
+            ids, deepstack = thinker.merge(ids, rows)
         return GenerationInput(
             ids, thinker_sampling(request.sampling, stop), request.max_tokens,
             positions=prompt.positions, rope_delta=prompt.rope_delta, return_hidden=route(request).speaks,

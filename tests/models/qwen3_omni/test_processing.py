@@ -80,6 +80,29 @@ def test_prompt_and_features_equal_the_transformers_processor(processor) -> None
     )
 
 
+@pytest.mark.parametrize("size", [(480, 640), (37, 91), (300, 17), (1000, 700), (64, 64)])
+def test_image_patches_equal_the_transformers_image_processor(processor, size) -> None:
+    """Ours (the uint8 pixels put in patch order, then one table lookup a value) against
+    transformers' Qwen2VLImageProcessorPil on the same images, resized up, down or not at
+    all, a grayscale one among them: the same floats, bit for bit."""
+    rng = np.random.default_rng(size[0])
+    images = [
+        Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8)),
+        Image.fromarray(rng.integers(0, 256, (50, 90), dtype=np.uint8), "L"),
+    ]
+    reference = processor.image_processor(images=images, return_tensors="pt")
+    pixels, grids = processor.image_patches(images)
+    assert grids.tolist() == reference["image_grid_thw"].tolist()
+    torch.testing.assert_close(pixels, reference["pixel_values"].float(), rtol=0, atol=0)
+
+
+def test_a_preprocessor_config_without_resize_is_refused(tmp_path: Path) -> None:
+    write_text_tokenizer(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"do_resize": False}))
+    with pytest.raises(ValueError, match="do_resize false is not supported"):
+        Qwen3OmniProcessor.from_checkpoint(tmp_path)
+
+
 def test_pads_equal_the_encoder_output_lengths(processor) -> None:
     out = processor(_messages())
     ids = out.input_ids.tolist()

@@ -8,12 +8,11 @@ step's frames)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from omni_fixtures import no_host_syncs
 
 from omnistage.core.messages import StreamChunk
 from omnistage.engine.engine import AREngine
@@ -39,15 +38,6 @@ pytestmark = [
 CUDA = torch.device("cuda")
 # <|im_start|>user\n 5 6 <|im_end|>\n<|im_start|>assistant\n: 7 user rows in the talker prompt
 CHAT = [151644, 872, 198, 5, 6, 151645, 198, 151644, 77091, 198]
-
-
-@contextmanager
-def no_host_syncs() -> Iterator[None]:
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.engine.model_runner import upload
 from omnistage.models.qwen3_omni.modeling.segment_attention import Segments, attend_segments
 
 # The sinusoids' longest period (Whisper's position embedding, as the reference).
@@ -233,7 +234,10 @@ class AudioEncoder(nn.Module):
         chunks = torch.split(features.T, chunk_lengths)  # [len, mel] each
         tokens = _conv_length(torch.tensor(chunk_lengths))  # [C] tokens per chunk
         starts = torch.cumsum(tokens, 0) - tokens
-        positions = _sinusoids(_conv_length(max(chunk_pads)), c.d_model)
+        # host-to-device copies by upload: one that waits would wait for all the work queued
+        # on the stream the engines share
+        device = self.conv_out.weight.device
+        positions = upload(_sinusoids(_conv_length(max(chunk_pads)), c.d_model), device)
         x = None
         # the chunks padded to one length are convolved together, their tokens put in order
         for pad in sorted(set(chunk_pads)):
@@ -245,15 +249,15 @@ class AudioEncoder(nn.Module):
                 [self._convolve(part) for part in padded.split(c.conv_chunksize)]
             )  # [Cp, t, d]
             hidden = hidden + positions[: hidden.shape[1]].to(hidden)
-            valid = torch.arange(hidden.shape[1]) < tokens[picked][:, None]
-            rows = hidden[valid.to(hidden.device)]  # [Np, d]: the picked chunks' tokens
+            valid = (torch.arange(hidden.shape[1]) < tokens[picked][:, None]).reshape(-1).nonzero().flatten()
+            rows = hidden.reshape(-1, c.d_model).index_select(0, upload(valid, device))  # [Np, d]: the picked chunks' tokens
             if len(picked) == len(chunk_pads):
                 x = rows
                 break
             if x is None:
                 x = rows.new_empty(int(tokens.sum()), c.d_model)
             index = torch.cat([torch.arange(starts[i], starts[i] + tokens[i]) for i in picked])
-            x.index_copy_(0, index.to(x.device), rows)
+            x.index_copy_(0, upload(index, device), rows)
         assert x is not None
         lengths = output_lengths(frames.cpu(), c)
         windows = Segments.of(

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from omnistage.engine.model_runner import upload
+
 
 @dataclass(frozen=True)
 class Segments:
@@ -35,7 +37,8 @@ class Segments:
 
     @classmethod
     def of(cls, lengths: list[int], device: torch.device) -> Segments:
-        """From the segment lengths in order (one host-to-device copy).
+        """From the segment lengths in order (one host-to-device copy, which does not wait:
+        :func:`~omnistage.engine.model_runner.upload`).
 
         Raises:
             ValueError: ``lengths`` is empty or holds a length below 1.
@@ -51,7 +54,7 @@ class Segments:
             (torch.tensor(starts)[:, None] + torch.arange(n)).reshape(-1)
             for n, starts in starts_by_length.items()
         ]
-        on_device = torch.cat(indexes).to(device).split([len(i) for i in indexes])
+        on_device = upload(torch.cat(indexes), device).split([len(i) for i in indexes])
         return cls(start, tuple(zip(starts_by_length, on_device, strict=True)))
 
 

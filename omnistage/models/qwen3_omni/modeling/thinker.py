@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend
+from omnistage.engine.model_runner import upload
 from omnistage.engine.sequence import HiddenAdditions
 from omnistage.models.qwen3_omni.modeling.config import ThinkerConfig
 from omnistage.models.qwen3_omni.modeling.decoder import MoEDecoder, routed_or_dense
@@ -79,49 +80,59 @@ class Thinker(nn.Module):
     def merge(
         self, input_ids: torch.Tensor, rows: EncoderRows
     ) -> tuple[torch.Tensor, HiddenAdditions | None]:
-        """Prompt embeddings ``[L, H]`` with the encoder rows at their placeholder tokens, and
-        the deepstack features at the visual (image or video) positions, image and video rows
-        interleaved in prompt order (transformers' ``Qwen3OmniMoeThinkerModel.forward``).
+        """Prompt embeddings ``[L, H]`` on the model's device with the encoder rows at their
+        placeholder tokens, and the deepstack features at the visual (image or video) positions,
+        image and video rows interleaved in prompt order (transformers'
+        ``Qwen3OmniMoeThinkerModel.forward``); the additions' ``rows`` are host positions.
 
-        Raises: ValueError when a modality's placeholder count differs from its rows, or image
-        and video carry different numbers of deepstack levels."""
+        ``input_ids``: ``[L] int64`` on the host. The placeholders are found there and the ids
+        and indices are uploaded without waiting (:func:`~omnistage.engine.model_runner.upload`),
+        so the merge never waits for the device: on the thinker's stage thread a wait would
+        queue behind the engine's decode steps on the stream.
+
+        Raises: ValueError when ``input_ids`` is not on the host, a modality's placeholder
+        count differs from its rows, or image and video carry different numbers of deepstack
+        levels."""
+        if input_ids.device.type != "cpu":
+            raise ValueError(f"input_ids must be on the host, got {input_ids.device}")
         c = self.config
-        embeds = self.embed(input_ids)
+        device = self.model.embed_tokens.weight.device
+        embeds = self.embed(upload(input_ids, device))
         visual = torch.zeros_like(input_ids, dtype=torch.bool)
-        levels: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        blocks: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []  # visual: host index, deepstack
         for token, block, deepstack, name in (
             (c.audio_token_id, rows.audio, (), "audio"),
             (c.image_token_id, rows.image, rows.image_deepstack, "image"),
             (c.video_token_id, rows.video, rows.video_deepstack, "video"),
         ):
             mask = input_ids == token
-            count = int(mask.sum())
+            index = mask.nonzero().flatten()
+            count = index.shape[0]
             if count != (0 if block is None else block.shape[0]):
                 raise ValueError(
                     f"{count} {name} placeholder tokens but {0 if block is None else block.shape[0]} {name} rows"
                 )
             if block is None or count == 0:
                 continue
-            index = mask.nonzero().flatten()
-            embeds = embeds.index_copy(0, index, block.to(embeds.dtype))
+            embeds = embeds.index_copy(0, upload(index, device), block.to(embeds.dtype))
             if name != "audio":
                 visual |= mask
-                if levels and len(levels) != len(deepstack):
+                if blocks and len(blocks[0][1]) != len(deepstack):
                     raise ValueError(
-                        f"image and video have {len(levels)} and {len(deepstack)} deepstack levels"
+                        f"image and video have {len(blocks[0][1])} and {len(deepstack)} deepstack levels"
                     )
-                levels = levels or [[] for _ in deepstack]
-                for level, feature in zip(levels, deepstack, strict=True):
-                    level.append((index, feature))
-        if not levels or not visual.any():
+                blocks.append((index, deepstack))
+        if not blocks or not blocks[0][1]:
             return embeds, None
         rows_index = visual.nonzero().flatten()
+        # each block's rows among the visual positions, found on the host, uploaded once
         slot = torch.full_like(input_ids, -1)
-        slot[rows_index] = torch.arange(rows_index.shape[0], device=input_ids.device)
+        slot[rows_index] = torch.arange(rows_index.shape[0])
+        placed = [(upload(slot[index], device), deepstack) for index, deepstack in blocks]
         joint = []
-        for level in levels:
+        for level in range(len(blocks[0][1])):
             out = embeds.new_zeros(rows_index.shape[0], embeds.shape[1])
-            for index, feature in level:
-                out[slot[index]] = feature.to(embeds.dtype)
+            for where, deepstack in placed:
+                out.index_copy_(0, where, deepstack[level].to(embeds.dtype))
             joint.append(out)
         return embeds, HiddenAdditions(rows=rows_index, embeds=tuple(joint))

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.engine.model_runner import upload
 from omnistage.models.qwen3_omni.modeling.segment_attention import Segments, attend_segments
 
 NORM_EPS = 1e-6  # the blocks' and mergers' LayerNorm epsilon in the reference
@@ -294,24 +295,25 @@ class VisionEncoder(nn.Module):
         inv_freq = 1.0 / (
             c.rope_theta ** (torch.arange(0, rotary, 2, dtype=torch.float, device=device) / rotary)
         )
-        embeds, angles = [], []
-        for t, h, w in grids:
+        sizes, taps, weights, rows_cols = [], [], [], []
+        for _, h, w in grids:
             rows, cols = _merge_order(h, w, m)
             row_taps, row_weights = _bilinear_taps(rows, h, side)
             col_taps, col_weights = _bilinear_taps(cols, w, side)
-            taps = (row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4).to(device)
-            weights = (row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4).to(device)
-            embed = (self.pos_embed(taps) * weights[..., None].to(self.pos_embed.weight.dtype)).sum(
-                1
-            )
-            embeds.append(embed.repeat(t, 1))
-            freqs = torch.cat(
-                [rows.to(device)[:, None] * inv_freq, cols.to(device)[:, None] * inv_freq], -1
-            )
-            angles.append(freqs.repeat(t, 1))
-        angle = torch.cat(angles).float()
+            taps.append((row_taps[:, :, None] * side + col_taps[:, None, :]).reshape(-1, 4))
+            weights.append((row_weights[:, :, None] * col_weights[:, None, :]).reshape(-1, 4))
+            rows_cols.append(torch.stack([rows, cols], -1))
+            sizes.append(h * w)
+        # one frame's patches per item, every item's in one upload each (a host-to-device copy
+        # that waits would wait for all the work queued on the stream the engines share)
+        taps, weights, rows_cols = (upload(torch.cat(x), device) for x in (taps, weights, rows_cols))
+        embed = (self.pos_embed(taps) * weights[..., None].to(self.pos_embed.weight.dtype)).sum(1)
+        freqs = torch.cat([rows_cols[:, :1] * inv_freq, rows_cols[:, 1:] * inv_freq], -1)
+        frames = [t for t, _, _ in grids]
+        embeds = torch.cat([e.repeat(t, 1) for e, t in zip(embed.split(sizes), frames, strict=True)])
+        angle = torch.cat([a.repeat(t, 1) for a, t in zip(freqs.split(sizes), frames, strict=True)]).float()
         angle = torch.cat([angle, angle], dim=-1)
-        return torch.cat(embeds), (angle.cos(), angle.sin())
+        return embeds, (angle.cos(), angle.sin())
 
 
 class _PatchEmbed(nn.Module):
