@@ -281,6 +281,14 @@ class ServeArgs:
             min=1024,
         ),
     ] = ServerSettings.max_body_bytes
+    decode_workers: Annotated[
+        int,
+        typer.Option(
+            help="Media decoder worker processes (reference audio, chat images, audio and "
+            "video decode in them in parallel); default half the cores, 2 to 8.",
+            min=1,
+        ),
+    ] = MediaPolicy.decode_workers
     log_level: Annotated[LogLevel, typer.Option(help="Server log level.")] = LogLevel.info
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Skip the warm-up request before reporting ready.")
@@ -291,8 +299,9 @@ class ServeArgs:
 
     def settings(self) -> ServerSettings:
         media = MediaPolicy(
-            self.allowed_local_media_path, _media_domains(self.allowed_media_domain)
-        )
+            self.allowed_local_media_path, _media_domains(self.allowed_media_domain),
+            decode_workers=self.decode_workers,
+        )  # fmt: skip
         return ServerSettings(
             api_keys=tuple(key for key in self.api_key or () if key),
             data_dir=self.data_dir or default_data_dir(),

@@ -72,7 +72,7 @@ from omnistage.serve.decode_jobs import (
     ImageDecodeJob,
     VideoDecodeJob,
 )
-from omnistage.serve.decoding import DecoderCrashed, DecoderTimeout, shared_pool
+from omnistage.serve.decoding import DEFAULT_WORKERS, DecoderCrashed, DecoderTimeout, shared_pool
 
 __all__ = [
     "MediaPolicy",
@@ -111,6 +111,9 @@ class MediaPolicy:
             (a 7 MB 64-channel 96 kHz WAV peaks at ~25 MiB).
         max_image_pixels: cap on an image's pixels (width x height), read from its header
             before decoding (32 Mi pixels: 96 MiB as RGB, within ``decode_memory_bytes``).
+        decode_workers: decoder worker processes that decode in parallel (the process-wide
+            pool has at least this many; default
+            :data:`~omnistage.serve.decoding.DEFAULT_WORKERS`).
     """
 
     allowed_local_media_path: Path | None = None
@@ -121,6 +124,7 @@ class MediaPolicy:
     decode_timeout_s: float = 10.0
     decode_memory_bytes: int = 256 * 1024 * 1024
     max_image_pixels: int = 32 * 1024 * 1024
+    decode_workers: int = DEFAULT_WORKERS
 
 
 @dataclass(frozen=True)
@@ -645,7 +649,7 @@ _VIDEO_HINT = ("video", "send mp4, webm, mkv or another common video format")
 def _run_job(job: DecodeJob, policy: MediaPolicy, param: str, hint: tuple[str, str]) -> DecodeReply:
     """Run ``job`` in the shared pool -> its decoded reply (never a refusal)."""
     try:
-        reply = shared_pool().run(job, policy.decode_timeout_s)
+        reply = shared_pool(policy.decode_workers).run(job, policy.decode_timeout_s)
     except DecoderTimeout:
         raise _undecodable(param, f"decoding took longer than {policy.decode_timeout_s:g} s", hint) from None
     except DecoderCrashed as exc:

@@ -358,6 +358,7 @@ def test_serve_options_become_server_settings(tmp_path: Path, monkeypatch: pytes
     monkeypatch.delenv("XDG_DATA_HOME")
     assert ServeArgs().settings().data_dir == Path.home() / ".local" / "share" / "omnistage"
     assert ServeArgs(data_dir=tmp_path / "d").settings().data_dir == tmp_path / "d"
+    assert ServeArgs(decode_workers=6).settings().media_policy.decode_workers == 6
 
 
 def test_a_blank_served_model_name_is_a_usage_error():

@@ -25,7 +25,13 @@ from omnistage.serve.decode_jobs import (
     FrameSampling,
     VideoDecodeJob,
 )
-from omnistage.serve.decoding import DecoderCrashed, DecoderPool, DecoderTimeout, request_id_var
+from omnistage.serve.decoding import (
+    DecoderCrashed,
+    DecoderPool,
+    DecoderTimeout,
+    request_id_var,
+    shared_pool,
+)
 from omnistage.serve.media import MediaPolicy, load_reference_audio
 from omnistage.testing.waits import wait_until
 
@@ -56,6 +62,29 @@ def test_a_job_decodes_to_mono_float32(pool):
     assert isinstance(reply, DecodedAudio) and reply.sample_rate == RATE
     samples = np.frombuffer(reply.samples, "<f4")
     assert samples.shape == (RATE // 2,) and 0.49 < np.abs(samples).max() < 0.51
+
+
+def test_a_grown_pool_runs_more_workers_and_never_shrinks(pool):
+    pool.grow(3)
+    pool.start()
+    assert pool.size == 3 and len(pool.pids) == 3
+    pool.grow(2)
+    assert pool.size == 3 and len(pool.pids) == 3
+    with pytest.raises(ValueError, match="at least one worker"):
+        pool.grow(0)
+    replies = []
+    threads = [threading.Thread(target=lambda: replies.append(pool.run(job(wav()), timeout_s=30))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(replies) == 3 and all(isinstance(r, DecodedAudio) for r in replies)
+    assert len(pool.pids) == 3
+
+
+def test_a_media_policy_sizes_the_shared_pool():
+    load_reference_audio(base64.b64encode(wav()).decode(), MediaPolicy(decode_workers=5), "ref_audio")
+    assert shared_pool().size >= 5
 
 
 def test_garbage_is_refused_by_the_worker_not_crashing_it(pool):

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoConfig, Qwen3OmniMoeForConditionalGeneration
 
@@ -17,7 +18,8 @@ from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoin
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def load_benchmark():
+def load_benchmark(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # its sibling modules, as when run as a script
     path = ROOT / "benchmarks/qwen3_omni_served.py"
     spec = importlib.util.spec_from_file_location("qwen3_omni_served", path)
     module = importlib.util.module_from_spec(spec)
@@ -27,8 +29,8 @@ def load_benchmark():
 
 
 @torch.inference_mode()
-def test_reference_gets_the_served_thinker_and_talker_weights(tmp_path):
-    benchmark = load_benchmark()
+def test_reference_gets_the_served_thinker_and_talker_weights(tmp_path, monkeypatch):
+    benchmark = load_benchmark(monkeypatch)
     root = write_random_checkpoint(tmp_path / "tiny", "tiny", seed=0)
     raw = json.loads((root / "config.json").read_text())
     loaded = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(root), dtype=torch.float32)
