@@ -14,7 +14,14 @@ first frame, launch to frames on the host) of one 100-token prompt, and of a 14-
 suffix after a 96-token prefix that is a prefix-cache hit (a known voice's prompt), in
 three modes: ``eager`` (no graphs), ``tail_graphs`` (decode steps and prefill tails
 replayed, the prefill's forward eager: ``cuda_graph_prefill_tokens=()``) and
-``cuda_graphs`` (the defaults: small prefills replayed too).
+``cuda_graphs`` (the defaults: small prefills replayed too). Then the served load without
+the server (``closed_loop``): ``batch`` streams of ``CLOSED_LOOP_FRAMES`` frames in a closed
+loop (a stream that ends is replaced before the next step by a known voice's request: the
+cached prefix and ``SUFFIX_LEN`` new rows; their lengths staggered at the start, so about
+``batch / CLOSED_LOOP_FRAMES`` streams end and start a step), with the engine's overlap
+off and on (``EngineConfig.overlap``: the next step launched before a step's frames are
+read, a prefill step also decoding the running streams), in the ``cuda_graphs`` mode:
+frames and audio seconds per wall second, and the share of prefill steps.
 Prints a table and writes JSON (default benchmarks/results/engine_gpu.json).
 
 Usage: python benchmarks/engine_gpu.py [--output PATH]
@@ -40,6 +47,7 @@ from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 FRAME_S = 0.08  # one frame = 80 ms of audio (12.5 Hz)
 PROMPT_LEN = 100
 PREFIX_LEN, SUFFIX_LEN = 96, 14  # a known voice: 6 cached blocks of 16, then its text
+CLOSED_LOOP_FRAMES = 125  # frames per closed-loop stream, as benchmarks/qwen3_tts_gpu.py serves them
 
 
 def sync(device: torch.device) -> None:
@@ -112,6 +120,45 @@ def prefill_ms(engine: AREngine, model: ToyTalker, runs: int, prefix: torch.Tens
     return statistics.median(times)
 
 
+def closed_loop(engine: AREngine, model: ToyTalker, batch: int, frames: int, steps: int,
+                prefix: torch.Tensor) -> dict[str, float]:
+    """``batch`` streams in a closed loop for ``steps`` engine steps (see the module
+    docstring): stream ``i`` of the first ``batch`` has ``frames - i * frames // batch``
+    frames, every later one ``frames``. Returns frames and audio seconds per wall second,
+    ms per step and the share of steps that were prefills."""
+    spec, started = model.spec, 0
+
+    def start(max_new: int) -> None:
+        nonlocal started
+        engine.add_request(f"loop{batch}-{started}", request(model.c, spec.device, spec.dtype, 3000 + started,
+                                                             max_new, prefix))
+        started += 1
+
+    engine.add_request("cache-prefix", request(model.c, spec.device, spec.dtype, 999, 2, prefix))
+    while engine.has_work():
+        engine.step()
+    for i in range(batch):
+        start(max(1, frames - i * frames // batch))
+    made = prefills = 0
+    sync(spec.device)
+    begin = time.perf_counter()
+    for _ in range(steps):
+        plan = engine.schedule()
+        prefills += plan.batch is not None and plan.batch.kind == "prefill"
+        for out in engine.execute(plan):
+            made += out.frame is not None
+            if out.result is not None:
+                start(frames)
+    sync(spec.device)
+    elapsed = time.perf_counter() - begin
+    for request_id in list(engine.live_requests()):
+        engine.abort(request_id)
+    while engine.has_work():
+        engine.step()
+    return {"frames_per_s": made / elapsed, "audio_s_per_s": made / elapsed * FRAME_S,
+            "ms_per_step": 1000 * elapsed / steps, "prefill_step_share": prefills / steps}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
@@ -148,6 +195,18 @@ def main() -> None:
         if frame_steps:
             rows[mode] = {b: frame_step_ms(engine, model, b, warmup, steps) for b in batches}
         del engine
+    loop_mode = "cuda_graphs" if on_cuda else "eager"
+    loop_sizes, loop_prefill_tokens, _ = modes[loop_mode]
+    loop_batches = [b for b in batches if b >= 8]
+    loop_frames, loop_steps = (CLOSED_LOOP_FRAMES, 300) if on_cuda else (12, 6)
+    closed: list[dict[str, object]] = []
+    for overlap in (False, True):
+        engine = AREngine(model, EngineConfig(**engine_args, cuda_graph_batch_sizes=loop_sizes,
+                                              cuda_graph_prefill_tokens=loop_prefill_tokens, overlap=overlap))
+        for b in loop_batches:
+            closed.append({"batch": b, "overlap": overlap,
+                           **closed_loop(engine, model, b, loop_frames, loop_steps, prefix)})
+        del engine
     stepped = [m for m in modes if m in rows]
     print(f"\nframe step (ms), {config.num_layers}-layer talker + {config.num_code_groups - 1} predictor sub-steps,"
           f" {dtype}, {device}")
@@ -162,11 +221,17 @@ def main() -> None:
     print(f"\nprefill step, prefill + first frame (ms, median)\n{'prompt':>28} " + " ".join(f"{m:>12}" for m in modes))
     for name, times in ((f"{PROMPT_LEN} tokens", prefill), (f"{SUFFIX_LEN} after {PREFIX_LEN} cached", prefill_suffix)):
         print(f"{name:>28} " + " ".join(f"{times[m]:>12.2f}" for m in modes))
+    print(f"\nclosed loop ({loop_mode}, {loop_frames}-frame streams, a known voice's prefill per new stream)")
+    print(f"{'batch':>6} {'overlap':>8} {'ms/step':>8} {'prefill steps':>14} {'audio s/s':>10}")
+    for row in closed:
+        print(f"{row['batch']:>6} {'on' if row['overlap'] else 'off':>8} {row['ms_per_step']:>8.2f} "
+              f"{row['prefill_step_share']:>14.2f} {row['audio_s_per_s']:>10.1f}")
     report = {
         "device": torch.cuda.get_device_name(device) if on_cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "dtype": str(dtype), "tiny": args.tiny,
         "steps_measured": steps, "frame_step": results, "prefill_100_tokens_ms": prefill,
         f"prefill_{SUFFIX_LEN}_after_{PREFIX_LEN}_cached_ms": prefill_suffix,
+        "closed_loop": {"mode": loop_mode, "frames_per_stream": loop_frames, "steps": loop_steps, "rows": closed},
         "wall_s": time.perf_counter() - started,
     }
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)

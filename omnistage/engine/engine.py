@@ -12,19 +12,31 @@ A step is :meth:`AREngine.schedule` (host: pick the batch) then :meth:`AREngine.
 (launch it, then resolve frames). Frames leave the engine on the host: the stop check reads
 code 0 back anyway, and the whole ``[B, G]`` frame of a step is one copy of ``16 B`` int64
 into pinned memory, so consumers (a vocoder on its own CUDA stream, another process)
-never wait on the engine's stream or map its memory. On CUDA the host side of step ``t``
-(reading the frames back for the stop check, handing them on) overlaps the device running
-step ``t + 1``: the next step needs nothing from the host (its input embeddings are
-already on the device), so ``execute`` launches step ``t + 1`` first and then waits for
-step ``t``'s frames. A request that stopped at step ``t`` has therefore also run in step
-``t + 1``; that frame is dropped, and its KV writes land in blocks that are freed only
-afterwards in stream order. A prefill is the exception (first-frame priority): its
-frames, the requests' first, are resolved right after it, not a step later. On CPU each
-step is resolved right after it ran.
+never wait on the engine's stream or map its memory.
 
-If a step raises, every request of it (the launched batch and the one being resolved) ends
-with finish_reason ``"error"`` and frees its blocks before the exception propagates to the
-caller's batch boundary.
+Overlap (``EngineConfig.overlap``, on by default on CUDA): the host side of step ``t``
+(waiting for its frames, the stop checks, handing them on, then scheduling and building
+step ``t + 2``) runs while the device runs step ``t + 1``. The next step needs nothing from
+the host (its input embeddings are made on the device from the frame kept in the
+request's slot), so ``execute`` launches step ``t + 1`` first and only then waits for step
+``t``'s frames: the one wait per step (an event after the frames' copy to the host) comes
+when the device has the next step queued. A request that stopped at step ``t`` (a stop id,
+seen only when its frames are read) has therefore also run in step ``t + 1``; that frame is
+dropped, and its KV writes land in blocks that are freed only afterwards in stream order
+(a request admitted into them writes them later on the same stream). A length stop is
+known on the host before the launch and costs no extra step; an abort or a stop from the
+stage (:meth:`AREngine.stop`) drops the frame in flight. A prefill step also decodes the
+running requests right after the prefill (``BatchScheduler`` ``decode_with_prefill``), and
+the prefill's frames, each request's first, are resolved at once (first-frame priority)
+while that decode runs: admissions never drain the device's queue. A request gets the
+same tokens as without overlap (its draws depend only on its own inputs and seed; only
+which requests share a batch differs, as under any continuous batching), each frame handed
+out a step later; the CPU tests check it token for token. Without overlap (the default on
+CPU) each step is resolved right after it ran.
+
+If a step raises, every request of it (the launched batch, a prefill's decode and the step
+being resolved) ends with finish_reason ``"error"`` and frees its blocks before the
+exception propagates to the caller's batch boundary.
 """
 
 from __future__ import annotations
@@ -86,7 +98,10 @@ class EngineConfig:
             (:data:`~omnistage.engine.cuda_graph.DEFAULT_PREFILL_TOKENS`, 16 to 128) up to
             ``max_prefill_tokens`` on CUDA; () = none. Ignored on CPU.
         use_triton: Triton decode attention (None: on CUDA when installed).
-        overlap: resolve step t while step t+1 runs (None: on CUDA).
+        overlap: launch step t+1 before waiting for step t's frames, and decode the
+            running requests in every prefill step (the module docstring); the same
+            outputs, a step later. None: on CUDA (on CPU the device is the host, so there
+            is nothing to overlap).
         prefix_caching: share the KV blocks of prompt prefixes between requests whose
             inputs have ``cache_prompt`` (a known voice's reference prefix is computed
             once); registered blocks nobody holds are evicted when the pool needs them
@@ -143,8 +158,9 @@ class StepOutput:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A step about to run: the batch to launch (if any) and the requests it may end
-    (``request_ids``: the batch and the in-flight step it resolves)."""
+    """A step about to run: the batch to launch (if any; a prefill's may carry a decode,
+    :attr:`ScheduledBatch.decode`) and the requests it may end (``request_ids``: the
+    batch, its decode and the in-flight step it resolves)."""
 
     batch: ScheduledBatch | None
     request_ids: tuple[str, ...]
@@ -178,16 +194,16 @@ class AREngine:
         self.cache = self._kv_pool(spec, config)
         self.kv_blocks = BlockManager(self.cache.num_usable_blocks, config.block_size)
         self.row_blocks = BlockManager(math.ceil(config.num_step_rows / config.block_size), config.block_size)
+        is_cuda = spec.device.type == "cuda"
+        self.overlap = is_cuda if config.overlap is None else config.overlap
         self.scheduler = BatchScheduler(
             self.kv_blocks, self.row_blocks, config.max_num_seqs, config.max_waiting,
-            config.max_prefill_tokens, config.prefill_hold_ms / 1000, config.prefix_caching,
+            config.max_prefill_tokens, config.prefill_hold_ms / 1000, config.prefix_caching, self.overlap,
         )
         self.runner = ModelRunner(
             model, self.cache, decode_attention_for(spec.device, config.use_triton), config.max_num_seqs,
             self.row_blocks.num_blocks * config.block_size, math.ceil(config.max_model_len / config.block_size),
         )
-        is_cuda = spec.device.type == "cuda"
-        self.overlap = is_cuda if config.overlap is None else config.overlap
         sizes = config.cuda_graph_batch_sizes
         sizes = default_batch_sizes(config.max_num_seqs) if sizes is None else list(sizes)
         prefill_tokens = config.prefill_graph_tokens()
@@ -341,7 +357,7 @@ class AREngine:
         """Pick the next step's batch (admitting waiting requests); pass the plan to
         :meth:`execute` before scheduling again."""
         batch = self.scheduler.schedule(time.monotonic() if now is None else now)
-        seqs = (batch.seqs if batch else []) + (self._in_flight.seqs if self._in_flight else [])
+        seqs = (batch.seqs + batch.decode if batch else []) + (self._in_flight.seqs if self._in_flight else [])
         return StepPlan(batch, tuple(dict.fromkeys(s.request_id for s in seqs)))
 
     # Never autograd: a model with trainable parameters would otherwise chain every step's
@@ -355,17 +371,21 @@ class AREngine:
             whatever the model raises; the plan's requests have then ended with "error".
         """
         previous, self._in_flight = self._in_flight, None
+        batch = plan.batch
         ok = False
         try:
-            launched = self._launch(plan.batch) if plan.batch else None
+            launched = self._launch(batch) if batch else None
+            # a prefill step's decode (overlap only), queued behind the prefill
+            follow = self._launch(ScheduledBatch("decode", batch.decode)) if batch and batch.decode else None
             outputs = self._resolve(previous) if previous else []
-            # first-frame priority: a prefill's frames (each request's first) are resolved
-            # at once rather than after the next step is launched (a step of TTFA saved,
-            # for one step whose host work is not overlapped)
-            if launched is not None and self.overlap and plan.batch.kind == "decode":
+            if launched is not None and self.overlap and batch.kind == "decode":
                 self._in_flight = launched
             elif launched is not None:
+                # first-frame priority: a prefill's frames (each request's first) are
+                # resolved at once (the device runs the follow decode meanwhile, if any)
                 outputs += self._resolve(launched)
+            if follow is not None:
+                self._in_flight = follow
             ok = True
             return outputs
         finally:

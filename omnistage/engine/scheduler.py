@@ -13,7 +13,10 @@ nano-vllm; at most ``max_prefill_tokens`` computed prompt tokens, the per-step p
 budget) or one decode of every running request. A prefill is never followed by another
 while running requests can decode: a burst of arrivals larger than one step's budget is
 prefilled a budget at a time, with a decode step between, so the running streams keep
-getting a frame at least every other step instead of stalling until the burst is in. Prefills are coalesced: while the oldest
+getting a frame at least every other step instead of stalling until the burst is in. With
+``decode_with_prefill`` (the engine's overlap, :class:`~omnistage.engine.engine.EngineConfig`)
+a prefill step also decodes the running requests, right after the prefill: every step then
+gives every running request a frame, and a burst is prefilled a budget per step. Prefills are coalesced: while the oldest
 waiting request has waited less than ``prefill_hold_s`` and the waiting requests could not
 fill the free slots, the running requests decode and newcomers gather. An idle engine
 (nothing running) prefills at once: there is nothing to keep decoding meanwhile. Finishing, aborting
@@ -23,7 +26,7 @@ and failing free blocks, rows and the slot at once.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from omnistage.core.errors import QueueFullError
@@ -34,8 +37,19 @@ from omnistage.engine.sequence import Sequence, SequenceStatus, block_keys
 
 @dataclass(frozen=True)
 class ScheduledBatch:
+    """One step's work.
+
+    Attributes:
+        kind: a prefill of newly admitted requests, or a decode of running ones.
+        seqs: the batch's requests.
+        decode: with a prefill and ``decode_with_prefill``, the running requests decoded
+            in the same step right after it (those that were schedulable before the
+            admission); else empty.
+    """
+
     kind: Literal["prefill", "decode"]
     seqs: list[Sequence]
+    decode: list[Sequence] = field(default_factory=list)
 
 
 class BatchScheduler:
@@ -51,6 +65,8 @@ class BatchScheduler:
         its prompt begins with (see :mod:`omnistage.engine.block_manager`); only the
         rest of its prompt is prefilled, and only that counts against
         ``max_prefill_tokens``.
+    decode_with_prefill: a prefill step also decodes the running requests
+        (:attr:`ScheduledBatch.decode`; the module docstring).
     """
 
     def __init__(
@@ -62,15 +78,16 @@ class BatchScheduler:
         max_prefill_tokens: int,
         prefill_hold_s: float,
         prefix_caching: bool = False,
+        decode_with_prefill: bool = False,
     ) -> None:
         self.kv_blocks, self.row_blocks = kv_blocks, row_blocks
-        self.prefix_caching = prefix_caching
+        self.prefix_caching, self.decode_with_prefill = prefix_caching, decode_with_prefill
         self.max_waiting, self.max_prefill_tokens, self.prefill_hold_s = max_waiting, max_prefill_tokens, prefill_hold_s
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._free_slots: deque[int] = deque(range(max_num_seqs))
         self._by_id: dict[str, Sequence] = {}
-        self._after_prefill = False  # the last batch was a prefill
+        self._after_prefill = False  # the last batch was a prefill without a decode
 
     def add(self, seq: Sequence) -> None:
         """Queue ``seq``.
@@ -96,6 +113,8 @@ class BatchScheduler:
         """The next step's batch, or None when there is nothing to run now."""
         decode = [s for s in self.running if s.schedulable]
         admitted = [] if self._after_prefill and decode else self._admit(now)
+        if admitted and self.decode_with_prefill:
+            return ScheduledBatch("prefill", admitted, decode)
         self._after_prefill = bool(admitted)
         if admitted:
             return ScheduledBatch("prefill", admitted)

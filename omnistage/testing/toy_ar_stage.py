@@ -132,14 +132,16 @@ def toy_ar_model(num_code_groups: int = ToyARConfig.num_code_groups, hidden_laye
 
 def toy_ar_stage(ctx: StageBuildContext, max_num_seqs: int = 4, kv_cache_bytes: int = 1 << 20,
                  start: str = "request", num_code_groups: int = ToyARConfig.num_code_groups,
-                 hidden_layers: tuple[int, ...] = ()) -> ARScheduler:
+                 hidden_layers: tuple[int, ...] = (), overlap: bool | None = None) -> ARScheduler:
     """An AR stage over :func:`toy_ar_model` (``num_code_groups`` 1: a plain token LM;
-    ``hidden_layers``: the states it can return).
+    ``hidden_layers``: the states it can return; ``overlap``: the engine's
+    :attr:`~omnistage.engine.engine.EngineConfig.overlap`, None: off on the CPU).
     ``start``: where a request's input comes from: ``"request"`` (built from the
     :class:`ToyARRequest`), or, fed by :func:`toy_row_feeder`, ``"payload"`` (its result)
     or ``"chunk"`` (its first chunk)."""
-    engine = AREngine(toy_ar_model(num_code_groups, tuple(hidden_layers)), EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
-                                                   max_model_len=1024, prefill_hold_ms=1.0))
+    config = EngineConfig(kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_model_len=1024,
+                          prefill_hold_ms=1.0, overlap=overlap)
+    engine = AREngine(toy_ar_model(num_code_groups, tuple(hidden_layers)), config)
     if start == "chunk":
         return ARScheduler(engine, stream_input=lambda request_id: ToyStreamStart())
     if start == "payload":

@@ -38,10 +38,12 @@ def engine_of(pipeline):
     return pipeline.host.stages["engine"].scheduler.engine
 
 
-async def test_concurrent_requests_stream_every_frame_and_match_the_reference():
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_concurrent_requests_stream_every_frame_and_match_the_reference(overlap):
     requests = [ToyARRequest(3 + i, 6 + 3 * i, seed=i) for i in range(6)]  # more than the 4 slots
     model = toy_ar_model()
-    async with Pipeline(ar_pipeline_config()) as pipeline:
+    async with Pipeline(ar_pipeline_config(overlap=overlap)) as pipeline:
+        assert engine_of(pipeline).overlap is overlap
         handles = [pipeline.submit(r) for r in requests]
         results = await asyncio.gather(*(h.result() for h in handles))
         for request, result in zip(requests, results, strict=True):
@@ -56,7 +58,8 @@ async def test_concurrent_requests_stream_every_frame_and_match_the_reference():
         assert engine.kv_blocks.num_free_blocks == engine.kv_blocks.num_blocks
 
 
-async def test_a_plain_token_lm_stage_streams_one_token_per_step_and_stops_on_a_stop_id():
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_a_plain_token_lm_stage_streams_one_token_per_step_and_stops_on_a_stop_id(overlap):
     model = toy_ar_model(num_code_groups=1)
     sampling = SamplingParams(temperature=0.7, top_k=10, top_p=0.95, repetition_penalty=1.2, seed=4)
     plain = ToyARRequest(6, 20, seed=50, sampling=sampling, token_ids=True)
@@ -64,7 +67,7 @@ async def test_a_plain_token_lm_stage_streams_one_token_per_step_and_stops_on_a_
     requests = [replace(plain, sampling=replace(sampling, stop_token_ids=(stop,)))]
     requests += [ToyARRequest(3 + i, 7, seed=51 + i, sampling=replace(sampling, seed=i), token_ids=True)
                  for i in range(3)]
-    async with Pipeline(ar_pipeline_config(num_code_groups=1)) as pipeline:
+    async with Pipeline(ar_pipeline_config(num_code_groups=1, overlap=overlap)) as pipeline:
         results = await asyncio.gather(*(pipeline.submit(r).result() for r in requests))
         for request, result in zip(requests, results, strict=True):
             expected, reason = (ref := reference_generate(model, toy_ar_input(request))).codes, ref.finish_reason
@@ -76,11 +79,12 @@ async def test_a_plain_token_lm_stage_streams_one_token_per_step_and_stops_on_a_
         await assert_no_request_state(pipeline)
 
 
-async def test_hidden_rows_stream_out_with_each_token_of_the_requests_that_ask():
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_hidden_rows_stream_out_with_each_token_of_the_requests_that_ask(overlap):
     model = toy_ar_model(num_code_groups=1, hidden_layers=(0, 2))
     plain = ToyARRequest(5, 6, seed=60, token_ids=True)
     asking = replace(plain, seed=61, return_hidden=True)
-    async with Pipeline(ar_pipeline_config(num_code_groups=1, hidden_layers=[0, 2])) as pipeline:
+    async with Pipeline(ar_pipeline_config(num_code_groups=1, hidden_layers=[0, 2], overlap=overlap)) as pipeline:
         without, with_rows = await asyncio.gather(*(pipeline.submit(r).result() for r in (plain, asking)))
         assert all(isinstance(chunk.data, CodeFrames) for chunk in without.chunks)
         chunks = [chunk.data for chunk in with_rows.chunks]
@@ -95,9 +99,11 @@ async def test_hidden_rows_stream_out_with_each_token_of_the_requests_that_ask()
         await assert_no_request_state(pipeline)
 
 
-async def test_abort_mid_decode_frees_the_kv_blocks_at_once():
-    async with Pipeline(ar_pipeline_config()) as pipeline:
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_abort_mid_decode_frees_the_kv_blocks_at_once(overlap):
+    async with Pipeline(ar_pipeline_config(overlap=overlap)) as pipeline:
         engine = engine_of(pipeline)
+        assert engine.overlap is overlap
         handle = pipeline.submit(ToyARRequest(4, 900))
         stream = handle.stream()
         await anext(stream)  # decoding has started

@@ -248,6 +248,7 @@ def create_tts_engine_stage(
     max_model_len: int = MAX_MODEL_LEN,
     cuda_graphs: bool = True,
     prefix_caching: bool = True,
+    overlap: bool | None = None,
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine.
 
@@ -264,6 +265,9 @@ def create_tts_engine_stage(
     ``prefix_caching``: the KV of full blocks of prompt rows is shared between requests
     whose prompts begin with the same rows (a known voice's prefix is not prefilled
     again; keyed by the rows' content).
+    ``overlap``: the engine launches step t+1 before it reads step t's frames, and a
+    prefill step also decodes the running streams (the same frames, each handed on a step
+    later; :attr:`~omnistage.engine.engine.EngineConfig.overlap`); None: on CUDA.
     """
     where = resolve_device(ctx)
     model_path = _model_path(ctx)
@@ -284,6 +288,7 @@ def create_tts_engine_stage(
         cuda_graph_prefill_tokens=None if cuda_graphs else (),
         graph_sampling=_default_step_sampling(checkpoint),
         prefix_caching=prefix_caching,
+        overlap=overlap,
     )
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
     engine = AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config)

@@ -5,6 +5,7 @@ checkpoint has every stage (its reference encoder included)."""
 from __future__ import annotations
 
 import re
+import typing
 from pathlib import Path
 
 import pytest
@@ -39,8 +40,9 @@ def test_the_doc_lists_every_knob_the_factories_take(tiny_checkpoints):
     assert set(documented_knobs()) == taken
 
 
-def changed(value):
-    """A value of the same kind as the default ``value`` but different (None: an int)."""
+def changed(value, annotation):
+    """A value of the same kind as the default ``value`` but different (None: a bool if
+    the parameter's ``annotation`` takes one, else an int)."""
     if isinstance(value, bool):
         return not value
     if isinstance(value, int | float):
@@ -48,7 +50,7 @@ def changed(value):
     if isinstance(value, list):
         return value[:-1]
     assert value is None
-    return 1 << 20
+    return True if bool in typing.get_args(annotation) else 1 << 20
 
 
 @pytest.mark.parametrize("source", ["cli", "yaml"])
@@ -58,8 +60,9 @@ def test_a_documented_knob_is_listed_and_settable(tiny_checkpoints, tmp_path, pa
     listed = resolve_config(defaults, None, [])
     assert listed.provenance[path] == "default"
     current = dict(line.split(" = ", 1) for line in listed.provenance_text().splitlines())[path]
-    new = changed(yaml.safe_load(current.split("  # ")[0]))
     stage, _, _, name = path.split(".")
+    annotation = factory_parameters(defaults.stage(stage))[name].annotation
+    new = changed(yaml.safe_load(current.split("  # ")[0]), annotation)
     if source == "cli":
         resolved = resolve_config(defaults, None, [(path, yaml.safe_dump(new, default_flow_style=True).strip())])
     else:
