@@ -724,7 +724,7 @@ def main() -> None:
                 n = wanted if fit == rounds else fit * concurrency
                 profile = None
                 if args.py_spy and proc is not None and f"{kind}:{concurrency}" in profiled:
-                    raw = args.out_dir / f"py_spy_{kind}_c{concurrency}.txt"
+                    raw = args.out_dir / f"py_spy_{kind.replace('+', '_')}_c{concurrency}.txt"
                     profile = PySpyProfile(args.py_spy, proc.pid, raw, delay_s=3.0, duration_s=args.py_spy_s)
                 before = first_audio_sums(base_url)
                 level = {"prompt": kind, **asyncio.run(
