@@ -27,7 +27,7 @@ from omnistage.cli.models import EXTRA_MODELS_ENV, ModelArgs, resolve_model
 from omnistage.cli.options import API_KEY_ENV, fail, option_group
 from omnistage.core.errors import OmnistageError
 from omnistage.serve.app import ServerSettings, create_app
-from omnistage.serve.media import MediaPolicy
+from omnistage.serve.media import DEFAULT_REFERENCE_CACHE_BYTES, MediaPolicy, ReferenceCache
 
 __all__ = ["SERVE_EPILOG", "serve"]
 
@@ -264,6 +264,15 @@ class ServeArgs:
             show_default=False,
         ),
     ] = None
+    reference_cache_mib: Annotated[
+        int,
+        typer.Option(
+            help="Decoded voice-clone reference clips kept for reuse, MiB of samples (least "
+            "recently used out first; 0: none): a clip sent again skips decoding and "
+            "resampling.",
+            min=0,
+        ),
+    ] = DEFAULT_REFERENCE_CACHE_BYTES // (1024 * 1024)
     served_model_name: Annotated[
         list[str] | None,
         typer.Option(
@@ -299,9 +308,11 @@ class ServeArgs:
 
     def settings(self) -> ServerSettings:
         media = MediaPolicy(
-            self.allowed_local_media_path, _media_domains(self.allowed_media_domain),
+            self.allowed_local_media_path,
+            _media_domains(self.allowed_media_domain),
             decode_workers=self.decode_workers,
-        )  # fmt: skip
+            reference_cache=ReferenceCache(self.reference_cache_mib * 1024 * 1024),
+        )
         return ServerSettings(
             api_keys=tuple(key for key in self.api_key or () if key),
             data_dir=self.data_dir or default_data_dir(),

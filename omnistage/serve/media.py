@@ -33,11 +33,14 @@ every failure raises :class:`~omnistage.core.errors.RequestValidationError` (HTT
 :func:`load_reference_audio` blocks (network, decoding): call it from a worker thread in
 async code (``await asyncio.to_thread(load_reference_audio, ...)``).
 
-Decoded audio is cached by the SHA-256 of the bytes read (and the duration cap it was
-checked against): a voice sent again (every request of a cloned voice sends its clip) skips
-the decode, about 5-10 ms of a 3 s clip on one core, which the time to first audio pays
-before any model work. The key is the content, so one user's clip can never stand in for
-another's; entries are read-only arrays, at most :data:`DECODE_CACHE_BYTES` in all.
+A loaded reference (:class:`ReferenceClip`: decoded, checked by the caller, resampled to
+the caller's rate) is kept in the policy's :class:`ReferenceCache` under its content key
+(:func:`load_reference_audio`): a voice sent again (every request of a cloned voice sends
+its clip) skips the base64 decoding, the decode, the caller's checks and the resampling,
+and pays one SHA-256 of what the request sent. The key is the content, so one user's clip
+can never stand in for another's; entries are read-only arrays, at most
+the cache's ``max_bytes`` of samples in all. Refused clips are never cached: each time they
+are sent they are read and refused again.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ import threading
 import time
 import urllib.parse
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
@@ -75,8 +79,11 @@ from omnistage.serve.decode_jobs import (
 from omnistage.serve.decoding import DEFAULT_WORKERS, DecoderCrashed, DecoderTimeout, shared_pool
 
 __all__ = [
+    "DEFAULT_REFERENCE_CACHE_BYTES",
     "MediaPolicy",
     "ReferenceAudio",
+    "ReferenceCache",
+    "ReferenceClip",
     "SampledVideo",
     "decode_audio",
     "decode_image",
@@ -91,7 +98,54 @@ MAX_REDIRECTS: Final = 3
 _REDIRECT_STATUS: Final = frozenset({301, 302, 303, 307, 308})
 _BASE64: Final = re.compile(r"[A-Za-z0-9+/]+={0,2}")
 _DATA_URI_TYPES: Final = ("audio/", "application/octet-stream")
-DECODE_CACHE_BYTES: Final = 64 * 1024 * 1024  # decoded samples kept (about 6 min at 48 kHz)
+DEFAULT_REFERENCE_CACHE_BYTES: Final = 64 * 1024 * 1024
+"""Loaded reference samples a server keeps by default: 64 MiB of float32, about 11 min of
+24 kHz audio (233 clips of 3 s); one 30 s clip at 24 kHz is 2.75 MiB."""
+
+
+class ReferenceCache:
+    """Loaded reference clips by content key (:attr:`ReferenceClip.key`), least recently
+    used out first once their samples pass ``max_bytes``; thread-safe (requests are built
+    on worker threads). Two threads that miss the same clip at once both load it; the
+    first one stored stays.
+
+    Args:
+        max_bytes: samples kept at most, bytes (0: none; a clip larger than this alone is
+            not kept).
+
+    Raises:
+        ValueError: ``max_bytes`` is negative.
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_REFERENCE_CACHE_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
+        self.max_bytes, self.nbytes = max_bytes, 0
+        self._entries: OrderedDict[str, ReferenceClip] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: str) -> ReferenceClip | None:
+        """The clip stored under ``key`` (now the most recently used), or None."""
+        with self._lock:
+            clip = self._entries.get(key)
+            if clip is not None:
+                self._entries.move_to_end(key)
+            return clip
+
+    def put(self, clip: ReferenceClip) -> None:
+        """Keep ``clip`` under its key, dropping the least recently used beyond ``max_bytes``."""
+        size = clip.samples.nbytes
+        with self._lock:
+            if clip.key in self._entries or size > self.max_bytes:
+                return
+            self._entries[clip.key] = clip
+            self.nbytes += size
+            while self.nbytes > self.max_bytes:
+                _, dropped = self._entries.popitem(last=False)
+                self.nbytes -= dropped.samples.nbytes
 
 
 @dataclass(frozen=True)
@@ -114,6 +168,9 @@ class MediaPolicy:
         decode_workers: decoder worker processes that decode in parallel (the process-wide
             pool has at least this many; default
             :data:`~omnistage.serve.decoding.DEFAULT_WORKERS`).
+        reference_cache: where :func:`load_reference_audio` keeps loaded clips; each policy
+            made without one has its own, of :data:`DEFAULT_REFERENCE_CACHE_BYTES`
+            (``omnistage serve --reference-cache-mib``). Not part of the policy's equality.
     """
 
     allowed_local_media_path: Path | None = None
@@ -125,6 +182,7 @@ class MediaPolicy:
     decode_memory_bytes: int = 256 * 1024 * 1024
     max_image_pixels: int = 32 * 1024 * 1024
     decode_workers: int = DEFAULT_WORKERS
+    reference_cache: ReferenceCache = field(default_factory=ReferenceCache, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -137,6 +195,17 @@ class ReferenceAudio:
     @property
     def duration_s(self) -> float:
         return len(self.samples) / self.sample_rate
+
+
+@dataclass(frozen=True)
+class ReferenceClip(ReferenceAudio):
+    """A loaded reference (:func:`load_reference_audio`): its ``samples`` are read-only
+    (every request of the clip shares them), and ``key`` is its content key: 64 hex digits,
+    the SHA-256 of what the request sent (the inline text, else the bytes read) and of how
+    it was loaded (caps, rate, check). Equal keys mean equal samples, so a model may key
+    what it derives from the clip (an encoded prompt) by it too."""
+
+    key: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,25 +222,38 @@ def load_reference_audio(
     policy: MediaPolicy,
     param: str = "ref_audio",
     *,
+    sample_rate: int | None = None,
+    check: Callable[[ReferenceAudio, str], None] | None = None,
     transport: httpx.BaseTransport | None = None,
-) -> ReferenceAudio:
-    """Read and decode one reference audio item (forms listed in the module docstring).
+) -> ReferenceClip:
+    """Read, decode, check and resample one reference audio item (forms listed in the
+    module docstring), or take it from ``policy.reference_cache``.
+
+    The content key is computed first: for an inline clip (a data URI or base64) from the
+    request's text as sent, without decoding it; for a file or a URL from the bytes read.
+    A clip in the cache is returned as it is (it passed ``check`` when it was loaded);
+    otherwise it is decoded, checked, resampled and cached. A refused clip is not cached.
 
     Args:
         value: the request field's string.
-        policy: what the server allows.
+        policy: what the server allows, and its cache.
         param: the request field's name, reported in errors.
+        sample_rate: the rate to resample to, Hz (soxr HQ, :func:`resample`); None: the
+            file's own rate.
+        check: the caller's own rules on the decoded clip, at the file's rate: raises
+            (naming ``param``, its second argument) for a clip it refuses. A pure function
+            of the samples: its name is part of the key.
         transport: httpx transport for URL fetches (tests, custom networking); default: the
             network.
 
     Returns:
-        Mono float32 samples at the file's own sample rate (see :func:`resample`).
+        Read-only mono float32 samples at ``sample_rate`` (or the file's rate), and the key.
 
     Raises:
         PayloadTooLargeError: the media exceeds ``policy.max_bytes`` or
             ``policy.max_duration_s``.
         RequestValidationError: anything else: malformed value, source not allowed, fetch or
-            read failure, undecodable audio.
+            read failure, undecodable audio; and whatever ``check`` raises.
     """
     if not isinstance(value, str) or not value.strip():
         raise RequestValidationError(
@@ -179,45 +261,41 @@ def load_reference_audio(
             "or a file path",
             param=param,
         )
-    data = _read_source(value.strip(), policy, param, transport)
-    key = (hashlib.sha256(data).hexdigest(), policy.max_duration_s)
-    cached = _DECODED.get(key)
-    if cached is not None:
+    text, cache = value.strip(), policy.reference_cache
+    remote = text[:8].lower().startswith(("http://", "https://", "file://"))
+    inline_key = None if remote else _content_key(b"inline", text.encode("utf-8", "surrogatepass"), policy, sample_rate, check)
+    if inline_key is not None and (cached := cache.get(inline_key)) is not None:
+        return cached  # this very text was inline audio when it was loaded: it still is
+    data, inline = _read_source(text, policy, param, transport)
+    key = inline_key if inline_key is not None and inline else _content_key(b"bytes", data, policy, sample_rate, check)
+    if not inline and (cached := cache.get(key)) is not None:
         return cached
     audio = decode_audio(data, policy, param)
-    audio.samples.flags.writeable = False  # shared by every request of this clip
-    _DECODED.put(key, audio)
-    return audio
+    if check is not None:
+        check(audio, param)
+    rate = audio.sample_rate if sample_rate is None else sample_rate
+    samples = resample(audio.samples, audio.sample_rate, rate)
+    samples.flags.writeable = False  # shared by every request of this clip
+    clip = ReferenceClip(samples, rate, key)
+    cache.put(clip)
+    return clip
 
 
-class _DecodeCache:
-    """Decoded audio by content key, least recently used out first beyond ``max_bytes``;
-    thread-safe (requests are built on worker threads)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes, self.nbytes = max_bytes, 0
-        self._entries: OrderedDict[tuple[str, float], ReferenceAudio] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def get(self, key: tuple[str, float]) -> ReferenceAudio | None:
-        with self._lock:
-            audio = self._entries.get(key)
-            if audio is not None:
-                self._entries.move_to_end(key)
-            return audio
-
-    def put(self, key: tuple[str, float], audio: ReferenceAudio) -> None:
-        with self._lock:
-            if key in self._entries or audio.samples.nbytes > self.max_bytes:
-                return
-            self._entries[key] = audio
-            self.nbytes += audio.samples.nbytes
-            while self.nbytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self.nbytes -= dropped.samples.nbytes
-
-
-_DECODED = _DecodeCache(DECODE_CACHE_BYTES)
+def _content_key(
+    kind: bytes,
+    content: bytes,
+    policy: MediaPolicy,
+    sample_rate: int | None,
+    check: Callable[[ReferenceAudio, str], None] | None,
+) -> str:
+    """SHA-256 hex of how a clip is loaded (the caps a success depends on, the rate, the
+    check's name) and of ``content`` (``kind``: ``b"inline"`` text or ``b"bytes"`` read)."""
+    check_name = None if check is None else f"{check.__module__}.{check.__qualname__}"
+    how = (kind, policy.max_bytes, policy.max_duration_s, sample_rate, check_name)
+    digest = hashlib.sha256(repr(how).encode())
+    digest.update(b"\0")
+    digest.update(content)
+    return digest.hexdigest()
 
 
 def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
@@ -239,20 +317,21 @@ def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- sources
 
 
-def _read_source(text: str, policy: MediaPolicy, param: str, transport) -> bytes:
+def _read_source(text: str, policy: MediaPolicy, param: str, transport) -> tuple[bytes, bool]:
+    """The bytes ``text`` names, and whether they were inline (a data URI or base64)."""
     lower = text[:8].lower()
     if lower.startswith("data:"):
-        return _from_data_uri(text, policy, param)
+        return _from_data_uri(text, policy, param), True
     if lower.startswith(("http://", "https://")):
-        return _fetch_url(text, policy, param, transport)
+        return _fetch_url(text, policy, param, transport), False
     if lower.startswith("file://"):
-        return _read_local(_file_uri_path(text, param), policy, param)
+        return _read_local(_file_uri_path(text, param), policy, param), False
     compact = "".join(text.split())
     if len(compact) % 4 == 0 and _BASE64.fullmatch(compact):
         data = _from_base64(compact, policy, param)
         if _is_audio_container(data):
-            return data
-    return _read_local(text, policy, param)
+            return data, True
+    return _read_local(text, policy, param), False
 
 
 #: Leading bytes of the audio containers plain base64 may carry: (offset, magic). Other
@@ -412,7 +491,11 @@ def _read_regular_file(real: Path, text: str, policy: MediaPolicy, param: str) -
             )
         _check_size(info.st_size, policy, param)
         with os.fdopen(fd, "rb", closefd=False) as file:
-            data = file.read(policy.max_bytes + 1)
+            # at most max_bytes + 1, read as st_size + 1 first: a read of n bytes allocates
+            # n at once (10 MiB for a 144 KB clip); more only if the file grew since fstat
+            data = file.read(info.st_size + 1)
+            if len(data) > info.st_size:
+                data += file.read(policy.max_bytes + 1 - len(data))
     finally:
         os.close(fd)
     _check_size(len(data), policy, param)

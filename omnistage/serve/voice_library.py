@@ -12,9 +12,10 @@ SHA-256, never the key), and is visible, usable and deletable by that key only. 
 API keys every client is the same owner (``""``).
 
 Names: unique per owner (a clash is :class:`~omnistage.core.errors.ConflictError`, 409);
-a request's ``voice`` may give a saved voice's name or its id. A saved voice's encoded
-prompt (x-vector, reference codes) is cached by the model by the clip's content, so a
-saved voice is decoded but not re-encoded per request.
+a request's ``voice`` may give a saved voice's name or its id. A saved voice's loaded clip
+(the media policy's reference cache) and its encoded prompt (x-vector, reference codes:
+the model's) are cached by the clip's content, so a saved voice used again is neither
+decoded nor re-encoded; each request still reads its file and hashes it.
 """
 
 from __future__ import annotations

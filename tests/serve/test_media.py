@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
+import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -187,6 +190,22 @@ def test_missing_file_directory_and_size(media_dirs):
     assert "not a regular file" in rejects("sub", policy)
     small = MediaPolicy(allowed_local_media_path=root, max_bytes=100)
     rejects("ref.wav", small, status=413)
+
+
+def test_a_file_that_grew_after_its_size_was_read_is_read_whole_within_the_cap(media_dirs, monkeypatch):
+    """The read takes the size fstat gave plus whatever follows, up to the byte cap."""
+    root, _, policy = media_dirs
+    fstat = media.os.fstat
+
+    def shrunk(fd):  # as if the file had been 100 bytes when its size was read
+        info = fstat(fd)
+        return os.stat_result((info.st_mode, info.st_ino, info.st_dev, info.st_nlink, info.st_uid,
+                               info.st_gid, 100, info.st_atime, info.st_mtime, info.st_ctime))  # fmt: skip
+
+    monkeypatch.setattr(media.os, "fstat", shrunk)
+    assert_tone(load_reference_audio("ref.wav", policy))
+    capped = MediaPolicy(allowed_local_media_path=root, max_bytes=len(WAV) - 1)
+    rejects("ref.wav", capped, status=413)
 
 
 def test_a_path_with_a_nul_byte_is_a_400(media_dirs):
@@ -394,10 +413,9 @@ def test_url_http_error_and_bad_urls(dns):
     rejects("https:///nohost", URL_POLICY, transport=server.transport)
 
 
-def test_a_clip_sent_again_is_decoded_once_and_shared_read_only(monkeypatch):
-    """The decode cache is keyed by the bytes' content: the same clip again returns the
-    same (read-only) samples without decoding, a different clip is decoded on its own."""
-    calls = []
+def counting_decodes(monkeypatch) -> list[int]:
+    """The bytes' sizes of every decode from here on."""
+    calls: list[int] = []
     decode = media.decode_audio
 
     def counting_decode(data, policy, param):
@@ -405,11 +423,117 @@ def test_a_clip_sent_again_is_decoded_once_and_shared_read_only(monkeypatch):
         return decode(data, policy, param)
 
     monkeypatch.setattr(media, "decode_audio", counting_decode)
-    monkeypatch.setattr(media, "_DECODED", media._DecodeCache(media.DECODE_CACHE_BYTES))
-    clip, other = (base64.b64encode(audio_bytes(tone(freq=f))).decode() for f in (440.0, 330.0))
-    first = load_reference_audio(clip, MediaPolicy())
-    again = load_reference_audio(clip, MediaPolicy())
-    assert again is first and not first.samples.flags.writeable
-    assert len(calls) == 1
-    different = load_reference_audio(other, MediaPolicy())
-    assert len(calls) == 2 and not np.array_equal(different.samples, first.samples)
+    return calls
+
+
+@pytest.mark.parametrize("form", ["base64", "data URI", "path", "file URI"])
+def test_a_clip_sent_again_is_loaded_once_and_shared_read_only(monkeypatch, tmp_path, form):
+    """The cache is keyed by content: the same clip again returns the same read-only
+    samples, resampled, without decoding; a different clip is loaded on its own."""
+    clips = {f: audio_bytes(tone(freq=f)) for f in (440.0, 330.0)}
+    for f, data in clips.items():
+        (tmp_path / f"{f}.wav").write_bytes(data)
+    value = {
+        "base64": lambda f: base64.b64encode(clips[f]).decode(),
+        "data URI": lambda f: "data:audio/wav;base64," + base64.b64encode(clips[f]).decode(),
+        "path": lambda f: f"{f}.wav",
+        "file URI": lambda f: (tmp_path / f"{f}.wav").as_uri(),
+    }[form]
+    policy = MediaPolicy(allowed_local_media_path=tmp_path)
+    fresh = media.decode_audio(clips[440.0], policy, "ref_audio")  # what a miss computes
+    calls = counting_decodes(monkeypatch)
+    first = load_reference_audio(value(440.0), policy, sample_rate=24000)
+    again = load_reference_audio(value(440.0), policy, sample_rate=24000)
+    assert again is first and not first.samples.flags.writeable and len(calls) == 1
+    assert first.sample_rate == 24000 and len(first.key) == 64
+    np.testing.assert_array_equal(first.samples, resample(fresh.samples, fresh.sample_rate, 24000))
+    different = load_reference_audio(value(330.0), policy, sample_rate=24000)
+    assert len(calls) == 2 and different.key != first.key
+    assert not np.array_equal(different.samples[:8000], first.samples[:8000])
+    assert len(policy.reference_cache) == 2
+
+
+def test_a_file_is_keyed_by_its_bytes_not_its_name(tmp_path):
+    """A path names whatever the file holds now: new bytes under the same name are loaded
+    anew, and the same bytes under another name are the same entry."""
+    policy = MediaPolicy(allowed_local_media_path=tmp_path)
+    (tmp_path / "ref.wav").write_bytes(audio_bytes(tone(freq=440.0)))
+    first = load_reference_audio("ref.wav", policy)
+    (tmp_path / "ref.wav").write_bytes(audio_bytes(tone(freq=330.0)))
+    changed = load_reference_audio("ref.wav", policy)
+    assert changed.key != first.key
+    np.testing.assert_allclose(changed.samples, tone(freq=330.0), atol=1e-4)
+    (tmp_path / "copy.wav").write_bytes(audio_bytes(tone(freq=330.0)))
+    assert load_reference_audio("copy.wav", policy) is changed
+    (tmp_path / "ref.wav").unlink()
+    assert "names no readable local file" in rejects("ref.wav", policy)
+
+
+def test_the_caps_a_clip_was_loaded_under_are_part_of_its_key():
+    """A policy sharing the cache with lower caps refuses what a laxer one cached."""
+    policy = MediaPolicy()
+    load_reference_audio(B64, policy)
+    rejects(B64, dataclasses.replace(policy, max_duration_s=0.25), status=413)
+    rejects(B64, dataclasses.replace(policy, max_bytes=len(WAV) - 1), status=413)
+    assert len(policy.reference_cache) == 1
+
+
+def test_a_clip_the_check_refuses_is_refused_every_time_and_never_cached(monkeypatch):
+    calls = counting_decodes(monkeypatch)
+    policy = MediaPolicy()
+
+    def too_quiet(audio, param):
+        raise RequestValidationError(f"{param} is too quiet", param=param)
+
+    for _ in range(3):
+        assert "speaker_audio is too quiet" in rejects(B64, policy, param="speaker_audio", check=too_quiet)
+    assert len(calls) == 3 and len(policy.reference_cache) == 0
+    assert_tone(load_reference_audio(B64, policy))  # without the check it loads: another key
+    assert len(calls) == 4
+
+
+def test_undecodable_audio_is_a_400_every_time(monkeypatch):
+    calls = counting_decodes(monkeypatch)
+    policy = MediaPolicy()
+    garbage = base64.b64encode(b"RIFF" + bytes(200)).decode()
+    for _ in range(2):
+        assert "could not be decoded" in rejects(garbage, policy)
+    assert len(calls) == 2 and len(policy.reference_cache) == 0
+
+
+def cached_clip(seed: int, n: int = 1000) -> media.ReferenceClip:
+    samples = np.full(n, seed, dtype=np.float32)
+    return media.ReferenceClip(samples, RATE, f"{seed:064x}")
+
+
+def test_the_cache_is_bounded_by_bytes_least_recently_used_out_first():
+    cache = media.ReferenceCache(max_bytes=3 * 4000)  # three clips of 1000 float32
+    for seed in (1, 2, 3):
+        cache.put(cached_clip(seed))
+    assert cache.get(f"{1:064x}") is not None  # 1 is now the most recent: 2 goes next
+    cache.put(cached_clip(4))
+    assert [cache.get(f"{s:064x}") is not None for s in (1, 2, 3, 4)] == [True, False, True, True]
+    assert cache.nbytes == 3 * 4000 and len(cache) == 3
+    cache.put(cached_clip(5, n=4000))  # larger than the whole cache: not kept, nothing dropped
+    assert cache.get(f"{5:064x}") is None and len(cache) == 3
+    off = media.ReferenceCache(max_bytes=0)
+    off.put(cached_clip(1))
+    assert len(off) == 0 and off.nbytes == 0
+    with pytest.raises(ValueError, match="max_bytes"):
+        media.ReferenceCache(max_bytes=-1)
+
+
+def test_the_cache_stays_consistent_under_threads():
+    cache = media.ReferenceCache(max_bytes=5 * 4000)
+    clips = [cached_clip(seed) for seed in range(12)]
+
+    def work(offset: int) -> None:
+        for i in range(300):
+            clip = clips[(offset + i) % len(clips)]
+            hit = cache.get(clip.key)
+            assert hit is None or hit is clip
+            cache.put(clip)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(work, range(8)))
+    assert len(cache) == 5 and cache.nbytes == 5 * 4000

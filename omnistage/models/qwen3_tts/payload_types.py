@@ -48,6 +48,9 @@ class Qwen3TTSRequest(PipelineRequest):
         instructions: the instructions text (VoiceDesign: always; CustomVoice 1.7B: optional).
         ref_audio: Base only: the reference voice, mono float32 ``[S]`` at 24 kHz,
             0.5..30 s; None for the other types.
+        ref_key: ``ref_audio``'s content key (64 hex digits,
+            :attr:`omnistage.serve.media.ReferenceClip.key`: equal keys, equal samples):
+            the reference encoder's cache key; set exactly when ``ref_audio`` is.
         ref_text: transcript of ``ref_audio`` (ICL clone); None in x-vector-only mode.
         x_vector_only: Base only: clone from the speaker embedding alone (no reference
             codes or text in the prompt).
@@ -74,6 +77,7 @@ class Qwen3TTSRequest(PipelineRequest):
     voice: str | None
     instructions: str | None
     ref_audio: np.ndarray | None
+    ref_key: str | None
     ref_text: str | None
     x_vector_only: bool
     non_streaming_mode: bool
@@ -85,6 +89,10 @@ class Qwen3TTSRequest(PipelineRequest):
     initial_codec_chunk_frames: int | None
     stream: bool
     more_text: bool = False
+
+    def __post_init__(self) -> None:
+        if (self.ref_audio is None) != (self.ref_key is None):
+            raise ValueError("ref_audio and ref_key are set together")
 
     @property
     def icl(self) -> bool:

@@ -80,7 +80,7 @@ from omnistage.models.qwen3_tts.payload_types import (
     Qwen3TTSSampling,
     SamplingOverrides,
 )
-from omnistage.serve.media import MediaPolicy, load_reference_audio, resample
+from omnistage.serve.media import MediaPolicy, ReferenceAudio, ReferenceClip, load_reference_audio
 from omnistage.serve.protocol import SpeechRequest, check_text, choice
 
 
@@ -279,14 +279,15 @@ def build_qwen3_tts_request(
             "non_streaming_mode true needs the whole text first: send it to /v1/audio/speech",
             param="non_streaming_mode",
         )
-    ref_audio, ref_text, x_vector_only = _voice_clone(request, facts, media)
+    reference, ref_text, x_vector_only = _voice_clone(request, facts, media)
     built = Qwen3TTSRequest(
         text=request.input,
         model_type=facts.model_type,
         language=request.language or AUTO_LANGUAGE,
         voice=request.voice if facts.model_type == "custom_voice" else None,
         instructions=instructions,
-        ref_audio=ref_audio,
+        ref_audio=None if reference is None else reference.samples,
+        ref_key=None if reference is None else reference.key,
         ref_text=ref_text,
         x_vector_only=x_vector_only,
         # Reference defaults: streaming text for voice clone, whole text otherwise.
@@ -401,8 +402,8 @@ def _instructions(request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts) -> 
 
 def _voice_clone(
     request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts, media: MediaPolicy
-) -> tuple[np.ndarray | None, str | None, bool]:
-    """-> (reference samples [S] at 24 kHz, its transcript, x-vector-only) for Base."""
+) -> tuple[ReferenceClip | None, str | None, bool]:
+    """-> (reference clip [S] at 24 kHz, its transcript, x-vector-only) for Base."""
     if facts.model_type != "base":
         return None, None, False
     audio, text, audio_param, text_param = (
@@ -446,8 +447,10 @@ def _voice_clone(
     return load_reference(audio, media, audio_param), text, request.x_vector_only_mode
 
 
-def load_reference(value: str, media: MediaPolicy, param: str = "ref_audio") -> np.ndarray:
-    """Decode reference audio to what the speech tokenizer and speaker encoder take.
+def load_reference(value: str, media: MediaPolicy, param: str = "ref_audio") -> ReferenceClip:
+    """Decode reference audio to what the speech tokenizer and speaker encoder take, or take
+    it from the media policy's reference cache (a clip sent again: no decoding, checking or
+    resampling, :func:`~omnistage.serve.media.load_reference_audio`).
 
     Args:
         value: the request field (data URI, base64, URL or path; see
@@ -457,15 +460,26 @@ def load_reference(value: str, media: MediaPolicy, param: str = "ref_audio") -> 
         param: the field name reported in errors.
 
     Returns:
-        Mono float32 ``[S]`` at 24 kHz (channel average, soxr HQ resampling).
+        Read-only mono float32 ``[S]`` at 24 kHz (channel average, soxr HQ resampling),
+        and its content key.
 
     Raises:
         RequestValidationError: undecodable, shorter than :data:`MIN_REF_SECONDS`,
-            non-finite samples, or silent.
+            non-finite samples, or silent (every time it is sent: a refused clip is not
+            cached).
         PayloadTooLargeError: over the byte cap or the duration cap.
     """
     policy = replace(media, max_duration_s=min(media.max_duration_s, MAX_REF_SECONDS))
-    audio = load_reference_audio(value, policy, param)
+    return load_reference_audio(value, policy, param, sample_rate=SAMPLE_RATE, check=check_reference)
+
+
+def check_reference(audio: ReferenceAudio, param: str) -> None:
+    """The reference rules on a decoded clip (at its own rate): at least
+    :data:`MIN_REF_SECONDS`, finite samples, a peak of at least :data:`SILENT_PEAK`.
+
+    Raises:
+        RequestValidationError: naming ``param``.
+    """
     if audio.duration_s < MIN_REF_SECONDS:
         raise RequestValidationError(
             f"{param} is {audio.duration_s:.2f} s long; at least {MIN_REF_SECONDS} s of speech is needed",
@@ -477,7 +491,6 @@ def load_reference(value: str, media: MediaPolicy, param: str = "ref_audio") -> 
         raise RequestValidationError(
             f"{param} is silent; send a recording of the voice", param=param
         )
-    return resample(audio.samples, audio.sample_rate, SAMPLE_RATE)
 
 
 def resolve_sampling(

@@ -21,7 +21,6 @@ device memory (``mem_fraction_static``).
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
@@ -104,10 +103,11 @@ class ReferenceEncoder:
     content (the compute of the ``reference_encoder`` stage, which the stock batching
     scheduler feeds).
 
-    Cache: keyed by the SHA-256 of the clip's 24 kHz float32 samples (architecture rule 8:
-    a key derived from content, so one user's voice can never be served for another's
-    clip); ``cache_size`` entries, least recently used out first. A hit skips both encoders
-    (the "cached reference" case of time to first audio).
+    Cache: keyed by the clip's content key (:attr:`Qwen3TTSRequest.ref_key`, the SHA-256
+    the request builder took of what the request sent, so it is not hashed again here;
+    architecture rule 8: a key derived from content, so one user's voice can never be
+    served for another's clip); ``cache_size`` entries, least recently used out first. A
+    hit skips both encoders (the "cached reference" case of time to first audio).
 
     Batching: the clips of a batch not in the cache are encoded together, the
     speech-tokenizer encoder in one padded batch (its output is causal per frame, so
@@ -125,14 +125,13 @@ class ReferenceEncoder:
         self._cache: OrderedDict[str, EncodedReference] = OrderedDict()  # used by the stage's one thread
 
     @torch.inference_mode()
-    def encode(self, clips: list[np.ndarray]) -> list[EncodedReference]:
-        """``clips``: mono float32 ``[S]`` at 24 kHz each -> their x-vectors and reference
-        codes, in order.
+    def encode(self, clips: list[np.ndarray], keys: list[str]) -> list[EncodedReference]:
+        """``clips``: mono float32 ``[S]`` at 24 kHz each, ``keys`` their content keys
+        (equal keys: equal clips) -> their x-vectors and reference codes, in order.
 
         Raises:
             ValueError / RuntimeError: the encoders failed (on the whole batch).
         """
-        keys = [hashlib.sha256(np.ascontiguousarray(c, dtype=np.float32).tobytes()).hexdigest() for c in clips]
         missing = {key: clip for key, clip in zip(keys, clips, strict=True) if key not in self._cache}
         fresh = dict(zip(missing, self._encode(list(missing.values())), strict=True)) if missing else {}
         results = [fresh[key] if key in fresh else self._cache[key] for key in keys]
@@ -159,7 +158,7 @@ def reference_scheduler(encoder: ReferenceEncoder, max_batch_size: int, max_batc
     :class:`EncodedReference`."""
 
     def compute(batch: list[StagePayload]) -> list[EncodedReference]:
-        return encoder.encode([p.request.ref_audio for p in batch])
+        return encoder.encode([p.request.ref_audio for p in batch], [p.request.ref_key for p in batch])
 
     return SimpleScheduler(compute, max_batch_size, max_batch_wait_ms)
 

@@ -239,6 +239,27 @@ def test_same_request_and_seed_twice_gives_identical_bytes(servers, case):
     assert torch.equal(codes_of(first), codes_of(second))
 
 
+def test_a_reference_sent_again_is_the_cached_clip_and_gives_identical_audio(servers):
+    """A clip the server has not seen is loaded and cached once; sent again it is the cache's
+    (no decode), and the audio and codes equal the first request's. A refused clip is a 400
+    naming ref_audio every time it is sent, and is never cached."""
+    server = servers["base"]
+    cache = server.speech.settings.media_policy.reference_cache
+    body = {**request_body("base_icl", response_format="pcm"), "ref_audio": wav_data_uri(tone_clip(1.5, seed=21))}
+    before = len(cache)
+    first = post(server, body)
+    assert pcm(first).size == FRAMES * SAMPLES_PER_FRAME and len(cache) == before + 1
+    second = post(server, body)
+    assert second.content == first.content and torch.equal(codes_of(second), codes_of(first))
+    assert len(cache) == before + 1
+    silent = {**body, "ref_audio": wav_data_uri(np.zeros((24_000, 1), np.float32))}
+    for _ in range(2):
+        refused = post(server, silent)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "ref_audio"
+        assert "silent" in refused.json()["error"]["message"]
+    assert len(cache) == before + 1
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_different_seed_gives_different_codes(servers, case):
     """Compared as codes, exactly (the audio only by its length)."""

@@ -1,6 +1,8 @@
 """The reference_encoder stage: voice-clone clips of concurrent requests batched by the
-stock batching scheduler, cached by content; a failing batch fails its requests only."""
+stock batching scheduler, cached by their content keys (the request builder's); a failing
+batch fails its requests only."""
 
+import hashlib
 import threading
 from dataclasses import dataclass, field
 
@@ -42,9 +44,19 @@ def clip(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(24000).astype(np.float32)
 
 
+def key(c: np.ndarray) -> str:
+    """A content key of ``c`` (the request builder's is of what the request sent)."""
+    return hashlib.sha256(c.tobytes()).hexdigest()
+
+
+def encode(encoder: ReferenceEncoder, clips: list[np.ndarray]):
+    return encoder.encode(clips, [key(c) for c in clips])
+
+
 @dataclass(frozen=True)
 class ClipRequest(PipelineRequest):
     ref_audio: np.ndarray
+    ref_key: str
 
 
 @dataclass
@@ -78,7 +90,7 @@ def run_stage(encoder: ReferenceEncoder, clips: list[np.ndarray]) -> Outbox:
     scheduler.bind("reference_encoder", outbox, expects_stream=False)
     ids = [f"r{i}" for i in range(len(clips))]
     for request_id, c in zip(ids, clips, strict=True):
-        scheduler.put(StagePayload(request_id, ClipRequest(c), None))
+        scheduler.put(StagePayload(request_id, ClipRequest(c, key(c)), None))
     scheduler.start()
     try:
         outbox.wait(ids)
@@ -105,8 +117,8 @@ def test_concurrent_clips_are_encoded_in_one_batch_each_getting_its_own_result()
 def test_a_repeated_clip_is_a_cache_hit_and_another_clip_is_not():
     codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
     encoder = ReferenceEncoder(speaker, codec)
-    [first] = encoder.encode([clip(1)])
-    [again, other] = encoder.encode([clip(1).copy(), clip(2)])  # same content, another array
+    [first] = encode(encoder, [clip(1)])
+    [again, other] = encode(encoder, [clip(1).copy(), clip(2)])  # same content, another array
     assert again is first
     assert codec.batches == [1, 1] and speaker.calls == 2
     assert not torch.equal(other.x_vector, first.x_vector)
@@ -114,7 +126,7 @@ def test_a_repeated_clip_is_a_cache_hit_and_another_clip_is_not():
 
 def test_a_clip_twice_in_one_batch_is_encoded_once():
     codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
-    a, b = ReferenceEncoder(speaker, codec).encode([clip(3), clip(3)])
+    a, b = encode(ReferenceEncoder(speaker, codec), [clip(3), clip(3)])
     assert a is b and codec.batches == [1] and speaker.calls == 1
 
 
@@ -122,7 +134,7 @@ def test_the_cache_keeps_only_the_most_recent_clips():
     codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
     encoder = ReferenceEncoder(speaker, codec, cache_size=1)
     for seed in (1, 2, 1):
-        encoder.encode([clip(seed)])
+        encode(encoder, [clip(seed)])
     assert codec.batches == [1, 1, 1]
 
 
@@ -135,3 +147,14 @@ def test_a_failing_batch_fails_its_requests_and_the_stage_serves_the_next():
     codec.fail = False
     outbox = run_stage(encoder, [clip(9)])
     assert torch.equal(outbox.results["r0"].ref_codes, expected_codes(clip(9)))
+
+
+def test_the_cache_is_keyed_by_the_given_content_keys():
+    """The request builder's key stands for the clip: the stage does not hash the samples
+    again, and a key it has not seen is encoded even for samples it has."""
+    codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
+    encoder = ReferenceEncoder(speaker, codec)
+    [first] = encoder.encode([clip(1)], ["a" * 64])
+    [again] = encoder.encode([clip(1)], ["a" * 64])
+    [other_key] = encoder.encode([clip(1)], ["b" * 64])
+    assert again is first and other_key is not first and codec.batches == [1, 1]

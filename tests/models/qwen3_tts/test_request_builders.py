@@ -46,7 +46,7 @@ from omnistage.models.qwen3_tts.request_builders import (
     max_frames_for_text,
     resolve_sampling,
 )
-from omnistage.serve.media import MediaPolicy
+from omnistage.serve.media import MediaPolicy, ReferenceCache
 from omnistage.serve.protocol import parse_speech_request, validate_speech_request
 
 INLINE = MediaPolicy()
@@ -487,6 +487,64 @@ def test_silent_reference_is_refused(checkpoint):
         {"input": "Hi.", "ref_audio": silent, "x_vector_only_mode": True},
     )
     assert "silent" in str(err)
+
+
+def test_a_reference_sent_again_is_the_cached_clip_with_its_key(checkpoint):
+    """The server's media policy caches the loaded clip by content: a repeated reference
+    is the very same 24 kHz samples (equal to a fresh load's) and the same key, which the
+    reference encoder's cache uses; another clip has another key."""
+    facts, policy = checkpoint("base"), MediaPolicy()
+    body = {"input": "Hi.", "ref_audio": WAV_2S, "ref_text": "hello there"}
+    first, again = build(facts, body, policy), build(facts, body, policy)
+    assert again.ref_audio is first.ref_audio and not first.ref_audio.flags.writeable
+    assert again.ref_key == first.ref_key and len(first.ref_key) == 64
+    fresh = build(facts, body, MediaPolicy())  # its own, empty cache: decoded anew
+    np.testing.assert_array_equal(fresh.ref_audio, first.ref_audio)
+    assert fresh.ref_key == first.ref_key  # the key is of the content, not of the cache
+    other = build(facts, {**body, "ref_audio": data_uri(encode(tone(2.0, 16000, stereo=False), 16000, "wav"))}, policy)
+    assert other.ref_key != first.ref_key and len(policy.reference_cache) == 2
+
+
+@pytest.mark.parametrize(
+    ("audio", "message"),
+    [(data_uri(encode(np.zeros((2, 32000)), 16000, "wav")), "silent"),
+     (data_uri(encode(tone(0.4, 16000), 16000, "wav")), "at least 0.5 s"),
+     (data_uri(b"RIFF\x00\x00\x00\x00WAVEjunk" + bytes(range(256)) * 8), "could not be decoded")],
+)  # fmt: skip
+def test_a_refused_reference_is_a_400_every_time_it_is_sent(checkpoint, audio, message):
+    facts, policy = checkpoint("base"), MediaPolicy()
+    for _ in range(3):
+        err = rejects("ref_audio", facts, {"input": "Hi.", "ref_audio": audio, "x_vector_only_mode": True}, policy)
+        assert message in str(err)
+    assert len(policy.reference_cache) == 0
+
+
+def test_a_reference_is_cached_only_with_reference_cache_room(checkpoint):
+    facts, policy = checkpoint("base"), MediaPolicy(reference_cache=ReferenceCache(0))
+    body = {"input": "Hi.", "ref_audio": WAV_2S, "x_vector_only_mode": True}
+    first, again = build(facts, body, policy), build(facts, body, policy)
+    assert again.ref_audio is not first.ref_audio and again.ref_key == first.ref_key
+    np.testing.assert_array_equal(again.ref_audio, first.ref_audio)
+
+
+def test_reference_transcript_ids_are_memoized_as_tokenized(checkpoint, tmp_path):
+    checkpoint("base")
+    tokens = load_request_limits(tmp_path / "base-1b7", MAX_MODEL_LEN).tokens
+    text = "Hello there, 你好."
+    expected = list(tokens.tokenizer(f"<|im_start|>assistant\n{text}<|im_end|>\n")["input_ids"])[3:-2]
+    first = tokens.ref_text(text)
+    first.append(-1)  # a caller's list is its own
+    assert tokens.ref_text(text) == expected and tokens.ref_text(text) is not first
+
+
+def test_a_request_with_ref_audio_has_its_key():
+    with pytest.raises(ValueError, match="ref_key"):
+        Qwen3TTSRequest(
+            text="Hi.", model_type="base", language="auto", voice=None, instructions=None,
+            ref_audio=np.zeros(24000, np.float32), ref_key=None, ref_text=None, x_vector_only=True,
+            non_streaming_mode=False, sampling=SamplingOverrides(), seed=0, max_new_tokens=None,
+            min_new_tokens=2, frame_cap=25, initial_codec_chunk_frames=None, stream=False,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- frame cap

@@ -57,9 +57,9 @@ def test_encoder_codes_equal_the_reference_for_16k_stereo(checkpoint: Path, refe
     resampled to 24 kHz by the request builder, then encoded."""
     wav = io.BytesIO()
     soundfile.write(wav, reference["clip_16k_stereo"], 16000, format="WAV", subtype="FLOAT")
-    audio = load_reference(base64.b64encode(wav.getvalue()).decode(), MediaPolicy())
+    audio = load_reference(base64.b64encode(wav.getvalue()).decode(), MediaPolicy()).samples
     assert audio.shape == (12000,)
-    codes = load_encoder(checkpoint).encode(torch.from_numpy(audio))
+    codes = load_encoder(checkpoint).encode(torch.tensor(audio))  # a copy: the clip is read-only
     assert np.array_equal(codes.numpy(), reference["codes_16k_stereo"])
 
 

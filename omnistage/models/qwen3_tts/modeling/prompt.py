@@ -26,6 +26,7 @@ does ([:3] role, [3:-5] text; reference text [3:-2]).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -36,6 +37,9 @@ from omnistage.models.qwen3_tts.modeling.talker import Talker
 __all__ = ["PromptBuilder", "PromptHead", "PromptSize", "PromptTokens", "TalkerPrompt"]
 
 AUTO = "auto"
+REF_TEXT_CACHE_SIZE = 256
+"""Reference transcripts whose ids :class:`PromptTokens` keeps (each at most the input cap
+of 2000 characters: about 1 MB of text and ids at worst)."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,10 @@ class PromptTokens:
     language id), with no tensor: :class:`PromptBuilder` embeds what this yields, and the
     request builder sizes a prompt with :meth:`size` before any model work.
 
+    A reference transcript's ids are memoized (:data:`REF_TEXT_CACHE_SIZE` transcripts,
+    least recently used out first): every request of a cloned voice sends the same
+    ``ref_text``, and the request builder and the preprocessing stage both need its ids.
+
     Args:
         config: the checkpoint's config (special ids, languages, speakers).
         tokenizer: the checkpoint's text tokenizer.
@@ -85,6 +93,7 @@ class PromptTokens:
 
     def __init__(self, config: Qwen3TTSConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.config, self.tokenizer = config, tokenizer
+        self._ref_ids = lru_cache(maxsize=REF_TEXT_CACHE_SIZE)(self._ref_text_ids)  # thread-safe
 
     def target(self, text: str) -> tuple[list[int], list[int]]:
         """(role ids, text ids) of the target text, sliced as the reference does."""
@@ -95,7 +104,11 @@ class PromptTokens:
         return self._tokenize(f"<|im_start|>user\n{instructions}<|im_end|>\n")
 
     def ref_text(self, ref_text: str) -> list[int]:
-        return self._tokenize(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")[3:-2]
+        """The ids of a reference transcript, sliced as the reference does (a new list)."""
+        return list(self._ref_ids(ref_text))
+
+    def _ref_text_ids(self, ref_text: str) -> tuple[int, ...]:
+        return tuple(self._tokenize(f"<|im_start|>assistant\n{ref_text}<|im_end|>\n")[3:-2])
 
     def language_id(self, language: str, voice: str | None = None) -> int | None:
         """The codec language id of ``language`` (None for auto); a CustomVoice dialect
