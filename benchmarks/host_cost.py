@@ -24,6 +24,21 @@ It prints and writes (``--output``) CPU milliseconds per request per group. The 
 compare two runs on the same machine (e.g. main against a branch); they are not absolute.
 
     python benchmarks/host_cost.py --output /tmp/host_cost.json
+
+``--prepare``: the CPU of the HTTP side's request preparation alone (``SpeechServer.prepare``:
+parse, validate, build the typed request; what every request costs the server's worker
+threads before it reaches the pipeline), by part, without a server: each ``--config NAME
+ROOT`` (a source tree; ``.`` for this one) runs in a process of its own importing ROOT, in
+``--rounds`` rounds alternating the configurations, on the tiny random Base checkpoint with
+the same 3 s reference as the GPU run, sent again and again (a cached reference) as a local
+path (what ``qwen3_tts_gpu.py`` sends), as a data URI, and as a saved voice. Each part is
+the thread CPU time (``time.thread_time_ns``) of a function both trees have, wrapped:
+``parse`` (JSON + schema), ``validate`` (capabilities), ``reference`` (``load_reference``:
+read, decode, check, resample, or the cache), ``fits`` (``_check_fits``: the prompt's size
+from token ids), ``saved voice`` (the library look-up); ``other`` is the rest of ``prepare``.
+
+    python benchmarks/host_cost.py --prepare --config before /tmp/before --config after . \\
+      --output /tmp/prepare_cost.json
 """
 
 from __future__ import annotations
@@ -121,8 +136,127 @@ def bench(port: int, conc: int, n: int, frames: int, ref: Path, out: Path, warmu
     return json.loads(out.read_text())["levels"][0]
 
 
+#: (part, module, attribute) wrapped by ``--prepare``: functions every compared tree has.
+PREPARE_PARTS = (
+    ("parse", "omnistage.serve.app", "parse_speech_request"),
+    ("validate", "omnistage.serve.app", "validate_speech_request"),
+    ("reference", "omnistage.models.qwen3_tts.request_builders", "load_reference"),
+    ("fits", "omnistage.models.qwen3_tts.request_builders", "_check_fits"),
+)
+PREPARE_FORMS = ("path", "data URI", "saved voice")
+
+
+def prepare_worker(iterations: int) -> dict:
+    """In this process (its ``omnistage`` is the tree under test): mean thread CPU
+    microseconds per ``SpeechServer.prepare`` of each reference form, by part."""
+    import importlib
+
+    from qwen3_tts_gpu import data_uri
+
+    import omnistage
+    from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
+    from omnistage.serve.app import SpeechServer
+    from omnistage.serve.media import MediaPolicy
+    from omnistage.serve.server_core import ServerSettings
+
+    spent: dict[str, int] = {}
+
+    def timed(part: str, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.thread_time_ns()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[part] = spent.get(part, 0) + time.thread_time_ns() - t0
+
+        return wrapper
+
+    for part, module, name in PREPARE_PARTS:
+        target = importlib.import_module(module)
+        setattr(target, name, timed(part, getattr(target, name)))
+    SpeechServer.with_saved_voice = timed("saved voice", SpeechServer.with_saved_voice)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model_dir = work / "qwen3_tts_tiny_base"
+        subprocess.run(
+            [sys.executable, "-m", "omnistage.cli", "init-random", "--arch", "Qwen3TTSForConditionalGeneration",
+             "--size", "tiny", "--type", "base", str(model_dir)],
+            check=True, capture_output=True,
+        )  # fmt: skip
+        wav = reference_wav(7)
+        (work / "reference.wav").write_bytes(wav)
+        policy = MediaPolicy(allowed_local_media_path=work)
+        settings = ServerSettings(media_policy=policy, warmup=False, data_dir=work / "data")
+        server = SpeechServer(Qwen3TTSPipelineConfig.for_model_path(str(model_dir)), settings)
+        assert server.library is not None
+        server.library.add("", "saved", "test", REF_TEXT, "audio/wav", wav)
+        common = {"input": TEXT, "max_new_tokens": 125, "min_new_tokens": 125, "language": "english",
+                  "stream": True, "response_format": "pcm"}  # fmt: skip
+        clone = {"ref_text": REF_TEXT}
+        bodies = {
+            "path": {**common, **clone, "ref_audio": str(work / "reference.wav")},
+            "data URI": {**common, **clone, "ref_audio": data_uri(wav)},
+            "saved voice": {**common, "voice": "saved"},
+        }
+        forms = {}
+        for form in PREPARE_FORMS:
+            body = json.dumps(bodies[form]).encode()
+            for _ in range(max(20, iterations // 10)):  # the reference is cached from here on
+                server.prepare(body, "")
+            spent.clear()
+            t0 = time.thread_time_ns()
+            for _ in range(iterations):
+                server.prepare(body, "")
+            total = time.thread_time_ns() - t0
+            parts = {part: round(ns / iterations / 1e3, 1) for part, ns in spent.items()}
+            parts["other"] = round((total - sum(spent.values())) / iterations / 1e3, 1)
+            forms[form] = {"total_us": round(total / iterations / 1e3, 1), "parts_us": parts}
+        server.library.close()
+    return {"omnistage": str(Path(omnistage.__file__).parent.parent), "iterations": iterations, "forms": forms}
+
+
+def prepare_cost(configs: list[tuple[str, str]], iterations: int, rounds: int) -> dict:
+    """``--prepare``: each configuration's :func:`prepare_worker` in a process importing
+    its tree, ``rounds`` times alternating; per form the median of the rounds' totals and
+    of each part."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+    for _ in range(rounds):
+        for name, root in configs:
+            env = {**os.environ, "PYTHONPATH": str(Path(root).resolve())}
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--prepare-worker", "--iterations", str(iterations)]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+            runs[name].append(json.loads(done.stdout))
+    table = {}
+    for name, mine in runs.items():
+        table[name] = {"omnistage": mine[0]["omnistage"], "forms": {}}
+        for form in PREPARE_FORMS:
+            totals = sorted(r["forms"][form]["total_us"] for r in mine)
+            parts = {
+                part: sorted(r["forms"][form]["parts_us"].get(part, 0.0) for r in mine)[len(mine) // 2]
+                for part in mine[0]["forms"][form]["parts_us"]
+            }
+            table[name]["forms"][form] = {"total_us": totals[len(totals) // 2], "rounds_us": totals, "parts_us": parts}
+    return {"iterations": iterations, "rounds": rounds, "configs": table}
+
+
+def print_prepare(report: dict) -> None:
+    names = list(report["configs"])
+    parts = ["parse", "validate", "saved voice", "reference", "fits", "other"]
+    print(f"{'form':<12} {'config':<10} {'prepare us':>10} " + " ".join(f"{p:>11}" for p in parts))
+    for form in PREPARE_FORMS:
+        for name in names:
+            row = report["configs"][name]["forms"][form]
+            cells = " ".join(f"{row['parts_us'].get(p, 0.0):>11.1f}" for p in parts)
+            print(f"{form:<12} {name:<10} {row['total_us']:>10.1f} {cells}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prepare", action="store_true", help="time SpeechServer.prepare by part per --config (no server)")
+    parser.add_argument("--prepare-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", nargs=2, action="append", metavar=("NAME", "ROOT"), help="--prepare: a source tree")
+    parser.add_argument("--iterations", type=int, default=2000, help="--prepare: prepares timed per form and round")
+    parser.add_argument("--rounds", type=int, default=3, help="--prepare: rounds, alternating the configurations")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--frames", type=int, default=60)
@@ -130,6 +264,15 @@ def main() -> None:
     parser.add_argument("--output", type=Path)
     parser.add_argument("--serve-arg", action="append", default=[], help="extra omnistage serve argument (repeatable)")
     args = parser.parse_args()
+    if args.prepare_worker:
+        print(json.dumps(prepare_worker(args.iterations)))
+        return
+    if args.prepare:
+        report = prepare_cost([tuple(c) for c in args.config or [("this", ".")]], args.iterations, args.rounds)
+        print_prepare(report)
+        if args.output:
+            args.output.write_text(json.dumps(report, indent=2))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = work / "qwen3_tts_tiny_base"
