@@ -55,7 +55,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from qwen3_tts_gpu import REF_TEXT, TEXT, reference_wav  # noqa: E402 -- the same requests as the GPU run
+from qwen3_tts_gpu import REF_TEXT, TEXT, tiny_base_checkpoint  # noqa: E402 -- the same requests as the GPU run
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -177,14 +177,8 @@ def prepare_worker(iterations: int) -> dict:
     SpeechServer.with_saved_voice = timed("saved voice", SpeechServer.with_saved_voice)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = work / "qwen3_tts_tiny_base"
-        subprocess.run(
-            [sys.executable, "-m", "omnistage.cli", "init-random", "--arch", "Qwen3TTSForConditionalGeneration",
-             "--size", "tiny", "--type", "base", str(model_dir)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        wav = reference_wav(7)
-        (work / "reference.wav").write_bytes(wav)
+        model_dir, ref = tiny_base_checkpoint(work)
+        wav = ref.read_bytes()
         policy = MediaPolicy(allowed_local_media_path=work)
         settings = ServerSettings(media_policy=policy, warmup=False, data_dir=work / "data")
         server = SpeechServer(Qwen3TTSPipelineConfig.for_model_path(str(model_dir)), settings)
@@ -275,14 +269,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model_dir = work / "qwen3_tts_tiny_base"
-        subprocess.run(
-            [sys.executable, "-m", "omnistage.cli", "init-random", "--arch", "Qwen3TTSForConditionalGeneration",
-             "--size", "tiny", "--type", "base", str(model_dir)],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        ref = work / "reference.wav"
-        ref.write_bytes(reference_wav(7))
+        model_dir, ref = tiny_base_checkpoint(work)
         proc = serve(model_dir, args.port, args.concurrency, work / "server.log", args.serve_arg)
         try:
             bench(args.port, args.concurrency, args.concurrency, args.frames, ref, work / "warm.json", warmup=2)

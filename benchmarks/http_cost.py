@@ -61,7 +61,7 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import paced_speech  # noqa: E402
-from qwen3_tts_gpu import REF_TEXT, TEXT, reference_wav  # noqa: E402 -- the same requests as the GPU run
+from qwen3_tts_gpu import REF_TEXT, TEXT, tiny_base_checkpoint  # noqa: E402 -- the same requests as the GPU run
 
 from omnistage.bench import BenchSample, SpeechTarget  # noqa: E402
 from omnistage.bench.speed import SpeedOptions, run_speed  # noqa: E402
@@ -92,14 +92,7 @@ def paced_model(work: Path, frames: int, step_ms: float) -> Model:
 
 
 def qwen3_tts_model(work: Path, frames: int, conc: int) -> Model:
-    model_dir = work / "qwen3_tts_tiny_base"
-    subprocess.run(
-        [sys.executable, "-m", "omnistage.cli", "init-random", "--arch", "Qwen3TTSForConditionalGeneration",
-         "--size", "tiny", "--type", "base", str(model_dir)],
-        check=True, capture_output=True,
-    )  # fmt: skip
-    ref = work / "reference.wav"
-    ref.write_bytes(reference_wav(7))
+    model_dir, ref = tiny_base_checkpoint(work)
     fields = {
         "ref_audio": str(ref),
         "ref_text": REF_TEXT,

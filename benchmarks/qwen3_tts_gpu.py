@@ -102,6 +102,21 @@ def reference_wav(seed: int, seconds: float = 3.0) -> bytes:
     return buffer.getvalue()
 
 
+def tiny_base_checkpoint(work: Path) -> tuple[Path, Path]:
+    """A tiny random Qwen3-TTS Base checkpoint (``omnistage init-random``) and the seed-7
+    3 s reference clip as WAV, written under ``work``: ``(model_dir, reference_wav_path)``
+    (the CPU host-cost benchmarks' setup)."""
+    model_dir = work / "qwen3_tts_tiny_base"
+    subprocess.run(
+        [sys.executable, "-m", "omnistage.cli", "init-random", "--arch", "Qwen3TTSForConditionalGeneration",
+         "--size", "tiny", "--type", "base", str(model_dir)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ref = work / "reference.wav"
+    ref.write_bytes(reference_wav(7))
+    return model_dir, ref
+
+
 def data_uri(wav: bytes) -> str:
     return "data:audio/wav;base64," + base64.b64encode(wav).decode()
 
