@@ -37,6 +37,15 @@ the thread CPU time (``time.thread_time_ns``) of a function both trees have, wra
 read, decode, check, resample, or the cache), ``fits`` (``_check_fits``: the prompt's size
 from token ids), ``saved voice`` (the library look-up); ``other`` is the rest of ``prepare``.
 
+A fourth form, ``fresh data URI``, sends a clip never seen before with every prepare (what
+``qwen3_tts_gpu.py``'s fresh-reference level sends: a new seeded 3 s clip as a data URI),
+``--fresh-iterations`` of them per round: the whole load runs (no cache hit) and its decode
+runs in a decoder worker process, whose CPU the thread's clock does not see; so every part
+is also timed by the wall clock (``time.perf_counter_ns``), and ``reference`` is split into
+``key`` (``_content_key``: the SHA-256), ``source`` (``_read_source``: the data URI's base64
+decoding), ``decode`` (``decode_audio``: the job's round trip to the decoder worker and its
+decoding there), ``check`` (``check_reference``) and ``resample``.
+
     python benchmarks/host_cost.py --prepare --config before /tmp/before --config after . \\
       --output /tmp/prepare_cost.json
 """
@@ -143,15 +152,26 @@ PREPARE_PARTS = (
     ("reference", "omnistage.models.qwen3_tts.request_builders", "load_reference"),
     ("fits", "omnistage.models.qwen3_tts.request_builders", "_check_fits"),
 )
-PREPARE_FORMS = ("path", "data URI", "saved voice")
+#: (part, module, attribute) inside ``reference`` wrapped by ``--prepare`` (the fresh form
+#: runs them all; a cached clip only ``key``).
+REFERENCE_PARTS = (
+    ("key", "omnistage.serve.media", "_content_key"),
+    ("source", "omnistage.serve.media", "_read_source"),
+    ("decode", "omnistage.serve.media", "decode_audio"),
+    ("check", "omnistage.models.qwen3_tts.request_builders", "check_reference"),
+    ("resample", "omnistage.serve.media", "resample"),
+)
+FRESH = "fresh data URI"
+PREPARE_FORMS = ("path", "data URI", "saved voice", FRESH)
 
 
-def prepare_worker(iterations: int) -> dict:
-    """In this process (its ``omnistage`` is the tree under test): mean thread CPU
+def prepare_worker(iterations: int, fresh_iterations: int) -> dict:
+    """In this process (its ``omnistage`` is the tree under test): mean thread CPU and wall
     microseconds per ``SpeechServer.prepare`` of each reference form, by part."""
+    import functools
     import importlib
 
-    from qwen3_tts_gpu import data_uri
+    from qwen3_tts_gpu import data_uri, reference_wav
 
     import omnistage
     from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
@@ -160,18 +180,21 @@ def prepare_worker(iterations: int) -> dict:
     from omnistage.serve.server_core import ServerSettings
 
     spent: dict[str, int] = {}
+    walls: dict[str, int] = {}
 
     def timed(part: str, fn):
+        @functools.wraps(fn)  # the check's name is part of the reference's content key
         def wrapper(*args, **kwargs):
-            t0 = time.thread_time_ns()
+            t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent[part] = spent.get(part, 0) + time.thread_time_ns() - t0
+                walls[part] = walls.get(part, 0) + time.perf_counter_ns() - w0
 
         return wrapper
 
-    for part, module, name in PREPARE_PARTS:
+    for part, module, name in (*PREPARE_PARTS, *REFERENCE_PARTS):
         target = importlib.import_module(module)
         setattr(target, name, timed(part, getattr(target, name)))
     SpeechServer.with_saved_voice = timed("saved voice", SpeechServer.with_saved_voice)
@@ -192,56 +215,91 @@ def prepare_worker(iterations: int) -> dict:
             "data URI": {**common, **clone, "ref_audio": data_uri(wav)},
             "saved voice": {**common, "voice": "saved"},
         }
+        # every fresh prepare sends a clip of its own (seeds apart from the cached one's 7)
+        fresh = [{**common, **clone, "ref_audio": data_uri(reference_wav(1000 + i))} for i in range(fresh_iterations + 5)]
+        top = {part for part, _, _ in PREPARE_PARTS} | {"saved voice"}
         forms = {}
         for form in PREPARE_FORMS:
-            body = json.dumps(bodies[form]).encode()
-            for _ in range(max(20, iterations // 10)):  # the reference is cached from here on
+            if form == FRESH:
+                warm, timed_bodies = [json.dumps(b).encode() for b in fresh[:5]], [json.dumps(b).encode() for b in fresh[5:]]
+            else:
+                body = json.dumps(bodies[form]).encode()
+                warm, timed_bodies = [body] * max(20, iterations // 10), [body] * iterations  # cached from here on
+            for body in warm:
                 server.prepare(body, "")
             spent.clear()
-            t0 = time.thread_time_ns()
-            for _ in range(iterations):
+            walls.clear()
+            t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+            for body in timed_bodies:
                 server.prepare(body, "")
-            total = time.thread_time_ns() - t0
-            parts = {part: round(ns / iterations / 1e3, 1) for part, ns in spent.items()}
-            parts["other"] = round((total - sum(spent.values())) / iterations / 1e3, 1)
-            forms[form] = {"total_us": round(total / iterations / 1e3, 1), "parts_us": parts}
+            total, wall, n = time.thread_time_ns() - t0, time.perf_counter_ns() - w0, len(timed_bodies)
+
+            def per(ns: int, n: int = n) -> float:
+                return round(ns / n / 1e3, 1)
+
+            parts = {part: per(ns) for part, ns in spent.items() if part in top}
+            parts["other"] = per(total - sum(ns for part, ns in spent.items() if part in top))
+            wall_parts = {part: per(ns) for part, ns in walls.items() if part in top}
+            wall_parts["other"] = per(wall - sum(ns for part, ns in walls.items() if part in top))
+            forms[form] = {
+                "total_us": per(total), "parts_us": parts,
+                "wall_us": per(wall), "wall_parts_us": wall_parts,
+                "reference_parts_us": {part: per(ns) for part, ns in spent.items() if part not in top},
+                "reference_wall_parts_us": {part: per(ns) for part, ns in walls.items() if part not in top},
+            }  # fmt: skip
         server.library.close()
-    return {"omnistage": str(Path(omnistage.__file__).parent.parent), "iterations": iterations, "forms": forms}
+    return {"omnistage": str(Path(omnistage.__file__).parent.parent), "iterations": iterations,
+            "fresh_iterations": fresh_iterations, "forms": forms}  # fmt: skip
 
 
-def prepare_cost(configs: list[tuple[str, str]], iterations: int, rounds: int) -> dict:
+def prepare_cost(configs: list[tuple[str, str]], iterations: int, fresh_iterations: int, rounds: int) -> dict:
     """``--prepare``: each configuration's :func:`prepare_worker` in a process importing
     its tree, ``rounds`` times alternating; per form the median of the rounds' totals and
-    of each part."""
+    of each part (CPU and wall)."""
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     for _ in range(rounds):
         for name, root in configs:
             env = {**os.environ, "PYTHONPATH": str(Path(root).resolve())}
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--prepare-worker", "--iterations", str(iterations)]
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--prepare-worker", "--iterations", str(iterations),
+                   "--fresh-iterations", str(fresh_iterations)]  # fmt: skip
+            # in ROOT: the decoder workers (``python -m``) import the tree of their directory
+            done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=Path(root).resolve())
             runs[name].append(json.loads(done.stdout))
+
+    def median(values: list[float]) -> float:
+        return sorted(values)[len(values) // 2]
+
     table = {}
     for name, mine in runs.items():
         table[name] = {"omnistage": mine[0]["omnistage"], "forms": {}}
         for form in PREPARE_FORMS:
-            totals = sorted(r["forms"][form]["total_us"] for r in mine)
-            parts = {
-                part: sorted(r["forms"][form]["parts_us"].get(part, 0.0) for r in mine)[len(mine) // 2]
-                for part in mine[0]["forms"][form]["parts_us"]
-            }
-            table[name]["forms"][form] = {"total_us": totals[len(totals) // 2], "rounds_us": totals, "parts_us": parts}
-    return {"iterations": iterations, "rounds": rounds, "configs": table}
+            rows = [r["forms"][form] for r in mine]
+            entry: dict = {"rounds_us": sorted(row["total_us"] for row in rows), "wall_rounds_us": sorted(row["wall_us"] for row in rows)}
+            for key in ("total_us", "wall_us"):
+                entry[key] = median([row[key] for row in rows])
+            for key in ("parts_us", "wall_parts_us", "reference_parts_us", "reference_wall_parts_us"):
+                entry[key] = {part: median([row[key].get(part, 0.0) for row in rows]) for part in rows[0][key]}
+            table[name]["forms"][form] = entry
+    return {"iterations": iterations, "fresh_iterations": fresh_iterations, "rounds": rounds, "configs": table}
 
 
 def print_prepare(report: dict) -> None:
     names = list(report["configs"])
     parts = ["parse", "validate", "saved voice", "reference", "fits", "other"]
-    print(f"{'form':<12} {'config':<10} {'prepare us':>10} " + " ".join(f"{p:>11}" for p in parts))
+    inner = [part for part, _, _ in REFERENCE_PARTS]
+    print("thread CPU us per prepare, by part")
+    print(f"{'form':<15} {'config':<10} {'prepare':>9} " + " ".join(f"{p:>11}" for p in parts))
     for form in PREPARE_FORMS:
         for name in names:
             row = report["configs"][name]["forms"][form]
             cells = " ".join(f"{row['parts_us'].get(p, 0.0):>11.1f}" for p in parts)
-            print(f"{form:<12} {name:<10} {row['total_us']:>10.1f} {cells}")
+            print(f"{form:<15} {name:<10} {row['total_us']:>9.1f} {cells}")
+    print(f"\n{FRESH}: wall us per prepare, by part, and within reference")
+    print(f"{'config':<10} {'prepare':>9} " + " ".join(f"{p:>9}" for p in (*parts, *inner)))
+    for name in names:
+        row = report["configs"][name]["forms"][FRESH]
+        cells = [row["wall_parts_us"].get(p, 0.0) for p in parts] + [row["reference_wall_parts_us"].get(p, 0.0) for p in inner]
+        print(f"{name:<10} {row['wall_us']:>9.1f} " + " ".join(f"{c:>9.1f}" for c in cells))
 
 
 def main() -> None:
@@ -250,6 +308,7 @@ def main() -> None:
     parser.add_argument("--prepare-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--config", nargs=2, action="append", metavar=("NAME", "ROOT"), help="--prepare: a source tree")
     parser.add_argument("--iterations", type=int, default=2000, help="--prepare: prepares timed per form and round")
+    parser.add_argument("--fresh-iterations", type=int, default=40, help="--prepare: fresh-reference prepares per round")
     parser.add_argument("--rounds", type=int, default=3, help="--prepare: rounds, alternating the configurations")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=96)
@@ -259,10 +318,10 @@ def main() -> None:
     parser.add_argument("--serve-arg", action="append", default=[], help="extra omnistage serve argument (repeatable)")
     args = parser.parse_args()
     if args.prepare_worker:
-        print(json.dumps(prepare_worker(args.iterations)))
+        print(json.dumps(prepare_worker(args.iterations, args.fresh_iterations)))
         return
     if args.prepare:
-        report = prepare_cost([tuple(c) for c in args.config or [("this", ".")]], args.iterations, args.rounds)
+        report = prepare_cost([tuple(c) for c in args.config or [("this", ".")]], args.iterations, args.fresh_iterations, args.rounds)
         print_prepare(report)
         if args.output:
             args.output.write_text(json.dumps(report, indent=2))

@@ -13,6 +13,8 @@ import pytest
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.models.qwen3_tts.request_builders import load_reference
+from omnistage.serve import decode_worker
+from omnistage.serve.decode_jobs import AudioDecodeJob, DecodedAudio
 from omnistage.serve.media import MediaPolicy
 from omnistage.testing.media_corpus import write_corpus
 
@@ -49,3 +51,20 @@ def test_every_corpus_file_is_accepted_or_a_400_naming_ref_audio(corpus):
     assert {f"grid-{c}ch-{r}hz.wav" for c in (1, 2, 9, 64) for r in (8000, 96000)} <= accepted
     assert not any(n.startswith(("junk-", "cut-header")) for n in accepted)
     assert "codec-flac.mka" in accepted and "mux-mp3.mp3" in accepted
+
+
+def test_the_short_stream_probe_decodes_the_corpus_as_ffmpegs_default_does(corpus, monkeypatch):
+    """The decoder opens audio with a 4 KiB stream analysis (``AUDIO_PROBE_BYTES``) instead of
+    FFmpeg's 5 MB default: every corpus file is accepted or refused alike, to the same samples
+    at the same rate. Decoded in this process: the test above shows no file crashes a worker."""
+    jobs = [AudioDecodeJob(path.read_bytes(), 60.0, 256 * 1024 * 1024) for path in corpus]
+    short = [decode_worker.decode_audio(job) for job in jobs]
+    monkeypatch.setattr(decode_worker, "AUDIO_PROBE_BYTES", 5_000_000)  # FFmpeg's default probesize
+    default = [decode_worker.decode_audio(job) for job in jobs]
+    for path, mine, theirs in zip(corpus, short, default, strict=True):
+        assert type(mine) is type(theirs), (path.name, mine, theirs)
+        if isinstance(theirs, DecodedAudio):
+            assert (mine.sample_rate, mine.samples) == (theirs.sample_rate, theirs.samples), (
+                path.name
+            )
+    assert sum(isinstance(reply, DecodedAudio) for reply in default) > len(corpus) // 2
