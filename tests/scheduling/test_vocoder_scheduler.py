@@ -20,7 +20,7 @@ from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_de
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
     write_random_speech_tokenizer,
 )
-from omnistage.scheduling.ar import CodeFrames
+from omnistage.scheduling.ar import CodeFrames, GenerationSummary
 from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler, VocoderSetup
 
 SPF = 4  # the fake decoder's samples per frame
@@ -362,6 +362,53 @@ def test_streamed_audio_from_the_real_codec_equals_its_offline_decode(make, tmp_
     assert streamed.dtype == np.float32 and streamed.shape == expected.shape
     assert np.abs(streamed - expected).max() <= 1e-5
     assert arena.num_free == 2
+
+
+class RecordingArena(StreamingDecoderArena):
+    """The real arena, recording its calls in order: ``("open", left context lengths)``
+    once :meth:`allocate_many` returned (the left contexts are decoded into the slots'
+    state by then), ``("decode", frames)`` per :meth:`decode`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.events: list[tuple[str, object]] = []
+
+    def allocate_many(self, left_contexts):
+        slots = super().allocate_many(left_contexts)
+        self.events.append(("open", [0 if c is None else c.shape[0] for c in left_contexts]))
+        return slots
+
+    def decode(self, slots, codes):
+        self.events.append(("decode", codes.shape[1]))
+        return super().decode(slots, codes)
+
+
+def test_a_setup_streamed_before_the_frames_decodes_the_left_context_before_the_first_frame(
+    make, tmp_path: Path
+) -> None:
+    """As the Qwen3-TTS pipeline sends it: the preprocessing stage streams the setup (the
+    reference codes as left context) before the engine's prefill; the stream opens and its
+    left context is decoded on that setup alone, so the first frame only pays its own
+    chunk. The audio is still the offline decode of reference + frames."""
+    write_random_speech_tokenizer(tmp_path, "tiny", seed=0)
+    decoder = load_decoder(tmp_path)
+    arena = RecordingArena(decoder, num_slots=2)
+    scheduler, outbox = make(arena)
+    codes, reference = _codes(7, seed=8), _codes(6, seed=9)
+    scheduler.put(StreamChunk("r", "preprocessing", VocoderSetup(left_context=reference)))
+    _settle(scheduler)  # the setup was taken: nothing else has arrived yet
+    assert arena.events == [("open", [6])] and arena.num_free == 1
+    assert [arena.position(slot) for slot in scheduler._slots.values()] == [6]
+    for start in range(0, 7, 2):
+        scheduler.put(_chunk("r", codes[start : start + 2]))
+    scheduler.put(StreamDone("r", "tts_engine"))
+    scheduler.put(StagePayload("r", None, GenerationSummary(num_frames=7, num_prompt_tokens=40)))
+    outbox.wait("r")
+    assert arena.events[0] == ("open", [6]) and {e for e, _ in arena.events[1:]} == {"decode"}
+    with torch.inference_mode():
+        expected = decoder(torch.cat([reference, codes])[None])[0, 6 * 1920 :].numpy()
+    assert np.abs(outbox.audio("r") - expected).max() <= 1e-5
+    assert outbox.results["r"][0].num_frames == 7 and arena.num_free == 2
 
 
 def test_streams_starting_in_the_same_tick_open_as_one_batch(make) -> None:

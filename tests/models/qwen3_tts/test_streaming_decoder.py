@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from omnistage.engine.vocoder_arena import (
     ArenaFullError,
     StreamingDecoderArena,
+    context_pieces,
     graph_batch_buckets,
 )
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import (
@@ -231,6 +232,38 @@ def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decod
         full = utterance if context is None else torch.cat([context, utterance])
         skip = 0 if context is None else 5 * SPF
         assert (audio - _offline(decoder, full)[skip:]).abs().max() <= 1e-4
+
+
+@pytest.mark.gpu
+def test_a_left_context_longer_than_any_graph_is_decoded_by_replays_exactly(decoder, monkeypatch) -> None:
+    """A 20-frame reference (chunks of 8, 8, 3, 1: graph replays, never an eager decode of
+    20 frames) opened alone and two in one batch continue as the offline decode does."""
+    graphed = _graphed_arena(decoder, monkeypatch)
+    assert graphed._context_pieces(1, 20) == [8, 8, 3, 1] and graphed._context_pieces(2, 20) == [8, 8, 3, 1]
+    contexts = [_codes(20, seed=70), _codes(20, seed=71), _codes(20, seed=72)]
+    utterances = [_codes(11, seed=80 + s) for s in range(len(contexts))]
+    slots = [graphed.allocate(contexts[0]), *graphed.allocate_many(contexts[1:])]
+    assert [graphed.position(s) for s in slots] == [20, 20, 20]
+    together = _continue(graphed, slots, utterances)
+    for context, utterance, audio in zip(contexts, utterances, together, strict=True):
+        assert (audio - _offline(decoder, torch.cat([context, utterance]))[20 * SPF :]).abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("frames", "lengths", "expected"),
+    [
+        (38, range(1, 9), [8, 8, 8, 8, 6]),
+        (5, (1, 2, 3, 8), [3, 2]),
+        (20, (8, 3, 1, 2), [8, 8, 3, 1]),
+        (8, range(1, 9), [8]),
+        (7, (), [7]),
+        (7, (2, 4), [4, 2, 1]),  # a rest no captured length fits is one last chunk
+    ],
+)
+def test_a_left_context_splits_into_the_longest_captured_chunks(frames, lengths, expected) -> None:
+    assert context_pieces(frames, lengths) == expected
+    with pytest.raises(ValueError, match="frames"):
+        context_pieces(0, lengths)
 
 
 @pytest.mark.parametrize(
