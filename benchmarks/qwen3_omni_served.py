@@ -596,6 +596,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--server-arg", action="append", default=None,
                         help="one argument for omnistage serve (repeat); default: load_format dummy everywhere, "
                              "engines sized for the largest concurrency")  # fmt: skip
+    parser.add_argument("--extra-server-arg", action="append", default=[],
+                        help="one more argument for omnistage serve after the defaults or --server-arg (repeat; "
+                             "e.g. --extra-server-arg=--thinker.factory.args.own_stream --extra-server-arg=true)")  # fmt: skip
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--prompts", nargs="+", choices=PROMPTS, default=list(PROMPTS))
     parser.add_argument(
@@ -679,6 +682,7 @@ def main() -> None:
             server_args = args.server_arg
             if server_args is None:
                 server_args = default_server_args(pool, config, torch.cuda.is_available())
+            server_args = [*server_args, *args.extra_server_arg]
             port = args.port or free_port()
             log = args.out_dir / "server.log"
             start = time.perf_counter()

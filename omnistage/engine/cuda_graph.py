@@ -22,11 +22,23 @@ on an H200, 83 ms per step eager vs 7.8 ms replayed at batch 1, and a 100-token 
 54.1 ms eager vs 18.9 ms with its tail replayed (benchmarks/results/engine_gpu.json). A
 prefill of a few tokens (a known voice's text after its cached prefix) is launch-bound
 the same way: 28 layers of small kernels whatever the token count.
+
+Capture (:func:`capturing`, also the vocoder arena's): one at a time in the process (a lock),
+in thread-local capture mode (other threads keep launching and waiting while one captures),
+each runner on a capture stream of its own. Why a stream of its own: torch keys the cuBLAS
+and cuBLASLt workspaces by (handle, stream) and a captured GEMM keeps the workspace's
+address, so every graph one thread captured on torch's shared default capture stream uses
+one workspace (pytorch/pytorch#193402); on one stream their replays run one after another,
+but two engines replaying on streams of their own (``EngineConfig.own_stream``) would run
+GEMMs on the same workspace at once (split-K partial sums, stream-K tile flags). A graph is
+replayed on the stream current at the call (the engine's), after the inputs written on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import threading
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -37,6 +49,24 @@ Outputs = tuple[torch.Tensor, torch.Tensor | None]  # frames [B, G] (a prefill: 
 DEFAULT_PREFILL_TOKENS = (16, 32, 64, 128)
 """Prefill buckets captured by default (tokens computed in one prefill): a known voice's
 text after its cached prefix is ~15 tokens, a whole short prompt up to ~100."""
+
+
+_CAPTURE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def capturing(
+    graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, stream: torch.cuda.Stream
+) -> Iterator[None]:
+    """Capture the block's work on ``stream`` into ``graph`` (memory from ``pool``; None: a
+    new pool), holding the process-wide capture lock: two captures at once would collide
+    (torch's entry to a capture synchronizes the device and empties the allocator's cache,
+    which fails while another capture is under way). Thread-local capture mode: only this
+    thread's calls are checked, so the other stages' threads go on launching, allocating and
+    waiting meanwhile (their streams are not the capture stream). ``stream``: one nothing
+    else launches on while it captures (a runner's own; the vocoder arena's, at start-up)."""
+    with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        yield
 
 
 def default_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -92,6 +122,7 @@ class CUDAGraphRunner:
         # the graphs write into these predictor caches: they must live as long as the graphs
         # (shared by the graphs of a bucket: they never run at the same time)
         self.frame_caches = {size: runner.model.new_frame_cache(size) for size in self.batch_sizes}
+        self.capture_stream = torch.cuda.Stream(spec.device)  # this runner's alone (module docstring)
         self._pool = None
         # largest first, as in nano-vllm; prefill graphs before the tails: a prefill's
         # hidden-layer states are read after its tail's replay, so no tail graph may have
@@ -182,10 +213,9 @@ class CUDAGraphRunner:
         step()  # warm-up: Triton compiles, cuBLAS picks kernels
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: a stage capturing a variant on first use while another stage's thread
-        # of the same process drives its own engine (the Omni thinker and talker) would
-        # otherwise make that thread's syncs fail the capture
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        # a variant on first use is captured while other stages' threads drive their engines
+        # (the Omni thinker and talker): capturing() takes the process's capture lock
+        with capturing(graph, self._pool, self.capture_stream):
             outputs = step()
         self._pool = graph.pool()
         self.graphs[(kind, size, sampling)] = (graph, outputs)

@@ -34,6 +34,22 @@ which requests share a batch differs, as under any continuous batching), each fr
 out a step later; the CPU tests check it token for token. Without overlap (the default on
 CPU) each step is resolved right after it ran.
 
+Own stream (``EngineConfig.own_stream``, CUDA only): the engine's device work (admission
+writes, prefills, steps, the frames' copy out) runs on a CUDA stream of its own instead of
+the caller's, so two engines of one process (the Qwen3-Omni thinker and talker, each on its
+stage's thread) run their steps at once instead of one after the other on one stream, and a
+step's wait is for the engine's own work only. Every hand-off between the streams is
+ordered (docs/engine.md, "Own stream"): a method that takes device tensors
+(:meth:`AREngine.add_request`, :meth:`AREngine.append_step_rows`) makes the engine's stream
+wait for the caller's current stream (an event: the work that made them) and records the
+tensors on the engine's stream (``record_stream``: the caching allocator does not reuse
+their memory until the engine's stream is past them); the hidden rows it hands out
+(``StepOutput.hidden``) are complete when they leave (their step's event was waited for)
+and are recorded on the caller's current stream, where their readers in this process run.
+The engine's CUDA graphs are captured on a stream of their own
+(:class:`~omnistage.engine.cuda_graph.CUDAGraphRunner`), one capture at a time in the
+process, and replayed on the engine's stream.
+
 If a step raises, every request of it (the launched batch, a prefill's decode and the step
 being resolved) ends with finish_reason ``"error"`` and frees its blocks before the
 exception propagates to the caller's batch boundary.
@@ -41,10 +57,12 @@ exception propagates to the caller's batch boundary.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +124,9 @@ class EngineConfig:
             inputs have ``cache_prompt`` (a known voice's reference prefix is computed
             once); registered blocks nobody holds are evicted when the pool needs them
             (:mod:`omnistage.engine.block_manager`).
+        own_stream: run the engine's device work on a CUDA stream of its own (the module
+            docstring; docs/engine.md, "Own stream"); off: the caller's current stream.
+            Ignored on CPU.
     """
 
     kv_cache_bytes: int | None = None
@@ -123,6 +144,7 @@ class EngineConfig:
     use_triton: bool | None = None
     overlap: bool | None = None
     prefix_caching: bool = True
+    own_stream: bool = False
 
     def __post_init__(self) -> None:
         tokens = self.cuda_graph_prefill_tokens
@@ -195,6 +217,7 @@ class AREngine:
         self.kv_blocks = BlockManager(self.cache.num_usable_blocks, config.block_size)
         self.row_blocks = BlockManager(math.ceil(config.num_step_rows / config.block_size), config.block_size)
         is_cuda = spec.device.type == "cuda"
+        self.stream = torch.cuda.Stream(spec.device) if is_cuda and config.own_stream else None
         self.overlap = is_cuda if config.overlap is None else config.overlap
         self.scheduler = BatchScheduler(
             self.kv_blocks, self.row_blocks, config.max_num_seqs, config.max_waiting,
@@ -211,6 +234,8 @@ class AREngine:
         if is_cuda and (sizes or prefill_tokens):
             with torch.no_grad():
                 self.graphs = CUDAGraphRunner(self.runner, sizes, config.graph_sampling, prefill_tokens)
+        if self.stream is not None:  # the pool and the slots' state were made on the caller's stream
+            self.stream.wait_stream(torch.cuda.current_stream(spec.device))
         self._in_flight: _InFlight | None = None
         self.prefix_hit_tokens = 0  # prompt tokens taken from the prefix cache, ever
 
@@ -246,7 +271,8 @@ class AREngine:
                 and step rows against ``max_model_len``); here they guard the engine.
             ValueError: ``request_id`` is already in the engine.
         """
-        seq = Sequence(request_id, inputs, time.monotonic() if now is None else now)
+        with self._taking(_input_tensors(inputs)):
+            seq = Sequence(request_id, inputs, time.monotonic() if now is None else now)
         self._validate(seq)
         self.scheduler.add(seq)
 
@@ -274,10 +300,11 @@ class AREngine:
             raise RequestValidationError(
                 f"step rows must be [K, {hidden}] floats, got {tuple(rows.shape)} {rows.dtype}", "step_rows"
             )
-        if seq.status is SequenceStatus.WAITING:
-            seq.pending_rows.append(rows)
-        else:
-            self._store_rows(seq, rows)
+        with self._taking((rows,)):
+            if seq.status is SequenceStatus.WAITING:
+                seq.pending_rows.append(rows)
+            else:
+                self._store_rows(seq, rows)
         return True
 
     def complete_step_rows(self, request_id: str) -> bool:
@@ -318,6 +345,26 @@ class AREngine:
         if rows.shape[0]:
             self.runner.write_rows(seq, seq.num_rows, rows)
             seq.num_rows += rows.shape[0]
+
+    @contextlib.contextmanager
+    def _taking(self, tensors: tuple[torch.Tensor, ...]) -> Iterator[None]:
+        """Run the block on the engine's device stream, ordered after the caller's current
+        stream's work so far (which made ``tensors``), with ``tensors`` recorded on the
+        engine's stream (kept from reuse until it is past them); without an own stream, on
+        the caller's."""
+        if self.stream is None:
+            yield
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for tensor in tensors:
+            if tensor.is_cuda:
+                tensor.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            yield
+
+    def _on_own_stream(self) -> contextlib.AbstractContextManager[object]:
+        """The engine's own stream as the current one (a no-op without one)."""
+        return torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
 
     def abort(self, request_id: str) -> None:
         """End a request now and free its blocks (unknown ids are ignored; idempotent).
@@ -374,9 +421,10 @@ class AREngine:
         batch = plan.batch
         ok = False
         try:
-            launched = self._launch(batch) if batch else None
-            # a prefill step's decode (overlap only), queued behind the prefill
-            follow = self._launch(ScheduledBatch("decode", batch.decode)) if batch and batch.decode else None
+            with self._on_own_stream():
+                launched = self._launch(batch) if batch else None
+                # a prefill step's decode (overlap only), queued behind the prefill
+                follow = self._launch(ScheduledBatch("decode", batch.decode)) if batch and batch.decode else None
             outputs = self._resolve(previous) if previous else []
             if launched is not None and self.overlap and batch.kind == "decode":
                 self._in_flight = launched
@@ -444,6 +492,11 @@ class AREngine:
     def _resolve(self, step: _InFlight) -> list[StepOutput]:
         if step.done is not None:
             step.done.synchronize()
+        if self.stream is not None:  # read by the caller's stream from here on (module docstring)
+            caller = torch.cuda.current_stream(self.device)
+            for rows in step.hidden:
+                if rows is not None:
+                    rows.record_stream(caller)
         outputs = []
         for i, (seq, code0) in enumerate(zip(step.seqs, step.codes[:, 0].tolist(), strict=True)):
             if seq.status is not SequenceStatus.RUNNING:  # aborted, or stopped a step ago
@@ -494,3 +547,12 @@ class AREngine:
             widths.append(inputs.prompt.shape[1])
         if any(w != spec.hidden_size for w in widths):
             raise RequestValidationError(f"embeddings must be {spec.hidden_size} wide, got {widths}", "prompt")
+
+
+def _input_tensors(inputs: GenerationInput) -> tuple[torch.Tensor, ...]:
+    """The tensors of a request's input the engine reads after :meth:`AREngine.add_request`
+    (:meth:`AREngine._taking` records the device ones on the engine's stream)."""
+    additions = inputs.hidden_additions
+    extra = (additions.rows, *additions.embeds) if additions is not None else ()
+    given = (inputs.prompt, inputs.step_rows, inputs.pad_embed, inputs.positions, *extra)
+    return tuple(t for t in given if t is not None)

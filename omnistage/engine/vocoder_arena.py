@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.engine.causal_vocoder import CarriedStateVocoder
+from omnistage.engine.cuda_graph import capturing
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT_CACHE_SIZE = 64  # left-context states kept (2.6 MB each at real dims, bf16)
@@ -358,7 +359,9 @@ class StreamingDecoderArena:
         """Record a CUDA graph per (batch bucket, chunk length), largest first, in one
         memory pool; later calls pad to the smallest bucket >= their batch and replay
         (other chunk lengths run eagerly). The buckets are :func:`graph_batch_buckets`, so
-        every batch up to ``num_slots`` has one. Call at start-up, before serving. Graphs
+        every batch up to ``num_slots`` has one. Call at start-up, before serving; captured
+        on the arena's stream, one capture at a time in the process
+        (:func:`~omnistage.engine.cuda_graph.capturing`). Graphs
         only read and write the scratch slot while capturing, so live streams are untouched.
 
         Raises:
@@ -382,7 +385,7 @@ class StreamingDecoderArena:
             for _ in range(2):  # warm-up outside the graph (kernel selection, workspaces)
                 self._decode_eager(slots, codes)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=self._stream):
+        with capturing(graph, pool, self._stream):  # the process's capture lock, thread-local mode
             audio = self._decode_eager(slots, codes)
         return _Graph(graph, codes, slots, audio)
 

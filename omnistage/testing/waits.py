@@ -1,11 +1,16 @@
 """Waiting in tests: for a condition to hold (polled, under a deadline, instead of a fixed
-sleep), and for a port nobody listens on (instead of a fixed one)."""
+sleep), for a port nobody listens on (instead of a fixed one), and what a wait that ran out
+reports: every thread's stack (:func:`thread_stacks`)."""
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import socket
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 
 POLL_S = 0.01
@@ -42,3 +47,15 @@ async def wait_until_async(predicate: Callable[[], object], timeout_s: float = 1
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} did not hold within {timeout_s:g} s")
         await asyncio.sleep(POLL_S)
+
+
+def thread_stacks() -> str:
+    """Every thread's stack of this process, as text for a failure message; also written at
+    once to the process's real stderr (past pytest's capture), so a run killed afterwards
+    (a hung device blocking the teardown) still shows them."""
+    faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
+    names = {thread.ident: thread.name for thread in threading.enumerate()}
+    return "\n".join(
+        f"--- thread {names.get(ident, ident)}\n{''.join(traceback.format_stack(frame))}"
+        for ident, frame in sys._current_frames().items()
+    )

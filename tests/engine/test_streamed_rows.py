@@ -13,6 +13,7 @@ from omnistage.engine.reference import reference_generate
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput
 from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
+from omnistage.testing.waits import thread_stacks
 
 DTYPE = torch.float64
 MULTI = ToyTalker(ToyARConfig(), DTYPE)
@@ -217,36 +218,50 @@ def test_cuda_graphs_and_overlap_with_waiting_requests_equal_the_reference(monke
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_two_engines_on_two_threads_with_rows_made_on_the_device_equal_the_reference(monkeypatch):
+@pytest.mark.parametrize("own_stream", [False, True], ids=["one_stream", "own_streams"])
+@pytest.mark.parametrize("built_here", [False, True], ids=["built_by_their_threads", "built_here"])
+def test_two_engines_on_two_threads_with_rows_made_on_the_device_equal_the_reference(
+    monkeypatch, own_stream, built_here
+):
     """Two engines of one process, each driven by its own thread (the Qwen3-Omni thinker and
     talker), with step rows made on the device by the feeding thread just before they are
-    appended: every request equals the reference loop."""
+    appended (fresh tensors, dropped once appended: the allocator may hand their memory out
+    again), on the caller's stream or each engine on its own (``own_stream``): every request
+    equals the reference loop. Built by their threads, the engines capture their graphs at
+    once (one capture at a time in the process); built here, one thread captured all of them
+    before either runs, as a pipeline's start-up does."""
     import threading
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = ToyTalker(ToyARConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16), torch.float32, "cuda")
     failures: list[BaseException] = []
 
+    def build() -> AREngine:
+        return AREngine(model, EngineConfig(kv_cache_bytes=16 << 20, max_num_seqs=8, max_model_len=256,
+                                            prefill_hold_ms=0.0, num_step_rows=1024, own_stream=own_stream))
+
+    engines = {name: build() for name in ("a", "b")} if built_here else {}
+
     def drive(name: str) -> None:
-        engine = AREngine(model, EngineConfig(kv_cache_bytes=16 << 20, max_num_seqs=8, max_model_len=256,
-                                              prefill_hold_ms=0.0, num_step_rows=1024))
-        full = {f"{name}{i}": whole(3 + i, 16, rows=5 + i, seed=40 + i, hidden=64, dtype=torch.float32) for i in range(4)}
-        device_rows = {rid: inputs.step_rows.to("cuda") for rid, inputs in full.items()}
-        for rid, inputs in full.items():
-            engine.add_request(rid, streamed(inputs, 0))
-        fed = dict.fromkeys(full, 0)
-        results, frames = {}, {}
-
-        def feed(step: int) -> None:
-            for rid, count in fed.items():
-                if count < device_rows[rid].shape[0]:
-                    # a fresh device tensor on this thread's stream, dropped once appended
-                    engine.append_step_rows(rid, device_rows[rid][count : count + 1] * 1.0)
-                    fed[rid] = count + 1
-                    if count + 1 == device_rows[rid].shape[0]:
-                        engine.complete_step_rows(rid)
-
         try:
+            engine = engines[name] if built_here else build()
+            assert (engine.stream is not None) == own_stream
+            full = {f"{name}{i}": whole(3 + i, 16, rows=5 + i, seed=40 + i, hidden=64, dtype=torch.float32) for i in range(4)}
+            device_rows = {rid: inputs.step_rows.to("cuda") for rid, inputs in full.items()}
+            for rid, inputs in full.items():
+                engine.add_request(rid, streamed(inputs, 0))
+            fed = dict.fromkeys(full, 0)
+            results, frames = {}, {}
+
+            def feed(step: int) -> None:
+                for rid, count in fed.items():
+                    if count < device_rows[rid].shape[0]:
+                        # a fresh device tensor on this thread's stream, dropped once appended
+                        engine.append_step_rows(rid, device_rows[rid][count : count + 1] * 1.0)
+                        fed[rid] = count + 1
+                        if count + 1 == device_rows[rid].shape[0]:
+                            engine.complete_step_rows(rid)
+
             drain(engine, results, frames, feed)
             for rid, inputs in full.items():
                 assert torch.equal(results[rid].codes.cpu(), reference_generate(model, inputs).codes.cpu()), rid
@@ -258,8 +273,25 @@ def test_two_engines_on_two_threads_with_rows_made_on_the_device_equal_the_refer
         thread.start()
     for thread in threads:
         thread.join(timeout=120)
-    assert not any(thread.is_alive() for thread in threads), "an engine thread did not finish"
+    if any(thread.is_alive() for thread in threads):
+        pytest.fail(f"an engine thread did not finish within 120 s; thread stacks:\n{thread_stacks()}")
     assert not failures, failures
+
+
+def test_own_stream_is_off_by_default_and_ignored_on_the_cpu():
+    """``own_stream`` asks for a CUDA stream of the engine's own: off unless asked, and on
+    the CPU there is no stream to take, so the engine runs as without it."""
+    assert EngineConfig().own_stream is False
+    engine = engine_for(own_stream=True)
+    assert engine.stream is None
+    inputs = whole(5, 8, rows=3, seed=5)
+    results, frames = {}, {}
+    engine.add_request("r", streamed(inputs, 1))
+    engine.append_step_rows("r", inputs.step_rows[1:])
+    engine.complete_step_rows("r")
+    drain(engine, results, frames)
+    assert torch.equal(results["r"].codes, reference_generate(MULTI, inputs).codes)
+    assert_nothing_held(engine)
 
 
 def run_capped(inputs, lowered_at: int, cap: int) -> tuple[list[torch.Tensor], str]:

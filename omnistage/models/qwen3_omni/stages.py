@@ -365,6 +365,7 @@ def engine_config(
     graph_sampling: tuple[tuple[SamplingParams, SamplingParams], ...],
     num_step_rows: int = EngineConfig.num_step_rows,
     mem_fraction_static: float = EngineConfig.mem_fraction_static,
+    own_stream: bool = False,
 ) -> EngineConfig:
     """The thinker's and the talker's engine config. With ``cuda_graphs`` (used on CUDA
     only) decode steps and prefill tails run as CUDA graphs per batch bucket (1, 2, 4, 8,
@@ -379,7 +380,12 @@ def engine_config(
     ``mem_fraction_static`` of the device memory free when the engine is built (the
     thinker's after every weight of its process; the talker's also after the thinker's
     pool and graphs when colocated). At real dimensions in bf16 a token takes 96 KiB in the
-    thinker and 20 KiB in the talker: 12 and 2.5 GiB at the defaults (16 x 8192)."""
+    thinker and 20 KiB in the talker: 12 and 2.5 GiB at the defaults (16 x 8192).
+    ``own_stream`` (CUDA only; ``EngineConfig.own_stream``): the engine's device work on a
+    CUDA stream of its own. Colocated, the thinker's and the talker's engines share one
+    device; on one stream their steps run one after the other and each step's wait also
+    waits for the other engine's queued kernels. Off by default until measured on the
+    device (docs/qwen3_omni.md, "Own streams")."""
     variants = tuple(
         StepSampling(SamplerFeatures.of([code0]), SamplerFeatures.of([predictor]))
         for code0, predictor in graph_sampling
@@ -388,7 +394,7 @@ def engine_config(
         kv_cache_bytes=kv_cache_bytes, mem_fraction_static=mem_fraction_static,
         max_model_len=max_model_len, max_num_seqs=max_num_seqs,
         prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=variants,
-        cuda_graph_prefill_tokens=None if cuda_graphs else (), num_step_rows=num_step_rows,
+        cuda_graph_prefill_tokens=None if cuda_graphs else (), num_step_rows=num_step_rows, own_stream=own_stream,
     )  # fmt: skip
 
 
@@ -429,10 +435,12 @@ def create_thinker_stage(
     max_model_len: int = MAX_MODEL_LEN,
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
+    own_stream: bool = False,
 ) -> ARScheduler:
     """The thinker on the AR engine; in a pipeline with a talker stage it returns the hidden
     states of layers 0 and ``accept_hidden_layer`` for audio requests (``return_hidden``).
-    ``cuda_graphs``, ``kv_cache_bytes``, ``mem_fraction_static``: see :func:`engine_config`."""
+    ``cuda_graphs``, ``kv_cache_bytes``, ``mem_fraction_static``, ``own_stream``: see
+    :func:`engine_config`."""
     model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format, language_parts(ctx))
     assert model.thinker is not None
     speaks = model.config.talker is not None and any(s.name == "talker" for s in ctx.pipeline.stages)
@@ -441,7 +449,7 @@ def create_thinker_stage(
     engine = AREngine(
         ThinkerEngineModel(model.thinker, layers),
         engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, thinker_graph_sampling(stop),
-                      mem_fraction_static=mem_fraction_static),
+                      mem_fraction_static=mem_fraction_static, own_stream=own_stream),
     )  # fmt: skip
     thinker = model.thinker
 
@@ -678,12 +686,13 @@ def create_talker_stage(
     talker_start_tokens: int = 2,
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
+    own_stream: bool = False,
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine, fed by the thinker's stream.
 
     Sampling: the request's :class:`TalkerSampling` (the reference's by default) and seed
     (:func:`talker_sampling_params`). ``cuda_graphs``, ``kv_cache_bytes``,
-    ``mem_fraction_static``: see :func:`engine_config`.
+    ``mem_fraction_static``, ``own_stream``: see :func:`engine_config`.
 
     Raises: ValueError: ``talker_start_tokens < 2``."""
     if talker_start_tokens < 2:
@@ -698,7 +707,7 @@ def create_talker_stage(
     engine = AREngine(
         TalkerEngineModel(talker),
         engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, talker_graph_sampling(talker),
-                      talker_step_rows(max_num_seqs), mem_fraction_static),
+                      talker_step_rows(max_num_seqs), mem_fraction_static, own_stream),
     )  # fmt: skip
     return ARScheduler(
         engine, stream_input=lambda request_id: TalkerFeed(model, embed, talker_start_tokens)

@@ -10,9 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from omnistage.config.hooks import factory_args
+from omnistage.config.overrides import resolve_config
 from omnistage.engine.model_runner import StepSampling
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput, Sequence
+from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
 from omnistage.models.qwen3_omni.modeling.model import load_model
 from omnistage.models.qwen3_omni.payload_types import OmniSampling, TalkerSampling
 from omnistage.models.qwen3_omni.request_builders import talker_sampling_of
@@ -62,3 +65,20 @@ def test_talker_requests_find_their_graph_variant(
 def test_graphs_off_is_no_buckets() -> None:
     config = engine_config(4, 1 << 20, 64, False, thinker_graph_sampling(7))
     assert config.cuda_graph_batch_sizes == ()
+
+
+def test_own_stream_is_off_unless_asked_and_reaches_the_engine_config() -> None:
+    """The stages' ``own_stream`` knob (off by default until measured: docs/qwen3_omni.md)."""
+    assert engine_config(4, 1 << 20, 64, True, thinker_graph_sampling(7)).own_stream is False
+    config = engine_config(4, 1 << 20, 64, True, thinker_graph_sampling(7), own_stream=True)
+    assert config.own_stream is True
+
+
+def test_own_stream_is_a_thinker_and_talker_knob_of_the_pipeline(omni_tiny_checkpoint: Path) -> None:
+    """``--thinker.factory.args.own_stream true`` and the talker's are taken (checked against
+    the factories' parameters) and reach the stages' factory args as booleans."""
+    config = Qwen3OmniPipelineConfig.for_model_path(str(omni_tiny_checkpoint), load_format="dummy")
+    cli = [("thinker.factory.args.own_stream", "true"), ("talker.factory.args.own_stream", "true")]
+    stages = {stage.name: stage for stage in resolve_config(config, None, cli).config.stages}
+    for name in ("thinker", "talker"):
+        assert factory_args(stages[name])["own_stream"] is True
