@@ -48,6 +48,18 @@ decoding there), ``check`` (``check_reference``) and ``resample``.
 
     python benchmarks/host_cost.py --prepare --config before /tmp/before --config after . \\
       --output /tmp/prepare_cost.json
+
+``--prompt``: the preprocessing stage's talker prompt alone (``PromptBuilder``, on the
+tiny random Base and CustomVoice checkpoints, fp32, one torch thread), per ``--config``
+tree as for ``--prepare``: thread CPU microseconds per prompt and the aten ops one prompt
+dispatches (views and no-op ``to`` s included, each other op a kernel launch on CUDA; a
+CPU run cannot show the waits of blocking copies on a busy CUDA stream), for the served
+modes' defaults: ``icl`` (the voice clone of the GPU run: its texts, a 3 s reference's 38
+frames of codes, streaming text), ``x_vector`` (streaming text) and ``custom_voice``
+(voice aiden, whole text), each built again and again (the same voice).
+
+    python benchmarks/host_cost.py --prompt --config before /tmp/before --config after . \\
+      --output /tmp/prompt_cost.json
 """
 
 from __future__ import annotations
@@ -252,6 +264,16 @@ def prepare_worker(iterations: int, fresh_iterations: int) -> dict:
             "fresh_iterations": fresh_iterations, "forms": forms}  # fmt: skip
 
 
+def worker_run(root: str, *args: str) -> dict:
+    """This script with ``args`` (a worker's flags) in a process importing the tree at
+    ``root``, run in ``root`` (the decoder workers, ``python -m``, import the tree of their
+    directory): its JSON."""
+    env = {**os.environ, "PYTHONPATH": str(Path(root).resolve())}
+    cmd = [sys.executable, str(Path(__file__).resolve()), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=Path(root).resolve())
+    return json.loads(done.stdout)
+
+
 def prepare_cost(configs: list[tuple[str, str]], iterations: int, fresh_iterations: int, rounds: int) -> dict:
     """``--prepare``: each configuration's :func:`prepare_worker` in a process importing
     its tree, ``rounds`` times alternating; per form the median of the rounds' totals and
@@ -259,12 +281,8 @@ def prepare_cost(configs: list[tuple[str, str]], iterations: int, fresh_iteratio
     runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
     for _ in range(rounds):
         for name, root in configs:
-            env = {**os.environ, "PYTHONPATH": str(Path(root).resolve())}
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--prepare-worker", "--iterations", str(iterations),
-                   "--fresh-iterations", str(fresh_iterations)]  # fmt: skip
-            # in ROOT: the decoder workers (``python -m``) import the tree of their directory
-            done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env, cwd=Path(root).resolve())
-            runs[name].append(json.loads(done.stdout))
+            flags = ("--prepare-worker", "--iterations", str(iterations), "--fresh-iterations", str(fresh_iterations))
+            runs[name].append(worker_run(root, *flags))
 
     def median(values: list[float]) -> float:
         return sorted(values)[len(values) // 2]
@@ -302,14 +320,92 @@ def print_prepare(report: dict) -> None:
         print(f"{name:<10} {row['wall_us']:>9.1f} " + " ".join(f"{c:>9.1f}" for c in cells))
 
 
+PROMPT_MODES = ("icl", "x_vector", "custom_voice")
+REF_FRAMES = 38  # a 3 s reference clip's codes (12.5 frames per second)
+
+
+def prompt_worker(iterations: int) -> dict:
+    """In this process (its ``omnistage`` is the tree under test): mean thread CPU
+    microseconds per talker prompt of each mode, and the aten ops one prompt dispatches
+    (after the first of its kind)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import omnistage
+    from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder
+    from omnistage.models.qwen3_tts.modeling.weights import load_checkpoint
+    from omnistage.models.qwen3_tts.random_checkpoint import write_model_files
+
+    class Ops(TorchDispatchMode):  # its own: a tree under test need not have omnistage.testing's
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        loaded = {t: load_checkpoint(write_model_files(Path(tmp) / t, "tiny", t, seed=0)) for t in ("base", "custom_voice")}
+    base, custom = (PromptBuilder(ck.model.talker, ck.config, ck.tokenizer) for ck in loaded.values())
+    generator = torch.Generator().manual_seed(0)
+    x_vector = torch.randn(base.config.talker.decoder.hidden_size, generator=generator)
+    codes = torch.randint(0, 2048, (REF_FRAMES, base.config.talker.num_code_groups), generator=generator)
+    builds = {
+        "icl": lambda: base.voice_clone(TEXT, x_vector, "english", REF_TEXT, codes),
+        "x_vector": lambda: base.voice_clone(TEXT, x_vector, "english"),
+        "custom_voice": lambda: custom.custom_voice(TEXT, "aiden", "english"),
+    }
+    modes = {}
+    with torch.inference_mode():  # as the preprocessing stage builds them
+        for mode in PROMPT_MODES:
+            for _ in range(max(20, iterations // 10)):
+                builds[mode]()
+            with Ops() as ops:
+                builds[mode]()
+            t0 = time.thread_time_ns()
+            for _ in range(iterations):
+                builds[mode]()
+            modes[mode] = {"us": round((time.thread_time_ns() - t0) / iterations / 1e3, 1), "ops": ops.count}
+    return {"omnistage": str(Path(omnistage.__file__).parent.parent), "iterations": iterations, "modes": modes}
+
+
+def prompt_cost(configs: list[tuple[str, str]], iterations: int, rounds: int) -> dict:
+    """``--prompt``: each configuration's :func:`prompt_worker` in a process importing its
+    tree, ``rounds`` times alternating; per mode the median of the rounds' microseconds."""
+    runs: dict[str, list[dict]] = {name: [] for name, _ in configs}
+    for _ in range(rounds):
+        for name, root in configs:
+            runs[name].append(worker_run(root, "--prompt-worker", "--iterations", str(iterations)))
+    table = {}
+    for name, mine in runs.items():
+        modes = {}
+        for mode in PROMPT_MODES:
+            times = sorted(r["modes"][mode]["us"] for r in mine)
+            modes[mode] = {"us": times[len(times) // 2], "rounds_us": times, "ops": mine[0]["modes"][mode]["ops"]}
+        table[name] = {"omnistage": mine[0]["omnistage"], "modes": modes}
+    return {"iterations": iterations, "rounds": rounds, "configs": table}
+
+
+def print_prompt(report: dict) -> None:
+    print(f"{'mode':<13} {'config':<10} {'us/prompt':>10} {'aten ops':>9}")
+    for mode in PROMPT_MODES:
+        for name, row in report["configs"].items():
+            cell = row["modes"][mode]
+            print(f"{mode:<13} {name:<10} {cell['us']:>10.1f} {cell['ops']:>9}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prepare", action="store_true", help="time SpeechServer.prepare by part per --config (no server)")
     parser.add_argument("--prepare-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--config", nargs=2, action="append", metavar=("NAME", "ROOT"), help="--prepare: a source tree")
-    parser.add_argument("--iterations", type=int, default=2000, help="--prepare: prepares timed per form and round")
+    parser.add_argument("--prompt", action="store_true", help="time PromptBuilder's prompts by mode per --config (no server)")
+    parser.add_argument("--prompt-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", nargs=2, action="append", metavar=("NAME", "ROOT"), help="--prepare, --prompt: a source tree")
+    parser.add_argument("--iterations", type=int, default=2000, help="--prepare, --prompt: timed per form or mode and round")
     parser.add_argument("--fresh-iterations", type=int, default=40, help="--prepare: fresh-reference prepares per round")
-    parser.add_argument("--rounds", type=int, default=3, help="--prepare: rounds, alternating the configurations")
+    parser.add_argument("--rounds", type=int, default=3, help="--prepare, --prompt: rounds, alternating the configurations")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--frames", type=int, default=60)
@@ -319,6 +415,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.prepare_worker:
         print(json.dumps(prepare_worker(args.iterations, args.fresh_iterations)))
+        return
+    if args.prompt_worker:
+        print(json.dumps(prompt_worker(args.iterations)))
+        return
+    if args.prompt:
+        report = prompt_cost([tuple(c) for c in args.config or [("this", ".")]], args.iterations, args.rounds)
+        print_prompt(report)
+        if args.output:
+            args.output.write_text(json.dumps(report, indent=2))
         return
     if args.prepare:
         report = prepare_cost([tuple(c) for c in args.config or [("this", ".")]], args.iterations, args.fresh_iterations, args.rounds)

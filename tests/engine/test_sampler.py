@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.engine.sampler import (
     SamplerFeatures,
@@ -11,6 +10,7 @@ from omnistage.engine.sampler import (
     sample,
     uniform_noise,
 )
+from omnistage.testing.host_syncs import DispatchedOps
 
 V = 8
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, 0.2])
@@ -95,18 +95,6 @@ def test_params_beyond_float32_are_rejected_before_they_reach_a_batch():
             SamplingParams(**bad)
 
 
-class DispatchedOps(TorchDispatchMode):
-    """The names of the aten ops dispatched inside it (``aten.fill_.Scalar``, ...)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: set[str] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.add(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 def test_a_row_is_set_by_fills_of_host_values_alone():
     """Admission writes a slot's sampling row without waiting for the device: a one-element
     ``t[row] = x`` copies a host scalar in (``aten.copy_``) and a list-indexed write uploads
@@ -119,7 +107,7 @@ def test_a_row_is_set_by_fills_of_host_values_alone():
                             stop_token_ids=(1, 6), suppress_ranges=((2, 4),), seed=11)  # fmt: skip
     with DispatchedOps() as ops:
         batch.set_row(1, params)
-    assert ops.names <= {"aten.select.int", "aten.slice.Tensor", "aten.fill_.Scalar"}, ops.names
+    assert set(ops.names) <= {"aten.select.int", "aten.slice.Tensor", "aten.fill_.Scalar"}, ops.names
     floats = torch.stack([batch.temperature, batch.top_p, batch.repetition_penalty])[:, 1]
     assert torch.equal(floats, torch.tensor([0.7, 0.9, 1.1], dtype=torch.float32))
     ints = (batch.top_k[1], batch.min_new_tokens[1], batch.seed[1], batch.num_generated[1])

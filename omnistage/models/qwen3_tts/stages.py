@@ -6,8 +6,11 @@ preprocessing -> tts_engine -> vocoder.
   clips of concurrent requests in one batch, cached by content.
 - ``preprocessing`` (threaded, 8 workers): the typed request -> the talker prompt (a
   :class:`TalkerStart`: the whole :class:`~omnistage.engine.sequence.GenerationInput`, or
-  for a request whose text is still arriving the prompt before its text). It also streams the vocoder its setup (first chunk size, the ICL reference codes as left
-  context, stream or not) at once, so the vocoder is ready before the first frame.
+  for a request whose text is still arriving the prompt before its text), built without
+  waiting for the device: the workers launch on the CUDA stream the engine's steps are
+  queued on (:class:`~.modeling.prompt.PromptBuilder`). It also streams the vocoder its
+  setup (first chunk size, the ICL reference codes as left context, on the host, stream or
+  not) at once, so the vocoder is ready before the first frame.
 - ``tts_engine`` (the AR engine): one frame of 16 codes per step, each streamed to the
   vocoder as it exists; the client's text of a live request enters here while it runs
   (:mod:`.live_text`); its result (a summary: the frames travelled already) becomes the

@@ -8,7 +8,6 @@ import hashlib
 import io
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,17 +27,6 @@ FIXTURE = Path(__file__).parent / "fixtures" / "thinker_talker_reference.safeten
 SEED = 0  # the seed the fixture's checkpoint was written with
 REL_TOL = 1e-4
 CASES = ["text", "image", "audio", "video", "image_audio_video", "audio_in_video"]
-
-
-@contextmanager
-def no_host_syncs() -> Iterator[None]:
-    """torch's CUDA sync debug mode ``"error"`` inside: it raises at the first blocking copy,
-    ``.item()`` / ``.tolist()`` / ``.cpu()`` of a device tensor or ``nonzero`` on the device."""
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @dataclass

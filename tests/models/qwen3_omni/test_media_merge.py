@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from omni_fixtures import no_host_syncs
 from PIL import Image
 
 from omnistage.core.messages import StagePayload
@@ -25,6 +24,7 @@ from omnistage.models.qwen3_omni.payload_types import OmniSampling, Qwen3OmniReq
 from omnistage.models.qwen3_omni.processing import ChatMessage, ChatPart
 from omnistage.models.qwen3_omni.stages import thinker_merge
 from omnistage.pipeline.stage import build_scheduler
+from omnistage.testing.host_syncs import no_host_syncs
 
 
 @pytest.fixture(scope="module")

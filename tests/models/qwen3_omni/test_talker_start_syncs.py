@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from omni_fixtures import no_host_syncs
 
 from omnistage.core.messages import StreamChunk
 from omnistage.engine.engine import AREngine
@@ -29,6 +28,7 @@ from omnistage.models.qwen3_omni.stages import (
     talker_step_rows,
 )
 from omnistage.scheduling.ar import FrameWithHidden
+from omnistage.testing.host_syncs import no_host_syncs
 
 pytestmark = [
     pytest.mark.gpu,

@@ -25,12 +25,16 @@ does ([:3] role, [3:-5] text; reference text [3:-2]).
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from omnistage.engine.model_runner import upload
 from omnistage.models.qwen3_tts.modeling.config import Qwen3TTSConfig
 from omnistage.models.qwen3_tts.modeling.talker import Talker
 
@@ -40,6 +44,14 @@ AUTO = "auto"
 REF_TEXT_CACHE_SIZE = 256
 """Reference transcripts whose ids :class:`PromptTokens` keeps (each at most the input cap
 of 2000 characters: about 1 MB of text and ids at worst)."""
+ROLE_CACHE_SIZE = 16
+"""Roles whose rows :class:`PromptBuilder` keeps (3 rows each). A role is
+``<|im_start|>assistant`` and the token its newline becomes, which the text's first
+characters can change (a text starting with a newline merges with it)."""
+REF_CODES_CACHE_SIZE = 64
+"""ICL references whose codec rows :class:`PromptBuilder` keeps, least recently used out
+first (``[1 + R, H]`` each: 80 KB for a 3 s reference at the 0.6B's H = 1024 in bf16, 0.8 MB
+for the longest, 30 s, R = 375)."""
 
 
 @dataclass(frozen=True)
@@ -51,7 +63,8 @@ class TalkerPrompt:
         step_rows: ``[M, H]`` text rows added to decode steps 0..M-1 (M may be 0).
         tts_pad: ``[H]`` text row added to every decode step from M on.
         ref_codes: ICL only: ``[R, 16] int64`` reference frames to prepend to the generated
-            codes before the vocoder (and drop from its audio); else ``None``.
+            codes before the vocoder (and drop from its audio), the tensor given (the
+            reference encoder's are on the host, where the vocoder hashes them); else ``None``.
     """
 
     prefill: torch.Tensor
@@ -171,7 +184,7 @@ class PromptHead:
         non_streaming_mode: the whole text goes into the prefill.
         ref_ids: ICL: the reference transcript's token ids; else None.
         icl_codec: ICL: ``[1 + R, H]`` ``C(codec_bos)`` then the reference frames' sums; else None.
-        ref_codes: ICL: ``[R, 16] int64`` the reference frames; else None.
+        ref_codes: ICL: ``[R, 16] int64`` the reference frames, the tensor given; else None.
     """
 
     instructions: tuple[torch.Tensor, ...]
@@ -203,6 +216,20 @@ class PromptHead:
         return max(0, self.icl_codec.shape[0] - len(self.ref_ids))
 
 
+@dataclass(frozen=True)
+class _Specials:
+    """The rows of the special ids, the same in every prompt (``[H]`` each; ``text_end``
+    ``[2, H]``: non-streaming text's last two rows, ``T(tts_eos) + C(codec_pad)`` and
+    ``T(tts_pad) + C(codec_bos)``)."""
+
+    tts_pad: torch.Tensor
+    tts_bos: torch.Tensor
+    tts_eos: torch.Tensor
+    codec_pad: torch.Tensor
+    codec_bos: torch.Tensor
+    text_end: torch.Tensor
+
+
 class PromptBuilder:
     """Builds :class:`TalkerPrompt` s for one loaded checkpoint.
 
@@ -214,10 +241,27 @@ class PromptBuilder:
     Every method raises ``ValueError`` for input the checkpoint cannot serve: empty text, a
     mode the model type lacks, an unknown language or speaker, a missing instructions
     (VoiceDesign) or an incomplete ICL reference.
+
+    No method waits for the device (the preprocessing workers launch on the CUDA stream
+    the engine's steps are queued on, where a blocking copy waits for all of them): token
+    ids and host tensors go up through pinned memory
+    (:func:`~omnistage.engine.model_runner.upload`): a prompt's text ids (after an ICL
+    transcript's) in one copy, instructions in one more. Rows that depend on the
+    checkpoint alone are made on first use and kept: the special ids' rows, each
+    language's codec prefix (with a CustomVoice speaker's row), each role's rows
+    (:data:`ROLE_CACHE_SIZE`); so are an ICL reference's codec rows, by the content of its
+    codes (:data:`REF_CODES_CACHE_SIZE`). A kept row is what the same ops on the same ids
+    made, so a prompt is what it would be without them. Thread-safe: a race makes the same
+    rows twice and keeps one.
     """
 
     def __init__(self, talker: Talker, config: Qwen3TTSConfig, tokenizer: PreTrainedTokenizerBase) -> None:
         self.talker, self.config, self.tokens = talker, config, PromptTokens(config, tokenizer)
+        self._specials_kept: _Specials | None = None
+        self._codec_kept: dict[tuple[int | None, int | None], torch.Tensor] = {}  # (language id, speaker id)
+        self._role_rows = lru_cache(maxsize=ROLE_CACHE_SIZE)(self._embed_role)  # thread-safe
+        self._references: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._references_lock = threading.Lock()
 
     # -- public modes --------------------------------------------------------------------
 
@@ -243,8 +287,9 @@ class PromptBuilder:
         non_streaming_mode: bool = False,
     ) -> TalkerPrompt:
         """Base: x-vector-only (``ref_text`` and ``ref_codes`` both ``None``) or ICL (both
-        given: ``ref_codes [R, 16] int64`` from the speech tokenizer's encoder, ``ref_text``
-        its transcript). ``x_vector``: ``[H]`` from the speaker encoder."""
+        given: ``ref_codes [R, 16] int64`` from the speech tokenizer's encoder, on the host
+        (kept by content; a device tensor is embedded every time), ``ref_text`` its
+        transcript). ``x_vector``: ``[H]`` from the speaker encoder."""
         return self.whole(self.voice_clone_head(x_vector, language, ref_text, ref_codes, non_streaming_mode), text)
 
     # -- heads: a prompt up to its target text -----------------------------------------
@@ -261,8 +306,7 @@ class PromptBuilder:
         if instructions and self.config.tts_model_size == "0b6":
             raise ValueError("instructions are not supported by 0.6B CustomVoice models")
         language_id = self.tokens.language_id(language, name)
-        speaker_row = self.talker.codec_embed(self._ids([talker.spk_id[name]]))[0]
-        return self._head(language_id, speaker_row, instructions or None, non_streaming_mode)
+        return self._head(language_id, talker.spk_id[name], instructions or None, non_streaming_mode)
 
     def voice_design_head(self, instructions: str, language: str = AUTO, non_streaming_mode: bool = True) -> PromptHead:
         """:meth:`voice_design`'s prompt before its text."""
@@ -289,15 +333,15 @@ class PromptBuilder:
         hidden = self.config.talker.decoder.hidden_size
         if x_vector.shape != (hidden,):
             raise ValueError(f"x_vector must be [{hidden}], got {tuple(x_vector.shape)}")
-        speaker_row = x_vector.to(self._device, self._dtype)
-        icl = None if ref_codes is None else (ref_text, ref_codes.to(self._device, torch.int64))
+        speaker_row = upload(x_vector, self._device).to(self._dtype)
+        icl = None if ref_codes is None else (ref_text, ref_codes)
         return self._head(self.tokens.language_id(language), speaker_row, None, non_streaming_mode, icl)
 
     # -- the target text ----------------------------------------------------------------
 
     def text_rows(self, ids: list[int]) -> torch.Tensor:
-        """``[len(ids), H]`` text-track rows ``T(ids)``."""
-        return self.talker.text_embed(self._ids(ids))
+        """``[len(ids), H]`` text-track rows ``T(ids)`` (the ids go up without a wait)."""
+        return self.talker.text_embed(upload(ids, self._device))
 
     def whole(self, head: PromptHead, text: str) -> TalkerPrompt:
         """``head`` with the whole ``text``."""
@@ -325,28 +369,31 @@ class PromptBuilder:
             raise ValueError(f"the prompt needs {needed or 'all'} text tokens before it starts, got {len(ids)}")
         eos = head.tts_eos[None] if complete else head.tts_eos[None][:0]
         pad_row = head.tts_pad
-        parts = [*head.instructions, self.text_rows(role_ids), head.codec_rows]
+        parts = [*head.instructions, self._role_rows(tuple(role_ids)), head.codec_rows]
         trailing = pad_row[None][:0]
         if head.icl_codec is not None:
             assert head.ref_ids is not None
-            text_rows = torch.cat((self.text_rows(head.ref_ids + ids), eos))
+            text = self.text_rows(head.ref_ids + ids)  # the transcript's and the text's rows
             codec_rows_icl = head.icl_codec
-            n_text, n_codec = text_rows.shape[0], codec_rows_icl.shape[0]
-            if head.non_streaming_mode:
-                pads = head.codec_pad.expand(n_text, -1)
-                parts += [text_rows + pads, codec_rows_icl + pad_row]
+            n_text, n_codec = text.shape[0] + eos.shape[0], codec_rows_icl.shape[0]
+            if head.non_streaming_mode:  # complete: eos is there
+                end = self._specials().text_end[:1]  # T(tts_eos) + C(pad)
+                parts += [text + head.codec_pad, end, codec_rows_icl + pad_row]
             elif n_text > n_codec or not complete:
+                text_rows = torch.cat((text, eos))
                 parts.append(text_rows[:n_codec] + codec_rows_icl)
                 trailing = text_rows[n_codec:]
             else:
-                padded = torch.cat((text_rows, pad_row.expand(n_codec - n_text, -1)))
+                padded = torch.cat((text, eos, pad_row.expand(n_codec - n_text, -1)))
                 parts.append(padded + codec_rows_icl)
         elif head.non_streaming_mode:
-            text_rows = torch.cat((self.text_rows(ids), eos))
-            parts += [text_rows + head.codec_pad, (pad_row + head.codec_bos)[None]]
+            parts += [self.text_rows(ids) + head.codec_pad, self._specials().text_end]
         else:
-            parts.append(self.text_rows(ids[:1]) + head.codec_bos)
-            trailing = torch.cat((self.text_rows(ids[1:]), eos))
+            # the first row alone, as a live text's prompt must make it (its other ids may
+            # not exist yet; a matmul's rows can round differently by how many it has)
+            uploaded = upload(ids, self._device)
+            parts.append(self.talker.text_embed(uploaded[:1]) + head.codec_bos)
+            trailing = torch.cat((self.talker.text_embed(uploaded[1:]), eos))
         return TalkerPrompt(prefill=torch.cat(parts), step_rows=trailing, tts_pad=pad_row, ref_codes=head.ref_codes)
 
     # -- construction --------------------------------------------------------------------
@@ -363,42 +410,84 @@ class PromptBuilder:
         if self.config.tts_model_type != model_type:
             raise ValueError(f"this is a {self.config.tts_model_type} model; {model_type} prompts need a {model_type} checkpoint")
 
-    def _ids(self, ids: list[int]) -> torch.Tensor:
-        return torch.tensor(ids, dtype=torch.int64, device=self._device)
-
     @torch.no_grad()
     def _head(
         self,
         language_id: int | None,
-        speaker_row: torch.Tensor | None,
+        speaker: int | torch.Tensor | None,
         instructions: str | None,
         non_streaming_mode: bool,
         icl: tuple[str, torch.Tensor] | None = None,
     ) -> PromptHead:
-        cfg, t = self.config, self.config.talker
-        T, C = self.talker.text_embed, self.talker.codec_embed
-        pad_row, bos_row, eos_row = T(self._ids([cfg.tts_pad_id, cfg.tts_bos_id, cfg.tts_eos_id]))
-
-        if language_id is None:
-            prefix = [t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id]
-        else:
-            prefix = [t.codec_think_id, t.codec_think_bos_id, language_id, t.codec_think_eos_id]
-        codec_rows = [C(self._ids(prefix))]
-        if speaker_row is not None:
-            codec_rows.append(speaker_row[None])
-        codec_rows.append(C(self._ids([t.codec_pad_id, t.codec_bos_id])))
-        codec = torch.cat(codec_rows)
-        text_track = torch.cat((pad_row.expand(codec.shape[0] - 2, -1), bos_row[None]))
-        instruction_rows = () if instructions is None else (
-            T(self._ids(self.tokens.instructions(instructions))),
-        )
+        """``speaker``: a CustomVoice speaker id, a Base x-vector row ``[H]`` or None."""
+        specials = self._specials()
+        instruction_rows = () if instructions is None else (self.text_rows(self.tokens.instructions(instructions)),)
         ref_ids = icl_codec = ref_codes = None
         if icl is not None:
             ref_text, ref_codes = icl
             ref_ids = self.tokens.ref_text(ref_text)
-            icl_codec = torch.cat((C(self._ids([t.codec_bos_id])), self.talker.frame_embedding(ref_codes)))
+            icl_codec = self._reference_rows(ref_codes)
         return PromptHead(
-            instructions=instruction_rows, codec_rows=text_track + codec[:-1], codec_bos=codec[-1], codec_pad=C(self._ids([t.codec_pad_id]))[0],
-            tts_pad=pad_row, tts_eos=eos_row, non_streaming_mode=non_streaming_mode,
+            instructions=instruction_rows, codec_rows=self._codec_rows(language_id, speaker),
+            codec_bos=specials.codec_bos, codec_pad=specials.codec_pad, tts_pad=specials.tts_pad,
+            tts_eos=specials.tts_eos, non_streaming_mode=non_streaming_mode,
             ref_ids=ref_ids, icl_codec=icl_codec, ref_codes=ref_codes,
         )  # fmt: skip
+
+    def _specials(self) -> _Specials:
+        if self._specials_kept is None:
+            cfg, t = self.config, self.config.talker
+            text = self.talker.text_embed(upload([cfg.tts_pad_id, cfg.tts_bos_id, cfg.tts_eos_id], self._device))
+            codec = self.talker.codec_embed(upload([t.codec_pad_id, t.codec_bos_id], self._device))
+            text_end = torch.stack((text[2] + codec[0], text[0] + codec[1]))
+            self._specials_kept = _Specials(*text, *codec, text_end)
+        return self._specials_kept
+
+    def _codec_rows(self, language_id: int | None, speaker: int | torch.Tensor | None) -> torch.Tensor:
+        """``[C, H]`` the rows after the role: the codec prefix (``language_id``: its
+        layout), the speaker and ``codec_pad``, each with ``tts_pad`` but the last, with
+        ``tts_bos`` (``C(codec_bos)`` is the text's first row's). Kept unless ``speaker`` is
+        an x-vector, which goes between the kept rows of no speaker."""
+        key = (language_id, speaker if isinstance(speaker, int) else None)
+        rows = self._codec_kept.get(key)
+        if rows is None:
+            rows = self._codec_kept[key] = self._embed_codec_rows(*key)
+        if isinstance(speaker, torch.Tensor):
+            rows = torch.cat((rows[:-1], (self._specials().tts_pad + speaker)[None], rows[-1:]))
+        return rows
+
+    def _embed_codec_rows(self, language_id: int | None, speaker_id: int | None) -> torch.Tensor:
+        t, specials = self.config.talker, self._specials()
+        if language_id is None:
+            prefix = [t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id]
+        else:
+            prefix = [t.codec_think_id, t.codec_think_bos_id, language_id, t.codec_think_eos_id]
+        ids = [*prefix, *([] if speaker_id is None else [speaker_id]), t.codec_pad_id]
+        codec = self.talker.codec_embed(upload(ids, self._device))
+        return torch.cat((specials.tts_pad.expand(len(ids) - 1, -1), specials.tts_bos[None])) + codec
+
+    def _embed_role(self, role_ids: tuple[int, ...]) -> torch.Tensor:
+        return self.text_rows(list(role_ids))
+
+    def _reference_rows(self, ref_codes: torch.Tensor) -> torch.Tensor:
+        """``[1 + R, H]``: ``C(codec_bos)`` then the frame sums of ``ref_codes [R, 16]``;
+        kept by the codes' content when they are on the host."""
+        if ref_codes.device.type != "cpu":  # its content is not known without a wait
+            return self._embed_reference(ref_codes)
+        host = ref_codes.to(torch.int64).contiguous()
+        key = hashlib.sha256(host.numpy().tobytes() + str(tuple(host.shape)).encode()).hexdigest()
+        with self._references_lock:
+            rows = self._references.get(key)
+            if rows is not None:
+                self._references.move_to_end(key)
+                return rows
+        rows = self._embed_reference(host)
+        with self._references_lock:
+            self._references[key] = rows
+            while len(self._references) > REF_CODES_CACHE_SIZE:
+                self._references.popitem(last=False)
+        return rows
+
+    def _embed_reference(self, ref_codes: torch.Tensor) -> torch.Tensor:
+        codes = upload(ref_codes.to(torch.int64), self._device)
+        return torch.cat((self._specials().codec_bos[None], self.talker.frame_embedding(codes)))
