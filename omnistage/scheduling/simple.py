@@ -20,6 +20,9 @@ class SimpleScheduler(Scheduler):
             alone. If ``compute`` raises, the whole batch fails.
         max_batch_size: most payloads per call (>= 1).
         max_batch_wait_ms: how long to hold a partial batch for more arrivals.
+        waits_for: whether a payload is worth holding its batch open for (e.g. not one a
+            cache answers at once); a batch none of whose payloads is takes only what has
+            already arrived. None: every payload is.
         release_callback: see :class:`Scheduler`.
     """
 
@@ -29,6 +32,7 @@ class SimpleScheduler(Scheduler):
         max_batch_size: int = 1,
         max_batch_wait_ms: float = 0.0,
         release_callback: Callable[[str], None] | None = None,
+        waits_for: Callable[[StagePayload], bool] | None = None,
     ) -> None:
         super().__init__(release_callback)
         if max_batch_size < 1:
@@ -36,6 +40,7 @@ class SimpleScheduler(Scheduler):
         self.compute = compute
         self.max_batch_size = max_batch_size
         self.max_batch_wait_s = max_batch_wait_ms / 1000.0
+        self.waits_for = waits_for
         self._pending: list[StagePayload] = []
 
     def live_requests(self) -> set[str]:
@@ -49,7 +54,7 @@ class SimpleScheduler(Scheduler):
             self._accept(message)
             deadline = time.monotonic() + self.max_batch_wait_s
             while len(self._pending) < self.max_batch_size:
-                timeout = deadline - time.monotonic()
+                timeout = deadline - time.monotonic() if self._holds_open() else 0.0
                 try:
                     message = self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
                 except queue.Empty:
@@ -60,6 +65,10 @@ class SimpleScheduler(Scheduler):
             if self._pending:
                 batch, self._pending = self._pending[: self.max_batch_size], self._pending[self.max_batch_size :]
                 self._compute(batch)
+
+    def _holds_open(self) -> bool:
+        """Whether the pending batch waits for more arrivals (until its deadline)."""
+        return self.waits_for is None or any(self.waits_for(p) for p in self._pending)
 
     def _accept(self, message: StageInput) -> None:
         if isinstance(message, StagePayload):

@@ -158,3 +158,39 @@ def test_the_cache_is_keyed_by_the_given_content_keys():
     [again] = encoder.encode([clip(1)], ["a" * 64])
     [other_key] = encoder.encode([clip(1)], ["b" * 64])
     assert again is first and other_key is not first and codec.batches == [1, 1]
+
+
+def started_stage(encoder: ReferenceEncoder, max_batch_size: int, max_batch_wait_ms: float):
+    scheduler, outbox = reference_scheduler(encoder, max_batch_size, max_batch_wait_ms), Outbox()
+    scheduler.bind("reference_encoder", outbox, expects_stream=False)
+    scheduler.start()
+    return scheduler, outbox
+
+
+def test_a_cache_hit_is_answered_without_holding_the_batch_open():
+    """A batch wait of an hour: a cached clip's request still ends (within the outbox's
+    10 s), as nothing is gained by waiting for company for a look-up."""
+    codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
+    encoder = ReferenceEncoder(speaker, codec)
+    encode(encoder, [clip(1)])
+    scheduler, outbox = started_stage(encoder, max_batch_size=8, max_batch_wait_ms=3_600_000)
+    try:
+        scheduler.put(StagePayload("hit", ClipRequest(clip(1), key(clip(1))), None))
+        outbox.wait(["hit"])
+    finally:
+        scheduler.stop()
+    assert torch.equal(outbox.results["hit"].ref_codes, expected_codes(clip(1))) and codec.batches == [1]
+
+
+def test_a_clip_to_encode_holds_the_batch_open_for_another():
+    """The same hour-long wait: a clip not in the cache waits for company, and the batch
+    closes once full (two clips, one encoder call), not before."""
+    codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
+    scheduler, outbox = started_stage(ReferenceEncoder(speaker, codec), max_batch_size=2, max_batch_wait_ms=3_600_000)
+    try:
+        for request_id, seed in (("a", 5), ("b", 6)):
+            scheduler.put(StagePayload(request_id, ClipRequest(clip(seed), key(clip(seed))), None))
+        outbox.wait(["a", "b"])
+    finally:
+        scheduler.stop()
+    assert codec.batches == [2] and not outbox.failures

@@ -6,7 +6,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.models.mimi.modeling_mimi import MimiConv1d
 
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.config import SpeechTokenizerConfig
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import load_decoder
@@ -94,3 +97,48 @@ def test_tiny_encoder_codes_depend_on_the_audio(tmp_path: Path) -> None:
         distinct = [len(set(codes[:, group].tolist())) for group in range(16)]
         assert np.mean(distinct) >= 10 and min(distinct) >= 6, distinct
     assert (first == second).float().mean() < 0.1  # different clips: different codes almost everywhere
+
+
+def test_the_encoders_conv_lengths_stay_on_the_host_when_it_moves(tmp_path: Path) -> None:
+    """Each Mimi conv's padding is computed from its length tensors and read back as ints:
+    they stay CPU tensors wherever the encoder's weights go (on a GPU: no sync per conv;
+    the codes are those of the reference, test_speech_tokenizer_parity.py)."""
+    write_random_speech_tokenizer(tmp_path, "tiny", seed=0)
+    encoder = load_encoder(tmp_path)
+    convs = [m for m in encoder.modules() if isinstance(m, MimiConv1d)]
+    assert len(convs) >= 5
+    encoder.to("meta")  # moves every parameter and buffer, as .to("cuda") would
+    lengths = [getattr(conv, name) for conv in convs for name in ("stride", "kernel_size", "padding_total")]
+    assert {length.device.type for length in lengths} == {"cpu"}
+    assert all(conv.conv.weight.device.type == "meta" for conv in convs)
+
+
+class _DeviceReads(TorchDispatchMode):
+    """Counts the ops that read a device tensor back to the host (each a sync)."""
+
+    READS = ("aten._local_scalar_dense", "aten.item", "aten.is_nonzero")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        first = args[0] if args else None
+        if str(func).startswith(self.READS) and isinstance(first, torch.Tensor) and first.is_cuda:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.gpu
+def test_the_encoder_on_cuda_does_not_sync_per_conv(tmp_path: Path) -> None:
+    """On CUDA one encode reads at most one value back before its codes: transformers'
+    packed-sequence check of the attention mask, not two per conv as before."""
+    write_random_speech_tokenizer(tmp_path, "tiny", seed=0)
+    encoder = load_encoder(tmp_path, "cuda")
+    clip = _tone_clip(220.0, seed=1).cuda()
+    encoder.encode(clip)  # warm-up
+    reads = _DeviceReads()
+    with torch.inference_mode(), reads:
+        codes = encoder.encode(clip)
+    assert len(reads.reads) <= 1, reads.reads
+    assert codes.shape == (13, 16) and codes.is_cuda

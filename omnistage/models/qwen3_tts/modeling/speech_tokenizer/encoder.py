@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 from torch import nn
 from transformers import MimiConfig
 from transformers.models.mimi.modeling_mimi import (
+    MimiConv1d,
     MimiEncoderModel,
     MimiSplitResidualVectorQuantizer,
 )
@@ -77,6 +78,7 @@ class SpeechTokenizerEncoder(nn.Module):
         self.num_quantizers = config.encoder_valid_num_quantizers
         self.samples_per_frame = config.encode_downsample_rate
         self.sample_rate = config.input_sample_rate
+        _keep_conv_lengths_on_host(self.encoder)
 
     @torch.inference_mode()
     def encode_batch(self, clips: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -108,6 +110,25 @@ class SpeechTokenizerEncoder(nn.Module):
         """One clip ``[S]`` (24 kHz mono float) -> codes ``[ceil(S / 1920), 16]`` int64.
         Raises ValueError as :meth:`encode_batch`."""
         return self.encode_batch([clip])[0]
+
+
+#: The length buffers of transformers' ``MimiConv1d`` (0-dim int64, not in checkpoints):
+#: its forward computes each conv's padding from them and hands it to ``F.pad``, which
+#: reads it back as Python ints: on a device, two host syncs per conv (30 per encode of the
+#: 0.6B/1.7B speech tokenizer, whose 15 convs each wait for the GPU to drain).
+_CONV_LENGTHS = ("stride", "kernel_size", "padding_total")
+
+
+def _keep_conv_lengths_on_host(module: nn.Module) -> None:
+    """Turn every ``MimiConv1d``'s :data:`_CONV_LENGTHS` buffers into plain attributes (the
+    same tensors), which ``.to(device)`` leaves on the host, as the module's own
+    ``padding_left`` / ``padding_right`` already are: the padding arithmetic then stays on
+    the CPU, same integers, no sync."""
+    for conv in module.modules():
+        if isinstance(conv, MimiConv1d):
+            for name in _CONV_LENGTHS:
+                # a copy: the registered tensor is marked a Buffer and would register again
+                setattr(conv, name, conv._buffers.pop(name).clone())
 
 
 def load_encoder(directory: str | Path, device: torch.device | str = "cpu") -> SpeechTokenizerEncoder:
