@@ -15,7 +15,8 @@ audio chunk at the pipeline's handle. Prints one table (p50 ms after receipt) an
 JSON.
 
 Variants (``--variants``): ``one_stream`` (as served: both engines on the stage threads'
-current stream), ``talker_after_thinker`` (the talker starting only once the thinker is
+current stream), ``own_streams`` (each engine on a CUDA stream of its own: the stages'
+``own_stream``), ``talker_after_thinker`` (the talker starting only once the thinker is
 done: its phases without the thinker decoding beside it), ``talker_process`` (talker and
 code2wav in a process group of their own; its host marks are not recorded here).
 ``--concurrency N`` sends N requests at once per round (each variant is then also run at N,
@@ -80,6 +81,7 @@ from omnistage.pipeline.pipeline import Pipeline
 TEXT_PROMPT = "What is the capital of France? Answer in one sentence."  # qwen3_omni_served.py's
 VARIANTS = (
     "one_stream",
+    "own_streams",
     "talker_after_thinker",
     "talker_process",
 )
@@ -227,7 +229,8 @@ def variant_config(path: Path, variant: str, max_num_seqs: int) -> Qwen3OmniPipe
     )
     for name in ("thinker", "talker"):
         stage = config.stage(name)
-        stage.factory.args = {**stage.factory.args, "max_num_seqs": max_num_seqs}
+        stage.factory.args = {**stage.factory.args, "max_num_seqs": max_num_seqs,
+                              "own_stream": variant == "own_streams"}  # fmt: skip
     config.stage("code2wav").factory.args = {
         **config.stage("code2wav").factory.args,
         "num_slots": max_num_seqs,
