@@ -268,7 +268,7 @@ def test_two_engines_on_two_threads_with_rows_made_on_the_device_equal_the_refer
         except BaseException as exc:  # noqa: BLE001 -- reported to the test's thread
             failures.append(exc)
 
-    threads = [threading.Thread(target=drive, args=(name,)) for name in ("a", "b")]
+    threads = [threading.Thread(target=drive, args=(name,), daemon=True) for name in ("a", "b")]  # a hung one: no join at exit
     for thread in threads:
         thread.start()
     for thread in threads:

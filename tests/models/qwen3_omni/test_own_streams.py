@@ -233,7 +233,10 @@ def run_together(model: LoadedOmni, thinker: AREngine, talker: AREngine) -> dict
         assert thinker_done.wait(ROUND_TIMEOUT_S), "the thinker's thread did not end"
         copy_rows_in(rows, got)  # the rows left
 
-    threads = [threading.Thread(target=guarded, args=(run,)) for run in (run_thinker, run_talker)]
+    threads = [
+        threading.Thread(target=guarded, args=(run,), daemon=True)
+        for run in (run_thinker, run_talker)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
