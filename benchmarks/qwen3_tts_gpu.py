@@ -37,7 +37,8 @@ a source tree (``ROOT``: another commit's files, ``.`` for this one) with extra 
 arguments, all started at once on the first size's checkpoint and measured one at a time
 on the same machine in the same call (a bisect of commits or knobs that no two calls,
 on two machines, can make as fairly): every configuration at ``--compare-concurrency``, then
-the first one at the rest of ``--concurrency``, a fresh reference and varied texts.
+the first one at the rest of ``--concurrency``, every one with a fresh reference, and the
+first one with varied texts.
 Writes ``..._compare.json`` and prints the configurations' levels side by side.
 
 First it runs the suite's GPU-marked tests (``--no-gpu-tests`` skips them), so the same
@@ -417,8 +418,8 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
     all started at once on one checkpoint (each with a KV pool of ``--kv-cache-gib``, as
     they share the GPU), then measured one at a time while the others idle: first every
     configuration at ``--compare-concurrency``, then the first configuration at the rest
-    of ``--concurrency``, with a fresh reference and with varied texts, as far as the
-    budget allows. ``before_levels()`` runs once the servers are up (the GPU tests,
+    of ``--concurrency``, every configuration with a fresh reference, and the first with
+    varied texts, as far as the budget allows. ``before_levels()`` runs once the servers are up (the GPU tests,
     run meanwhile, are waited for there)."""
     model_dir = init_random(size, args, record)
     ref = model_dir.parent / f"reference_{size}.wav"
@@ -445,7 +446,7 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
         first = record["configs"][0]
         tasks = [(c, "closed", n) for c in record["configs"] for n in args.compare_concurrency]
         tasks += [(first, "closed", n) for n in args.concurrency if n not in args.compare_concurrency]
-        tasks += [(first, "fresh", 1), (first, "varied", 1)]
+        tasks += [(c, "fresh", 1) for c in record["configs"]] + [(first, "varied", 1)]
         for config, kind, conc in tasks:
             if "error" in config:
                 continue
