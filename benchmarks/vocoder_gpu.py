@@ -5,7 +5,9 @@ The decoder has the real dimensions (114.3 M parameters) and random weights, bui
 memory; it runs through :class:`StreamingDecoderArena` (64 state slots) exactly as the
 vocoder stage calls it. Measures one chunk decode (median and p90 in ms, host-synchronized)
 for 1, 8 and 64 concurrent streams at chunk sizes 1 and 8 frames, eager vs CUDA graphs,
-and the first 1-frame chunk of a fresh stream at concurrency 1 (slot allocation included).
+the first 1-frame chunk of a fresh stream at concurrency 1 (slot allocation included), and
+opening one stream with an unseen 3 s reference as left context (38 frames: eager; graph
+replays of 32 + 6 frames, the Qwen3-TTS vocoder's; replays of chunks of at most 8 frames).
 Audio throughput = streams x chunk x 80 ms per call time. Prints a table and writes JSON
 (default benchmarks/results/vocoder_gpu.json). About a minute on an H200.
 
@@ -25,7 +27,11 @@ from pathlib import Path
 
 import torch
 
-from omnistage.engine.vocoder_arena import StreamingDecoderArena
+from omnistage.engine.vocoder_arena import (
+    DEFAULT_GRAPH_CHUNK_LENGTHS,
+    DEFAULT_GRAPH_CONTEXT_LENGTHS,
+    StreamingDecoderArena,
+)
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.config import SpeechTokenizerConfig
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import build_decoder
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
@@ -36,6 +42,7 @@ from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
 FRAME_S = 0.08
 CONCURRENCY = (1, 8, 64)
 CHUNKS = (1, 8)
+CONTEXT_FRAMES = 38  # a 3 s reference clip: ceil(72000 samples / 1920 per frame)
 
 
 def sync(device: torch.device) -> None:
@@ -76,6 +83,17 @@ def first_chunk_ms(arena: StreamingDecoderArena, iters: int) -> list[float]:
     return times
 
 
+def context_open_ms(arena: StreamingDecoderArena, iters: int) -> list[float]:
+    """Opening one stream with an unseen left context (host codes, as the stage gets them;
+    a new one each time, so it is decoded, not copied from the cache), until the device
+    is done."""
+    times = []
+    for i in range(iters):
+        context = torch.randint(0, 2048, (CONTEXT_FRAMES, 16), generator=torch.Generator().manual_seed(i))
+        times.append(timed(arena.device, lambda c=context: arena.free(arena.allocate(c))))
+    return times
+
+
 def summary(times: list[float]) -> dict[str, float]:
     ordered = sorted(times)
     return {"median_ms": statistics.median(ordered), "p90_ms": ordered[int(0.9 * (len(ordered) - 1))]}
@@ -94,13 +112,19 @@ def main() -> None:
     config = SpeechTokenizerConfig.from_dict(speech_tokenizer_config(args.size))
     decoder = build_decoder(config.decoder, random_speech_tokenizer_tensors(args.size, seed=0), device, dtype)
     modes = ["eager", "graphs"] if device.type == "cuda" else ["eager"]
-    rows, firsts = [], {}
+    rows, firsts, contexts = [], {}, {}
     for mode in modes:
         arena = StreamingDecoderArena(decoder, num_slots=max(CONCURRENCY))
         if mode == "graphs":
-            capture_ms = timed(device, partial(arena.capture_graphs, CONCURRENCY, CHUNKS))
-            print(f"captured {len(CONCURRENCY) * len(CHUNKS)} graphs in {capture_ms:.0f} ms")
+            capture = partial(arena.capture_graphs, CONCURRENCY, DEFAULT_GRAPH_CHUNK_LENGTHS, DEFAULT_GRAPH_CONTEXT_LENGTHS)
+            capture_ms = timed(device, capture)
+            print(f"captured {len(arena._graphs)} graphs in {capture_ms:.0f} ms")
         firsts[mode] = summary(first_chunk_ms(arena, args.iters))
+        contexts[mode] = summary(context_open_ms(arena, args.iters))
+        if mode == "graphs":  # the same without the context lengths: chunks of at most 8
+            short = StreamingDecoderArena(decoder, num_slots=1)
+            short.capture_graphs((1,), DEFAULT_GRAPH_CHUNK_LENGTHS)
+            contexts["graphs, chunks <= 8"] = summary(context_open_ms(short, args.iters))
         for streams in CONCURRENCY:
             for frames in CHUNKS:
                 stats = summary(chunk_times(arena, streams, frames, args.iters))
@@ -114,10 +138,13 @@ def main() -> None:
               f"{r['p90_ms']:8.2f} {r['audio_s_per_wall_s']:10.1f}")  # fmt: skip
     for mode, stats in firsts.items():
         print(f"first 1-frame chunk, 1 stream, {mode}: median {stats['median_ms']:.2f} ms, p90 {stats['p90_ms']:.2f} ms")
+    for mode, stats in contexts.items():
+        print(f"open with an unseen {CONTEXT_FRAMES}-frame left context, {mode}: median {stats['median_ms']:.2f} ms, "
+              f"p90 {stats['p90_ms']:.2f} ms")  # fmt: skip
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "size": args.size, "dtype": args.dtype, "iters": args.iters,
-        "chunks": rows, "first_chunk": firsts,
+        "chunks": rows, "first_chunk": firsts, "context_open": contexts, "context_frames": CONTEXT_FRAMES,
     }  # fmt: skip
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

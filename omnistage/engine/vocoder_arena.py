@@ -25,7 +25,9 @@ content key, so one voice's state can never stand in for another's), and a strea
 opens with known reference codes copies that state instead of decoding them again (a
 profile at 64 concurrent voice clones had a third of the vocoder thread in eager left-
 context decodes, one stream at a time). With CUDA graphs an unseen left context is
-decoded as replays of the captured chunk lengths (:func:`context_pieces`), not eagerly.
+decoded as replays of the captured chunk lengths (:func:`context_pieces`; Qwen3-TTS's
+vocoder also captures 16, 32 and 64 frames for one or two streams:
+:data:`DEFAULT_GRAPH_CONTEXT_LENGTHS`), not eagerly.
 
 The arena serves every such decoder (Qwen3-TTS's and Qwen3-Omni's code2wav); a decoder
 whose streams open with :attr:`~CarriedStateVocoder.leading_trim` samples that are not
@@ -49,6 +51,13 @@ from omnistage.engine.cuda_graph import capturing
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT_CACHE_SIZE = 64  # left-context states kept (2.6 MB each at real dims, bf16)
 DEFAULT_GRAPH_CHUNK_LENGTHS = tuple(range(1, 9))  # the ramp 1, 2, 4, 8 and flushes of 1..8
+#: Longer chunks captured for the smallest batches only, for left contexts (a reference clip
+#: of 3 s is 38 frames, 30 s at most: 375): a replay costs about the same whatever its
+#: length up to 8 frames (2.80 ms for 1 frame, 3.23 ms for 8 on the H200, 8.44 ms for 8
+#: streams x 8; benchmarks/results/vocoder_gpu.json), so 38 frames in chunks of 8 would be
+#: five replays, and 32 + 6 is two.
+DEFAULT_GRAPH_CONTEXT_LENGTHS = (16, 32, 64)
+CONTEXT_GRAPH_MAX_BATCH = 2
 FULL_DECODE_CHUNK_FRAMES = 128
 
 
@@ -248,7 +257,7 @@ class StreamingDecoderArena:
     def _context_pieces(self, batch: int, frames: int) -> list[int]:
         """The chunks a batch of ``batch`` left contexts of ``frames`` frames is decoded in:
         with CUDA graphs, the longest captured chunk lengths of the batch's bucket (a 3 s
-        reference of 38 frames is replays of 8, 8, 8, 8 and 6 frames, instead of an eager
+        reference of 38 frames alone is replays of 32 and 6 frames, instead of an eager
         decode of 38 frames at the eager decoder's ~13 ms launch floor on the arena's
         thread); else one chunk. The decode carries its state, so any split continues
         the same stream (:func:`context_pieces`)."""
@@ -355,10 +364,13 @@ class StreamingDecoderArena:
         self,
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         chunk_lengths: Sequence[int] = DEFAULT_GRAPH_CHUNK_LENGTHS,
+        context_lengths: Sequence[int] = (),
     ) -> None:
-        """Record a CUDA graph per (batch bucket, chunk length), largest first, in one
-        memory pool; later calls pad to the smallest bucket >= their batch and replay
-        (other chunk lengths run eagerly). The buckets are :func:`graph_batch_buckets`, so
+        """Record a CUDA graph per (batch bucket, chunk length), and per (bucket up to
+        :data:`CONTEXT_GRAPH_MAX_BATCH`, context length) for left contexts (a decoder whose
+        streams open with them: Qwen3-TTS's, :data:`DEFAULT_GRAPH_CONTEXT_LENGTHS`), largest
+        first, in one memory pool; later calls pad to the smallest bucket >= their batch and
+        replay (other chunk lengths run eagerly). The buckets are :func:`graph_batch_buckets`, so
         every batch up to ``num_slots`` has one. Call at start-up, before serving; captured
         on the arena's stream, one capture at a time in the process
         (:func:`~omnistage.engine.cuda_graph.capturing`). Graphs
@@ -371,9 +383,10 @@ class StreamingDecoderArena:
             raise RuntimeError("CUDA graphs need the decoder on a CUDA device")
         pool = torch.cuda.graph_pool_handle()
         buckets = graph_batch_buckets(batch_buckets, self.num_slots)
-        for bucket in reversed(buckets):
-            for n in sorted(chunk_lengths, reverse=True):
-                self._graphs[(bucket, n)] = self._capture(bucket, n, pool)
+        shapes = {(b, n) for b in buckets for n in chunk_lengths}
+        shapes |= {(b, n) for b in buckets if b <= CONTEXT_GRAPH_MAX_BATCH for n in context_lengths}
+        for bucket, n in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
+            self._graphs[(bucket, n)] = self._capture(bucket, n, pool)
         self._buckets = buckets
         torch.cuda.synchronize(self.device)
 

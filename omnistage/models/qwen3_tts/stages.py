@@ -36,7 +36,11 @@ from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.model_runner import StepSampling
 from omnistage.engine.sampler import SamplerFeatures
 from omnistage.engine.sequence import GenerationInput
-from omnistage.engine.vocoder_arena import DEFAULT_CONTEXT_CACHE_SIZE, StreamingDecoderArena
+from omnistage.engine.vocoder_arena import (
+    DEFAULT_CONTEXT_CACHE_SIZE,
+    DEFAULT_GRAPH_CONTEXT_LENGTHS,
+    StreamingDecoderArena,
+)
 from omnistage.models.qwen3_tts.capabilities import MAX_MODEL_LEN, SAMPLE_RATE, Qwen3TTSModelFacts
 from omnistage.models.qwen3_tts.engine_model import Qwen3TTSEngineModel
 from omnistage.models.qwen3_tts.live_text import LiveTextFeed
@@ -338,5 +342,6 @@ def create_vocoder_stage(
     decoder = load_decoder(Path(_model_path(ctx)) / "speech_tokenizer", where, default_dtype(where))
     arena = StreamingDecoderArena(decoder, num_slots, left_context_cache_size)
     if where.type == "cuda" and cuda_graphs:
-        arena.capture_graphs()
+        # and longer chunks for a fresh reference's codes: replays of 32 + 6 frames for 3 s
+        arena.capture_graphs(context_lengths=DEFAULT_GRAPH_CONTEXT_LENGTHS)
     return VocoderScheduler(arena, SAMPLE_RATE, ChunkPlan(tuple(ramp), steady))

@@ -132,16 +132,18 @@ def test_a_reused_slot_starts_from_a_fresh_state(decoder) -> None:
     assert (arena.decode([slot], codes[None])[0] - _offline(decoder, codes)).abs().max() <= TOLERANCE
 
 
-def _graphed_arena(decoder: SpeechTokenizerDecoder, monkeypatch) -> StreamingDecoderArena:
+def _graphed_arena(
+    decoder: SpeechTokenizerDecoder, monkeypatch, context_lengths: tuple[int, ...] = ()
+) -> StreamingDecoderArena:
     """The decoder on CUDA in an 8-slot arena with graphs for batches 1, 4, 8 and chunks of
-    1, 2, 3, 8 frames; cuDNN convolutions default to TF32 (10-bit mantissa), so this turns
-    it off to compare in true fp32."""
+    1, 2, 3, 8 frames (and ``context_lengths`` for batch 1); cuDNN convolutions default to
+    TF32 (10-bit mantissa), so this turns it off to compare in true fp32."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     device_decoder = SpeechTokenizerDecoder(decoder.config).to("cuda")
     device_decoder.load_state_dict(decoder.state_dict())
     graphed = StreamingDecoderArena(device_decoder, num_slots=8)
-    graphed.capture_graphs(batch_buckets=(1, 4, 8), chunk_lengths=(1, 2, 3, 8))
+    graphed.capture_graphs(batch_buckets=(1, 4, 8), chunk_lengths=(1, 2, 3, 8), context_lengths=context_lengths)
     return graphed
 
 
@@ -235,11 +237,15 @@ def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decod
 
 
 @pytest.mark.gpu
-def test_a_left_context_longer_than_any_graph_is_decoded_by_replays_exactly(decoder, monkeypatch) -> None:
-    """A 20-frame reference (chunks of 8, 8, 3, 1: graph replays, never an eager decode of
-    20 frames) opened alone and two in one batch continue as the offline decode does."""
-    graphed = _graphed_arena(decoder, monkeypatch)
-    assert graphed._context_pieces(1, 20) == [8, 8, 3, 1] and graphed._context_pieces(2, 20) == [8, 8, 3, 1]
+@pytest.mark.parametrize(("context_lengths", "alone"), [((), [8, 8, 3, 1]), ((16,), [16, 3, 1])])
+def test_a_left_context_longer_than_any_graph_is_decoded_by_replays_exactly(
+    decoder, monkeypatch, context_lengths, alone
+) -> None:
+    """A 20-frame reference (graph replays, never an eager decode of 20 frames; a 16-frame
+    context graph only for one stream, two take the bucket of 4) opened alone and two in
+    one batch continue as the offline decode does."""
+    graphed = _graphed_arena(decoder, monkeypatch, context_lengths)
+    assert graphed._context_pieces(1, 20) == alone and graphed._context_pieces(2, 20) == [8, 8, 3, 1]
     contexts = [_codes(20, seed=70), _codes(20, seed=71), _codes(20, seed=72)]
     utterances = [_codes(11, seed=80 + s) for s in range(len(contexts))]
     slots = [graphed.allocate(contexts[0]), *graphed.allocate_many(contexts[1:])]
