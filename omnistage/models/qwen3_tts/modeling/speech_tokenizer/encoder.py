@@ -120,8 +120,8 @@ _CONV_LENGTHS = ("stride", "kernel_size", "padding_total")
 
 
 def _keep_conv_lengths_on_host(module: nn.Module) -> None:
-    """Turn every ``MimiConv1d``'s :data:`_CONV_LENGTHS` buffers into plain attributes (the
-    same tensors), which ``.to(device)`` leaves on the host, as the module's own
+    """Turn every ``MimiConv1d``'s :data:`_CONV_LENGTHS` buffers into plain attributes (CPU
+    copies of the same values), which ``.to(device)`` leaves on the host, as the module's own
     ``padding_left`` / ``padding_right`` already are: the padding arithmetic then stays on
     the CPU, same integers, no sync."""
     for conv in module.modules():
