@@ -132,10 +132,13 @@ class DecodedVideo(msgspec.Struct, tag="video", frozen=True):
 
 class DecodeRefused(msgspec.Struct, tag="refused", frozen=True):
     """The worker could not decode the input (a client error): ``reason`` says why;
-    ``too_large`` marks a cap (duration) rather than a malformed input."""
+    ``too_large`` marks a cap (duration) rather than a malformed input; ``out_of_memory``
+    a job that ran out of its memory limit, after which the decoder libraries may be in any
+    state (a failed allocation inside FFmpeg or PyAV), so the pool retires that worker."""
 
     reason: str
     too_large: bool = False
+    out_of_memory: bool = False
 
 
 #: Every job kind.

@@ -202,9 +202,8 @@ def run_job(job: DecodeJob) -> DecodeReply:
     try:
         return _DECODERS[type(job)](job)
     except MemoryError:
-        return DecodeRefused(
-            f"needs more than the {job.memory_bytes} bytes of memory a decode may use"
-        )
+        reason = f"needs more than the {job.memory_bytes} bytes of memory a decode may use"
+        return DecodeRefused(reason, out_of_memory=True)
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
 

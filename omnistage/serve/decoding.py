@@ -6,7 +6,9 @@ codecs are large C code, and a segfault there used to take the whole server down
 12: a 9-channel WAV). Each job has a deadline (the parent kills the worker when it passes)
 and a memory limit (RLIMIT_AS inside the worker). A worker that dies or is killed fails
 only its own job, with a 400 naming the field, and is replaced at the next job; its death
-is logged with the request id (:data:`request_id_var`, set by the server per request).
+is logged with the request id (:data:`request_id_var`, set by the server per request). A
+worker whose job ran out of its memory limit answers the refusal and is retired too (a
+failed allocation may leave FFmpeg or PyAV broken: its next job was seen to segfault).
 
 Workers are plain ``python -m`` subprocesses (not multiprocessing children: those re-import
 the server's ``__main__`` and with it torch), started lazily on the first job, at most
@@ -34,6 +36,7 @@ import msgspec
 from omnistage.serve.decode_jobs import (
     FRAME_HEADER,
     DecodeJob,
+    DecodeRefused,
     DecodeReply,
     decode_frame,
     encode_frame,
@@ -198,6 +201,9 @@ class DecoderPool:
                 self._forget(worker)
                 worker = self._spawn()
             reply = worker.run(job, timeout_s)
+            if isinstance(reply, DecodeRefused) and reply.out_of_memory:
+                self._forget(worker)  # a failed allocation may have left its decoders broken
+                worker = None
         except (DecoderCrashed, DecoderTimeout) as exc:
             self._log_failure(worker, exc, timeout_s)
             self._forget(worker)

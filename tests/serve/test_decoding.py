@@ -132,10 +132,18 @@ def test_a_job_past_its_deadline_kills_the_worker(pool):
     assert isinstance(pool.run(job(wav()), timeout_s=30), DecodedAudio)
 
 
-def test_a_job_over_its_memory_limit_is_refused(pool):
-    reply = pool.run(job(wav(seconds=10.0), memory_bytes=1 << 20), timeout_s=30)
-    assert isinstance(reply, DecodeRefused)
+def test_a_job_over_its_memory_limit_is_refused_and_its_worker_retired(pool):
+    """Refused, and the worker replaced: an allocation that failed inside FFmpeg or PyAV may
+    leave them broken (the next job on that worker was seen to segfault), so the next job
+    runs on a new worker and decodes."""
+    # 50 s at 16 kHz: 3.2 MB of float32 samples per copy, well over the 1 MiB the job may add
+    # (a 10 s clip's 0.64 MB could fit in what the worker's heap had free once the decoder's
+    # stream analysis stopped reading the whole file: decode_worker.AUDIO_PROBE_BYTES)
+    reply = pool.run(job(wav(seconds=50.0), memory_bytes=1 << 20), timeout_s=30)
+    assert isinstance(reply, DecodeRefused) and reply.out_of_memory and not reply.too_large
+    assert pool.pids == []
     assert isinstance(pool.run(job(wav()), timeout_s=30), DecodedAudio)
+    assert len(pool.pids) == 1
 
 
 def test_a_worker_that_died_idle_is_replaced_without_failing_the_job(pool):
