@@ -26,6 +26,14 @@ torch held to one thread, so a step's time is its work, not the machine's parall
   (the encoder rows put at their placeholders, deepstack rows): host work on the thinker's
   engine thread.
 
+``--burst C``: instead of the steps, the ``admitted`` phase under load, as served: per tree an
+``omnistage serve`` of the tiny random config (``--load-format dummy``, ``--log-level debug``,
+the engines sized for ``C`` streams, :func:`qwen3_omni_served.default_server_args`), one warm-up
+image request, then ``--bursts`` times ``C`` streamed image+text chats with audio sent at once
+(each its own image, ``max_tokens`` 8); per request the server's ``admitted`` phase (HTTP
+request read to its hand-off to the pipeline: body read, parse, validation, base64, the decoder
+pool, request build) read from its DEBUG TTFA line, and the client's TTFA; their p50/p99.
+
 Each ``--config NAME ROOT`` (a source tree, e.g. ``git archive REV | tar -x -C ROOT``) runs
 in a child process with ``PYTHONPATH=ROOT`` and this file's measuring code, so the trees
 are timed by the same code in one run; the speech prompt's AudioSetup stream is not sent
@@ -35,14 +43,18 @@ table and writes ``--output``:
     git archive 5dc7baf | tar -x -C /tmp/before
     python benchmarks/qwen3_omni_host_cost.py --config before /tmp/before --config after . \\
         --output benchmarks/results/qwen3_omni_host_cost.json
+    python benchmarks/qwen3_omni_host_cost.py --burst 32 --bursts 3 --config before /tmp/before \
+        --config after . --output benchmarks/results/qwen3_omni_admission_burst.json
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -195,6 +207,79 @@ def forward_ms(module, payloads: list, repeats: int) -> float:
     return ms
 
 
+#: The server's DEBUG line per request that sent audio (:func:`omnistage.serve.server_core.record_first_audio`).
+ADMITTED_LINE = re.compile(r"TTFA [\d.]+ ms = admitted=\+([\d.]+)")
+
+
+def burst(root: Path, concurrency: int, bursts: int, log: Path) -> dict:
+    """The ``--burst`` measurement of the tree at ``root`` (module docstring): per request
+    the server's ``admitted`` ms and the client's TTFA ms, and their p50/p99.
+
+    Raises:
+        RuntimeError: the server exited; AssertionError: it was not healthy in 10 min, or a
+            request failed.
+    """
+    import httpx
+    import numpy as np
+    from qwen3_omni_served import (
+        chat,
+        default_server_args,
+        request_body,
+        stop_server,
+        wait_healthy,
+        write_model_dir,
+    )
+
+    from omnistage.testing.waits import free_port
+
+    model_dir = write_model_dir("tiny")
+    config = json.loads((model_dir / "config.json").read_text())
+    port = free_port()
+    cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
+           "--no-playground", "--log-level", "debug", *default_server_args(concurrency, config, False)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root.resolve())}
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+
+    async def send(bodies: list[dict]) -> list:
+        limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
+        async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(chat(client, body) for body in bodies))
+
+    try:
+        wait_healthy(proc, port, 600, log)
+        asyncio.run(send([request_body("image+text", 10**6, "ethan", 4, None)]))
+        ttfa = []
+        for b in range(bursts):
+            results = asyncio.run(send([request_body("image+text", b * concurrency + i, "ethan", 8, None)
+                                        for i in range(concurrency)]))  # fmt: skip
+            assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+            ttfa += [r.ttfa_ms for r in results]
+    finally:
+        stop_server(proc)
+    admitted = [float(m.group(1)) for m in ADMITTED_LINE.finditer(log.read_text())][
+        1:
+    ]  # not the warm-up
+    assert len(admitted) == bursts * concurrency, (len(admitted), log)
+
+    def stats(values: list[float]) -> dict:
+        return {"p50": round(float(np.percentile(values, 50)), 1), "p99": round(float(np.percentile(values, 99)), 1),
+                "mean": round(float(np.mean(values)), 1)}  # fmt: skip
+
+    return {"admitted_ms": stats(admitted), "ttfa_ms": stats(ttfa), "admitted_ms_all": admitted}
+
+
+def burst_table(results: dict[str, dict]) -> str:
+    lines = ["| tree | admitted p50 | admitted p99 | admitted mean | TTFA p50 | TTFA p99 |",
+             "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name, r in results.items():
+        a, t = r["admitted_ms"], r["ttfa_ms"]
+        lines.append(
+            f"| {name} | {a['p50']} | {a['p99']} | {a['mean']} | {t['p50']} | {t['p99']} |"
+        )
+    return "\n".join(lines)
+
+
 def table(results: dict[str, dict]) -> str:
     names = list(results)
     lines = [f"| step | {' | '.join(names)} |", f"| --- |{' ---: |' * len(names)}"]
@@ -216,6 +301,9 @@ def main() -> None:
                         help="a source tree to measure (repeatable; default: this one, as 'this')")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=16, help="timed calls per step")
     parser.add_argument("--batch", type=int, default=8, help="prompts per encoder stage call")
+    parser.add_argument("--burst", type=int, metavar="C",
+                        help="measure the admitted phase of C image chats sent at once instead (module docstring)")  # fmt: skip
+    parser.add_argument("--bursts", type=int, default=3, help="bursts per tree with --burst")
     parser.add_argument("--output", type=Path)
     parser.add_argument(
         "--child", type=Path, help=argparse.SUPPRESS
@@ -224,10 +312,22 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(measure(args.child, args.repeats, args.batch)))
         return
-    from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
-
     configs = args.config or [("this", str(Path(__file__).resolve().parent.parent))]
     results = {}
+    if args.burst is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, root in configs:
+                results[name] = burst(
+                    Path(root), args.burst, args.bursts, Path(tmp) / f"{name}.log"
+                )
+        print(burst_table(results))
+        if args.output:
+            report = {"command": " ".join(sys.argv), "concurrency": args.burst, "bursts": args.bursts,
+                      "cpu_count": os.cpu_count(), "configs": results}  # fmt: skip
+            args.output.write_text(json.dumps(report, indent=2) + "\n")
+        return
+    from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
+
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = write_random_checkpoint(Path(tmp) / "qwen3_omni_tiny", "tiny", seed=0)
         for name, root in configs:

@@ -11,15 +11,17 @@ worker whose job ran out of its memory limit answers the refusal and is retired 
 failed allocation may leave FFmpeg or PyAV broken: its next job was seen to segfault).
 
 Workers are plain ``python -m`` subprocesses (not multiprocessing children: those re-import
-the server's ``__main__`` and with it torch), started lazily on the first job, at most
-:attr:`DecoderPool.size` of them, and they exit when their stdin closes (the server is
-gone). :func:`shared_pool` is the process-wide pool.
+the server's ``__main__`` and with it torch), at most :attr:`DecoderPool.size` of them,
+started by :meth:`DecoderPool.start` (the server does it as it starts) or else at their first
+job, and they exit when their stdin closes (the server is gone). :func:`shared_pool` is the
+process-wide pool. A job and its reply pass through pipes of :data:`PIPE_BYTES`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextvars
+import fcntl
 import logging
 import os
 import queue
@@ -58,6 +60,12 @@ request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 #: 2026-12-02).
 DEFAULT_WORKERS: Final = min(8, max(2, (os.cpu_count() or 2) // 2))
 _READ_CHUNK: Final = 1 << 20
+#: Bytes each pipe to and from a worker holds (``F_SETPIPE_SZ``; Linux's default is 64 KiB,
+#: and 1 MiB is its default ``/proc/sys/fs/pipe-max-size`` for unprivileged processes), so a
+#: 640x480 image job (0.9 MB) and its RGB reply (0.9 MB) each pass in one write and one read
+#: instead of ~15 of 64 KiB. Each of those syscalls releases the GIL and takes it back, and
+#: with the engine threads busy taking it back waits for their switch interval (5 ms).
+PIPE_BYTES: Final = 1 << 20
 
 
 class DecoderCrashed(Exception):
@@ -78,6 +86,11 @@ class _Worker:
             env=env,
             start_new_session=True,  # a terminal's Ctrl-C goes to the server, which stops it
         )
+        for pipe in (self.process.stdin, self.process.stdout):
+            try:
+                fcntl.fcntl(pipe.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError:
+                pass  # above the user's pipe quota (EPERM): the default size still works, slower
 
     @property
     def pid(self) -> int:

@@ -26,6 +26,7 @@ from omnistage.core.request import PipelineRequest
 from omnistage.pipeline.coordinator import RequestHandle
 from omnistage.pipeline.pipeline import Pipeline
 from omnistage.pipeline.timeline import FIRST_BYTE
+from omnistage.serve.decoding import shared_pool
 from omnistage.serve.media import MediaPolicy
 from omnistage.serve.metrics import ServerMetrics
 from omnistage.serve.model import ModelConfig
@@ -88,6 +89,9 @@ class ModelServer:
         raise NotImplementedError
 
     async def start(self) -> None:
+        """Start the decoder workers (so a first burst of media requests does not wait for
+        them to boot: ~1.5 s each on the 2-core host) and the pipeline, then warm up."""
+        shared_pool(self.settings.media_policy.decode_workers).start()
         await self.pipeline.start()
         assert self.pipeline.host is not None
         for name, stage in self.pipeline.host.stages.items():

@@ -4,6 +4,7 @@ own job (a 400 naming the field), is replaced, and never takes the server proces
 from __future__ import annotations
 
 import base64
+import fcntl
 import io
 import logging
 import os
@@ -15,17 +16,21 @@ import av
 import numpy as np
 import pytest
 import soundfile as sf
+from PIL import Image
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.serve.decode_jobs import (
     AudioDecodeJob,
     DecodedAudio,
+    DecodedImage,
     DecodedVideo,
     DecodeRefused,
     FrameSampling,
+    ImageDecodeJob,
     VideoDecodeJob,
 )
 from omnistage.serve.decoding import (
+    PIPE_BYTES,
     DecoderCrashed,
     DecoderPool,
     DecoderTimeout,
@@ -196,3 +201,32 @@ def test_a_video_job_keeps_the_sampled_frames_and_refuses_over_its_caps(pool):
         assert isinstance(refused, DecodeRefused) and refused.too_large and reason in refused.reason
     garbage = pool.run(video_job(b"\x00garbage" * 100), timeout_s=30)
     assert isinstance(garbage, DecodeRefused) and not garbage.too_large
+
+
+def png(width: int, height: int, seed: int = 0) -> bytes:
+    """A PNG of random pixels (incompressible: about ``width x height x 3`` bytes)."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_workers_pipes_hold_a_640x480_image_job_and_its_rgb_reply(pool):
+    pool.start()
+    (pid,) = pool.pids
+    for fd, flags in ((0, os.O_WRONLY), (1, os.O_RDONLY)):  # the worker's stdin and stdout pipes
+        pipe = os.open(f"/proc/{pid}/fd/{fd}", flags | os.O_NONBLOCK)
+        try:
+            assert fcntl.fcntl(pipe, fcntl.F_GETPIPE_SZ) == PIPE_BYTES
+        finally:
+            os.close(pipe)
+    assert len(png(640, 480)) < PIPE_BYTES and 640 * 480 * 3 < PIPE_BYTES
+
+
+@pytest.mark.parametrize("width, height", [(640, 480), (1280, 960)])  # the second: 3.7 MB each way
+def test_an_image_job_larger_or_smaller_than_the_pipe_comes_back_whole(pool, width, height):
+    data = png(width, height, seed=width)
+    reply = pool.run(ImageDecodeJob(data, max_pixels=1 << 25, memory_bytes=256 << 20), timeout_s=30)
+    assert isinstance(reply, DecodedImage) and (reply.width, reply.height) == (width, height)
+    expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+    np.testing.assert_array_equal(np.frombuffer(reply.rgb, np.uint8).reshape(height, width, 3), expected)

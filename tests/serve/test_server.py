@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from omnistage.serve.app import ServerSettings, StreamCut, create_app
 from omnistage.serve.audio import float_to_s16, resample
+from omnistage.serve.decoding import shared_pool
 from omnistage.serve.protocol import OPENAI_PCM_SAMPLE_RATE
 from omnistage.testing.tone import SAMPLE_RATE, ToneConfig, ToneRequest, tone_samples
 from tests.serve.conftest import run_uvicorn, serve, wait_health
@@ -183,6 +184,11 @@ def test_errors_echoing_odd_or_huge_client_values_still_encode(tone_server):
     assert response.status_code == 400
     error = response.json()["error"]
     assert len(error["message"]) <= 2003 and (error["param"] is None or len(error["param"]) <= 203)
+
+
+def test_a_started_server_has_its_decoder_workers_running(tone_server):
+    policy = tone_server.speech.settings.media_policy
+    assert len(shared_pool().pids) >= policy.decode_workers  # started with the server, not at a first job
 
 
 def test_head_health(tone_server):
