@@ -9,11 +9,16 @@ test runs the builds in torch's sync debug mode, which also sees blocking copies
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, TalkerPrompt
+from omnistage.models.qwen3_tts.modeling.prompt import (
+    REF_CODES_CACHE_SIZE,
+    PromptBuilder,
+    TalkerPrompt,
+)
 from omnistage.models.qwen3_tts.modeling.weights import LoadedCheckpoint, load_checkpoint
 from omnistage.testing.host_syncs import DispatchedOps, no_host_syncs
 
@@ -82,6 +87,39 @@ def test_the_icl_reference_rows_are_kept_by_content(loaded) -> None:
     assert_same_prompt(changed, fresh)
     assert not torch.equal(changed.prefill, with_codes(builder).prefill)
     assert changed.ref_codes is other  # the codes given go on to the vocoder, on the host
+
+
+def test_builds_on_eight_threads_at_once_equal_a_fresh_builders_and_keep_at_most_the_cap(
+    loaded,
+) -> None:
+    """As the preprocessing stage's 8 workers share one builder: concurrent builds of more
+    references than the cache keeps (so it evicts while others read it) and of two roles
+    (a text's first characters can change its role's last id), each equal to a fresh
+    builder's build of the same request."""
+    base = loaded["base"]
+    references = [
+        torch.randint(
+            0, 2048, (REF_FRAMES - i % 5, 16), generator=torch.Generator().manual_seed(100 + i)
+        )
+        for i in range(REF_CODES_CACHE_SIZE + 16)
+    ]
+    role, ids = builder_of(base).tokens.target(TEXT)
+    roles = (role, [*role[:-1], ids[0]])
+
+    def build(builder: PromptBuilder, i: int) -> TalkerPrompt:
+        with torch.inference_mode():
+            head = builder.voice_clone_head(
+                X_VECTOR, "english", REF_TEXT, references[i % len(references)]
+            )
+            return builder.with_text(head, roles[i % 2], ids, complete=True)
+
+    shared = builder_of(base)
+    count = 3 * len(references)
+    with ThreadPoolExecutor(8) as pool:
+        prompts = list(pool.map(lambda i: build(shared, i), range(count)))
+    assert len(shared._references) == REF_CODES_CACHE_SIZE
+    for i in range(0, count, 7):
+        assert_same_prompt(prompts[i], build(builder_of(base), i))
 
 
 def test_live_text_rows_wait_for_nothing(loaded) -> None:
