@@ -51,7 +51,16 @@ DEFAULT_PREFILL_TOKENS = (16, 32, 64, 128)
 text after its cached prefix is ~15 tokens, a whole short prompt up to ~100."""
 
 
-_CAPTURE_LOCK = threading.Lock()
+_CAPTURE_LOCK = threading.RLock()
+
+
+def device_synchronize(device: torch.device | None = None) -> None:
+    """``torch.cuda.synchronize(device)`` under the process-wide capture lock: a device-wide
+    synchronize from one thread fails (or invalidates the capture) while another thread
+    captures a graph, even in thread-local capture mode, so every one this package makes
+    waits until no capture is under way."""
+    with _CAPTURE_LOCK:
+        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -62,8 +71,9 @@ def capturing(
     new pool), holding the process-wide capture lock: two captures at once would collide
     (torch's entry to a capture synchronizes the device and empties the allocator's cache,
     which fails while another capture is under way). Thread-local capture mode: only this
-    thread's calls are checked, so the other stages' threads go on launching, allocating and
-    waiting meanwhile (their streams are not the capture stream). ``stream``: one nothing
+    thread's calls are checked, so the other stages' threads go on launching and waiting
+    on their own streams and events meanwhile (their streams are not the capture stream);
+    a device-wide synchronize is the exception (:func:`device_synchronize` waits for the lock). ``stream``: one nothing
     else launches on while it captures (a runner's own; the vocoder arena's, at start-up)."""
     with _CAPTURE_LOCK, torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
         yield
@@ -133,7 +143,7 @@ class CUDAGraphRunner:
             for kind in ("decode", "tail"):
                 for sampling in dict.fromkeys((StepSampling(), *sampling_variants)):
                     self._capture(kind, size, sampling)
-        torch.cuda.synchronize()
+        device_synchronize()
 
     @property
     def max_batch_size(self) -> int:
@@ -210,13 +220,15 @@ class CUDAGraphRunner:
         else:
             def step() -> Outputs:
                 return runner.frame_tail(self.hidden[:size], self.tail_slots[:size], cache, sampling), None
-        step()  # warm-up: Triton compiles, cuBLAS picks kernels
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
         # a variant on first use is captured while other stages' threads drive their engines
-        # (the Omni thinker and talker): capturing() takes the process's capture lock
-        with capturing(graph, self._pool, self.capture_stream):
-            outputs = step()
+        # (the Omni thinker and talker): the warm-up's device synchronize and the capture
+        # hold the process's capture lock together (capturing() takes it again)
+        with _CAPTURE_LOCK:
+            step()  # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with capturing(graph, self._pool, self.capture_stream):
+                outputs = step()
         self._pool = graph.pool()
         self.graphs[(kind, size, sampling)] = (graph, outputs)
         return graph, outputs

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from omnistage.engine.causal_vocoder import CarriedStateVocoder
-from omnistage.engine.cuda_graph import capturing
+from omnistage.engine.cuda_graph import capturing, device_synchronize
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 DEFAULT_CONTEXT_CACHE_SIZE = 64  # left-context states kept (2.6 MB each at real dims, bf16)
@@ -388,7 +388,7 @@ class StreamingDecoderArena:
         for bucket, n in sorted(shapes, key=lambda shape: (shape[0] * shape[1], shape), reverse=True):
             self._graphs[(bucket, n)] = self._capture(bucket, n, pool)
         self._buckets = buckets
-        torch.cuda.synchronize(self.device)
+        device_synchronize(self.device)
 
     def _capture(self, bucket: int, n: int, pool: tuple[int, int]) -> _Graph:
         slots = torch.full((bucket,), self.num_slots, dtype=torch.int64, device=self.device)
