@@ -12,8 +12,9 @@ torch held to one thread, so a step's time is its work, not the machine's parall
 
 - ``http parse + validate``: the body to the typed chat request (``parse_chat_request``,
   ``validate_chat_request``);
-- ``media read + decode (server)``: base64 and the decoder pool round trip in the server
-  process (``load_chat_inputs``); ``media decode (decoder worker)``: the worker processes'
+- ``media read + decode (server)``: the server process's share of ``load_chat_inputs`` (the
+  data URI's checks and the decoder pool round trip; the base64 decoding too in trees before
+  it moved to the worker, issue 17); ``media decode (decoder worker)``: the worker processes'
   CPU over the same calls (``/proc``);
 - ``request build``: the model's request builder (prompt count, length checks, resample);
 - ``preprocessing stage``: the stage's compute as served (the processor, MRoPE positions);
@@ -30,7 +31,8 @@ torch held to one thread, so a step's time is its work, not the machine's parall
 ``omnistage serve`` of the tiny random config (``--load-format dummy``, ``--log-level debug``,
 the engines sized for ``C`` streams, :func:`qwen3_omni_served.default_server_args`), one warm-up
 image request, then ``--bursts`` times ``C`` streamed image+text chats with audio sent at once
-(each its own image, ``max_tokens`` 8); per request the server's ``admitted`` phase (HTTP
+(each its own image, ``max_tokens`` 8), the trees' servers up together and their bursts
+alternating (:func:`bursts_of`); per request the server's ``admitted`` phase (HTTP
 request read to its hand-off to the pipeline: body read, parse, validation, base64, the decoder
 pool, request build) read from its DEBUG TTFA line, and the client's TTFA; their p50/p99.
 
@@ -211,12 +213,14 @@ def forward_ms(module, payloads: list, repeats: int) -> float:
 ADMITTED_LINE = re.compile(r"TTFA [\d.]+ ms = admitted=\+([\d.]+)")
 
 
-def burst(root: Path, concurrency: int, bursts: int, log: Path) -> dict:
-    """The ``--burst`` measurement of the tree at ``root`` (module docstring): per request
-    the server's ``admitted`` ms and the client's TTFA ms, and their p50/p99.
+def bursts_of(roots: dict[str, Path], concurrency: int, bursts: int, logs: Path) -> dict[str, dict]:
+    """The ``--burst`` measurement (module docstring) of each tree (name -> root): all the
+    servers up at once (idle but for their own bursts), the bursts alternating between them
+    (tree A's first, tree B's first, A's second, ...) so the trees see the same machine load;
+    per tree the server's ``admitted`` ms and the client's TTFA ms, their p50/p99/mean.
 
     Raises:
-        RuntimeError: the server exited; AssertionError: it was not healthy in 10 min, or a
+        RuntimeError: a server exited; AssertionError: one was not healthy in 10 min, or a
             request failed.
     """
     import httpx
@@ -234,39 +238,58 @@ def burst(root: Path, concurrency: int, bursts: int, log: Path) -> dict:
 
     model_dir = write_model_dir("tiny")
     config = json.loads((model_dir / "config.json").read_text())
-    port = free_port()
-    cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
-           "--no-playground", "--log-level", "debug", *default_server_args(concurrency, config, False)]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(root.resolve())}
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    base_url = f"http://127.0.0.1:{port}"
+    servers: dict[str, tuple[subprocess.Popen, int, Path]] = {}
 
-    async def send(bodies: list[dict]) -> list:
+    async def send(port: int, bodies: list[dict]) -> list:
         limits = httpx.Limits(max_connections=len(bodies), max_keepalive_connections=len(bodies))
-        async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", timeout=300, limits=limits
+        ) as client:
             return await asyncio.gather(*(chat(client, body) for body in bodies))
 
+    ttfa: dict[str, list[float]] = {name: [] for name in roots}
     try:
-        wait_healthy(proc, port, 600, log)
-        asyncio.run(send([request_body("image+text", 10**6, "ethan", 4, None)]))
-        ttfa = []
+        for name, root in roots.items():
+            port, log = free_port(), logs / f"{name}.log"
+            cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--model-path", str(model_dir), "--port", str(port),
+                   "--no-playground", "--log-level", "debug", *default_server_args(concurrency, config, False)]  # fmt: skip
+            env = {**os.environ, "PYTHONPATH": str(root.resolve())}
+            proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+            servers[name] = (proc, port, log)
+        for proc, port, log in servers.values():
+            wait_healthy(proc, port, 600, log)
+            asyncio.run(
+                send(port, [request_body("image+text", 10**6, "ethan", 4, None)])
+            )  # warm-up
         for b in range(bursts):
-            results = asyncio.run(send([request_body("image+text", b * concurrency + i, "ethan", 8, None)
-                                        for i in range(concurrency)]))  # fmt: skip
-            assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
-            ttfa += [r.ttfa_ms for r in results]
+            for name, (_, port, _) in servers.items():
+                bodies = [
+                    request_body("image+text", b * concurrency + i, "ethan", 8, None)
+                    for i in range(concurrency)
+                ]
+                results = asyncio.run(send(port, bodies))
+                assert all(r.ok for r in results), [r.error for r in results if not r.ok][:3]
+                ttfa[name] += [r.ttfa_ms for r in results]
     finally:
-        stop_server(proc)
-    admitted = [float(m.group(1)) for m in ADMITTED_LINE.finditer(log.read_text())][
-        1:
-    ]  # not the warm-up
-    assert len(admitted) == bursts * concurrency, (len(admitted), log)
+        for proc, _, _ in servers.values():
+            stop_server(proc)
 
     def stats(values: list[float]) -> dict:
         return {"p50": round(float(np.percentile(values, 50)), 1), "p99": round(float(np.percentile(values, 99)), 1),
                 "mean": round(float(np.mean(values)), 1)}  # fmt: skip
 
-    return {"admitted_ms": stats(admitted), "ttfa_ms": stats(ttfa), "admitted_ms_all": admitted}
+    out = {}
+    for name, (_, _, log) in servers.items():
+        admitted = [float(m.group(1)) for m in ADMITTED_LINE.finditer(log.read_text())][
+            1:
+        ]  # not the warm-up
+        assert len(admitted) == bursts * concurrency, (len(admitted), log)
+        out[name] = {
+            "admitted_ms": stats(admitted),
+            "ttfa_ms": stats(ttfa[name]),
+            "admitted_ms_all": admitted,
+        }
+    return out
 
 
 def burst_table(results: dict[str, dict]) -> str:
@@ -316,10 +339,8 @@ def main() -> None:
     results = {}
     if args.burst is not None:
         with tempfile.TemporaryDirectory() as tmp:
-            for name, root in configs:
-                results[name] = burst(
-                    Path(root), args.burst, args.bursts, Path(tmp) / f"{name}.log"
-                )
+            roots = {name: Path(root) for name, root in configs}
+            results = bursts_of(roots, args.burst, args.bursts, Path(tmp))
         print(burst_table(results))
         if args.output:
             report = {"command": " ".join(sys.argv), "concurrency": args.burst, "bursts": args.bursts,

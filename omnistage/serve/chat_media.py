@@ -27,8 +27,9 @@ from omnistage.serve.media import (
     MediaPolicy,
     decode_audio,
     decode_image,
-    read_base64,
+    read_base64_source,
     read_media_url,
+    read_media_url_source,
 )
 
 __all__ = ["ChatAudio", "ChatContent", "ChatImage", "ChatText", "ChatTurn", "ChatVideo", "load_chat_inputs"]
@@ -110,12 +111,13 @@ def _load_part(
         return ChatText(part.text, param)
     if isinstance(part, ImagePart):
         where = f"{param}.image_url.url"
-        return ChatImage(decode_image(read_media_url(part.image_url.url, policy, where, "image"), policy, where), param)
+        source = read_media_url_source(part.image_url.url, policy, where, "image")  # base64 decoded in the worker
+        return ChatImage(decode_image(source, policy, where), param)
     if isinstance(part, AudioPart):
         where = f"{param}.input_audio.data"
         if not part.input_audio.data.strip():
             raise RequestValidationError(f"{where} is empty", param=where)
-        data = read_base64(part.input_audio.data, policy, where)
+        data = read_base64_source(part.input_audio.data, policy, where)  # decoded in the worker
         audio = decode_audio(data, policy, where, max_duration_s=caps.max_audio_seconds)
         return ChatAudio(audio.samples, audio.sample_rate, param)
     where = f"{param}.video_url.url"

@@ -10,6 +10,8 @@ own size plus the job's ``memory_bytes``, so an allocation bomb fails here as we
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import itertools
 import math
@@ -18,6 +20,7 @@ import resource
 import sys
 
 import av
+import msgspec
 import numpy as np
 from PIL import Image
 
@@ -31,6 +34,7 @@ from omnistage.serve.decode_jobs import (
     DecodeRefused,
     DecodeReply,
     ImageDecodeJob,
+    NotBase64,
     VideoDecodeJob,
     decode_frame,
     encode_frame,
@@ -193,7 +197,13 @@ def _address_space_bytes() -> int:
 
 
 def run_job(job: DecodeJob) -> DecodeReply:
-    """Run one job under its memory limit (the soft RLIMIT_AS, restored afterwards)."""
+    """Run one job under its memory limit (the soft RLIMIT_AS, restored afterwards); a job
+    sent as base64 is decoded from it first (:class:`NotBase64` when it does not decode)."""
+    if isinstance(job, AudioDecodeJob | ImageDecodeJob) and job.encoding == "base64":
+        try:
+            job = msgspec.structs.replace(job, data=base64.b64decode(job.data, validate=True), encoding="raw")
+        except (binascii.Error, ValueError):
+            return NotBase64()
     _, hard = resource.getrlimit(resource.RLIMIT_AS)
     limit = _address_space_bytes() + job.memory_bytes
     if hard != resource.RLIM_INFINITY:

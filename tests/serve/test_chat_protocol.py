@@ -71,7 +71,10 @@ def test_images_are_decoded_to_rgb_in_the_decoder_pool() -> None:
 @pytest.mark.parametrize(
     ("url", "message"),
     [
-        ("data:image/png;base64,@@@@", "not valid base64"),
+        ("data:image/png;base64,@@@@", "not valid base64"),  # refused by the decoder worker
+        ("data:image/png;base64,QUJD=A==", "not valid base64"),  # padding inside: the worker
+        ("data:image/png;base64,QUJ", "not valid base64"),  # a length not of 4k: the server
+        ("data:image/png;base64,QUJ\u00e9", "not valid base64"),  # not ASCII: the server
         ("data:audio/wav;base64,AAAA", "is not image"),
         ("data:image/png,AAAA", "malformed data URI"),
         ("data:image/png;base64," + base64.b64encode(b"not an image").decode(), "could not be decoded as an image"),
@@ -82,6 +85,16 @@ def test_images_are_decoded_to_rgb_in_the_decoder_pool() -> None:
 def test_bad_image_urls_are_refused_naming_the_url(url: str, message: str) -> None:
     error = refused({"messages": [image_message(url)]}, SEEING)
     assert error.param == "messages.0.content.1.image_url.url" and message in str(error)
+
+
+def test_inline_images_are_capped_by_their_decoded_size_read_from_the_base64() -> None:
+    five = "data:image/png;base64," + base64.b64encode(b"five!").decode()  # "Zml2ZSE=": 5 bytes
+    with pytest.raises(PayloadTooLargeError) as excinfo:
+        load_chat_inputs(validate_chat_request(parse_chat_request({"messages": [image_message(five)]}), SEEING),
+                         SEEING, MediaPolicy(max_bytes=4))  # fmt: skip
+    assert excinfo.value.param == "messages.0.content.1.image_url.url" and "5 bytes" in str(excinfo.value)
+    error = refused({"messages": [image_message(five)]}, SEEING, MediaPolicy(max_bytes=5))  # within the cap
+    assert "could not be decoded as an image" in str(error)
 
 
 def test_an_image_above_the_pixel_cap_is_too_large() -> None:

@@ -27,6 +27,7 @@ from omnistage.serve.decode_jobs import (
     DecodeRefused,
     FrameSampling,
     ImageDecodeJob,
+    NotBase64,
     VideoDecodeJob,
 )
 from omnistage.serve.decoding import (
@@ -230,3 +231,14 @@ def test_an_image_job_larger_or_smaller_than_the_pipe_comes_back_whole(pool, wid
     assert isinstance(reply, DecodedImage) and (reply.width, reply.height) == (width, height)
     expected = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
     np.testing.assert_array_equal(np.frombuffer(reply.rgb, np.uint8).reshape(height, width, 3), expected)
+
+
+def test_a_job_sent_as_base64_is_decoded_from_it_in_the_worker(pool):
+    data = png(64, 48)
+    raw = pool.run(ImageDecodeJob(data, max_pixels=1 << 20, memory_bytes=256 << 20), timeout_s=30)
+    sent = pool.run(ImageDecodeJob(base64.b64encode(data), 1 << 20, 256 << 20, encoding="base64"), timeout_s=30)
+    assert isinstance(sent, DecodedImage) and sent == raw
+    clip = pool.run(AudioDecodeJob(base64.b64encode(wav()), 60.0, 256 << 20, encoding="base64"), timeout_s=30)
+    assert isinstance(clip, DecodedAudio) and clip == pool.run(job(wav()), timeout_s=30)
+    for text in (b"@@@@", b"QUJD=A==", b"QUJ"):
+        assert pool.run(ImageDecodeJob(text, 1 << 20, 256 << 20, encoding="base64"), timeout_s=30) == NotBase64()
