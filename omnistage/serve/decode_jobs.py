@@ -166,10 +166,13 @@ DecodeReply = DecodedAudio | DecodedImage | DecodedVideo | DecodeRefused | NotBa
 _encoder = msgspec.msgpack.Encoder()
 
 
-def encode_frame(message: DecodeJob | DecodeReply) -> bytes:
-    """One frame: length header + msgpack body."""
-    body = _encoder.encode(message)
-    return FRAME_HEADER.pack(len(body)) + body
+def encode_frame(message: DecodeJob | DecodeReply) -> bytearray:
+    """One frame: length header + msgpack body (encoded after the header's room: no copy of
+    a body of a megabyte or more)."""
+    frame = bytearray(FRAME_HEADER.size)
+    _encoder.encode_into(message, frame, FRAME_HEADER.size)
+    FRAME_HEADER.pack_into(frame, 0, len(frame) - FRAME_HEADER.size)
+    return frame
 
 
 def decode_frame(body: bytes, kind: type) -> DecodeJob | DecodeReply:

@@ -68,6 +68,15 @@ def test_images_are_decoded_to_rgb_in_the_decoder_pool() -> None:
     np.testing.assert_array_equal(image.rgb.reshape(-1), np.arange(72, dtype=np.uint8))
 
 
+@pytest.mark.parametrize("space", ["\n", "\r\n", " ", "\t", "\x1c"])  # what str.split() removes
+def test_whitespace_in_an_images_base64_is_ignored(space: str) -> None:
+    header, payload = png_uri(6, 4).split(",", 1)
+    broken = header + "," + space.join(payload[i : i + 8] for i in range(0, len(payload), 8))
+    req = validate_chat_request(parse_chat_request({"messages": [image_message(broken)]}), SEEING)
+    (turn,) = load_chat_inputs(req, SEEING, MediaPolicy())
+    np.testing.assert_array_equal(turn.parts[1].rgb.reshape(-1), np.arange(72, dtype=np.uint8))
+
+
 @pytest.mark.parametrize(
     ("url", "message"),
     [
