@@ -40,6 +40,12 @@ from omnistage.serve.decode_jobs import (
     encode_frame,
 )
 
+#: Pillow's own decompression-bomb limit is off: each job's ``max_pixels`` is the cap,
+#: checked on the header's size (:func:`decode_image`). Pillow's refused any image above
+#: 2 x 89.5 M pixels before that check (a 400 "could not be decoded" for what is a 413), and
+#: would refuse images a policy with a larger cap allows.
+Image.MAX_IMAGE_PIXELS = None
+
 
 class _TooLong(Exception):
     pass

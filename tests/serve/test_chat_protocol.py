@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import io
+import struct
+import zlib
 
 import numpy as np
 import pytest
@@ -111,6 +113,25 @@ def test_an_image_above_the_pixel_cap_is_too_large() -> None:
         req = validate_chat_request(parse_chat_request({"messages": [image_message(png_uri(64, 64))]}), SEEING)
         load_chat_inputs(req, SEEING, MediaPolicy(max_image_pixels=1000))
     assert excinfo.value.param == "messages.0.content.1.image_url.url"
+
+
+def test_a_png_declaring_more_pixels_than_pillows_bomb_limit_is_too_large_not_undecodable() -> None:
+    """A 20000x20000 header (Pillow's own DecompressionBombError starts at 2 x 89.5 M pixels)
+    is refused by the pixel cap on its header, a 413, like any image above the cap; and a
+    policy whose cap is above Pillow's limit lets such an image through to the decode."""
+    raw = base64.b64decode(png_uri(2, 2).partition(",")[2])
+    header = b"IHDR" + struct.pack(">IIBBBBB", 20000, 20000, 8, 2, 0, 0, 0)
+    crc = struct.pack(">I", zlib.crc32(header))
+    bomb = raw[:8] + struct.pack(">I", 13) + header + crc + raw[33:]
+    uri = "data:image/png;base64," + base64.b64encode(bomb).decode()
+    req = validate_chat_request(parse_chat_request({"messages": [image_message(uri)]}), SEEING)
+    with pytest.raises(PayloadTooLargeError) as excinfo:
+        load_chat_inputs(req, SEEING, MediaPolicy())
+    assert excinfo.value.param == "messages.0.content.1.image_url.url"
+    assert "20000x20000 pixels" in str(excinfo.value)
+    big_cap = MediaPolicy(max_image_pixels=1 << 30)
+    error = refused({"messages": [image_message(uri)]}, SEEING, big_cap)
+    assert "DecompressionBomb" not in str(error)  # past the header: the truncated pixel data
 
 
 def test_image_content_a_model_does_not_take_is_refused() -> None:
