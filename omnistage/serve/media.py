@@ -507,8 +507,8 @@ def _inline_base64(compact: str, policy: MediaPolicy, param: str) -> Base64Media
 
 def _not_base64(param: str) -> RequestValidationError:
     return RequestValidationError(
-        f"{param} is not valid base64; send standard padded base64 or a data URI "
-        "(data:audio/<type>;base64,<data>)",
+        f"{param} is not valid base64; send standard padded base64 (A-Z a-z 0-9 + /, "
+        "padded with = to a multiple of 4 characters)",
         param=param,
     )
 

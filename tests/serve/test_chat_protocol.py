@@ -98,6 +98,12 @@ def test_bad_image_urls_are_refused_naming_the_url(url: str, message: str) -> No
     assert error.param == "messages.0.content.1.image_url.url" and message in str(error)
 
 
+@pytest.mark.parametrize("payload", ["@@@@", "QUJ", "QUJ\u00e9"])  # the worker's; the server's
+def test_an_image_urls_bad_base64_is_not_answered_with_audio_advice(payload: str) -> None:
+    error = refused({"messages": [image_message("data:image/png;base64," + payload)]}, SEEING)
+    assert "not valid base64" in str(error) and "audio" not in str(error)
+
+
 def test_inline_images_are_capped_by_their_decoded_size_read_from_the_base64() -> None:
     five = "data:image/png;base64," + base64.b64encode(b"five!").decode()  # "Zml2ZSE=": 5 bytes
     with pytest.raises(PayloadTooLargeError) as excinfo:
