@@ -39,12 +39,12 @@ from __future__ import annotations
 import bisect
 import contextlib
 import hashlib
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from omnistage.core.lru import BoundedLRU
 from omnistage.engine.causal_vocoder import CarriedStateVocoder
 from omnistage.engine.cuda_graph import capturing, device_synchronize
 
@@ -151,9 +151,10 @@ class StreamingDecoderArena:
             torch.cuda.Stream(self.device, priority=-1) if self.device.type == "cuda" else None
         )
         self.context_cache_size = context_cache_size
-        self._contexts: OrderedDict[str, list[torch.Tensor]] = (
-            OrderedDict()
-        )  # key -> state rows [1, ...]
+        # key -> the state rows [1, ...] after that left context
+        self._contexts: BoundedLRU[str, list[torch.Tensor]] = BoundedLRU(
+            max_entries=context_cache_size
+        )
 
     @property
     def num_free(self) -> int:
@@ -214,9 +215,10 @@ class StreamingDecoderArena:
             ).hexdigest()
             for host in hosts
         ]
+        cached = {key: state for key in keys if (state := self._contexts.get(key)) is not None}
         first: dict[str, int] = {}  # an uncached key -> the item that decodes it
         for i, key in enumerate(keys):
-            if key not in self._contexts and key not in first:
+            if key not in cached and key not in first:
                 first[key] = i
         by_length: dict[int, list[int]] = {}
         for i in first.values():
@@ -239,20 +241,13 @@ class StreamingDecoderArena:
         ]
         if rest:
             index = torch.tensor([slot for slot, _ in rest], device=self.device)
-            states = [fresh.get(key) or self._contexts[key] for _, key in rest]
+            states = [fresh.get(key) or cached[key] for _, key in rest]
             for layer, tensor in enumerate(self._state):
                 tensor.index_copy_(0, index, torch.cat([state[layer] for state in states]))
             self._positions.index_copy_(
                 0, index, torch.tensor([lengths[key] for _, key in rest], device=self.device)
             )
-        for key in keys:
-            if key in self._contexts:
-                self._contexts.move_to_end(key)
-        if self.context_cache_size:
-            for key, state in fresh.items():
-                self._contexts[key] = state
-            while len(self._contexts) > self.context_cache_size:
-                self._contexts.popitem(last=False)
+        self._contexts.put_many(fresh.items())
 
     def _context_pieces(self, batch: int, frames: int) -> list[int]:
         """The chunks a batch of ``batch`` left contexts of ``frames`` frames is decoded in:

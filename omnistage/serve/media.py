@@ -53,10 +53,8 @@ import os
 import re
 import socket
 import stat
-import threading
 import time
 import urllib.parse
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +65,7 @@ import numpy as np
 import soxr
 
 from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
+from omnistage.core.lru import BoundedLRU
 from omnistage.serve.decode_jobs import (
     AudioDecodeJob,
     DecodeJob,
@@ -107,15 +106,39 @@ DEFAULT_REFERENCE_CACHE_BYTES: Final = 64 * 1024 * 1024
 24 kHz audio (233 clips of 3 s); one 30 s clip at 24 kHz is 2.75 MiB."""
 
 
-class ReferenceCache:
+@dataclass(frozen=True)
+class ReferenceAudio:
+    """Decoded reference audio: mono float32 ``samples`` [N] in [-1, 1] at ``sample_rate`` Hz."""
+
+    samples: np.ndarray
+    sample_rate: int
+
+    @property
+    def duration_s(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+
+@dataclass(frozen=True)
+class ReferenceClip(ReferenceAudio):
+    """A loaded reference (:func:`load_reference_audio`): its ``samples`` are read-only
+    (every request of the clip shares them), and ``key`` is its content key: 64 hex digits,
+    the SHA-256 of what the request sent (the inline text, else the bytes read) and of how
+    it was loaded (caps, rate, check). Equal keys mean equal samples, so a model may key
+    what it derives from the clip (an encoded prompt) by it too."""
+
+    key: str
+
+
+class ReferenceCache(BoundedLRU[str, ReferenceClip]):
     """Loaded reference clips by content key (:attr:`ReferenceClip.key`), least recently
-    used out first once their samples pass ``max_bytes``; thread-safe (requests are built
-    on worker threads). Two threads that miss the same clip at once both load it; the
-    first one stored stays.
+    used out first once their samples pass ``max_bytes`` (a
+    :class:`~omnistage.core.lru.BoundedLRU` bounded by ``samples.nbytes``); thread-safe
+    (requests are built on worker threads). Two threads that miss the same clip at once
+    both load it; the first one stored stays.
 
     Args:
         max_bytes: samples kept at most, bytes (0: none; a clip larger than this alone is
-            not kept).
+            not kept, and nothing is dropped for it).
 
     Raises:
         ValueError: ``max_bytes`` is negative.
@@ -124,32 +147,17 @@ class ReferenceCache:
     def __init__(self, max_bytes: int = DEFAULT_REFERENCE_CACHE_BYTES) -> None:
         if max_bytes < 0:
             raise ValueError(f"max_bytes must be >= 0, got {max_bytes}")
-        self.max_bytes, self.nbytes = max_bytes, 0
-        self._entries: OrderedDict[str, ReferenceClip] = OrderedDict()
-        self._lock = threading.Lock()
+        super().__init__(max_cost=max_bytes, cost=_clip_bytes)
+        self.max_bytes = max_bytes
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    @property
+    def nbytes(self) -> int:
+        """The kept samples, bytes."""
+        return self.total_cost
 
-    def get(self, key: str) -> ReferenceClip | None:
-        """The clip stored under ``key`` (now the most recently used), or None."""
-        with self._lock:
-            clip = self._entries.get(key)
-            if clip is not None:
-                self._entries.move_to_end(key)
-            return clip
 
-    def put(self, clip: ReferenceClip) -> None:
-        """Keep ``clip`` under its key, dropping the least recently used beyond ``max_bytes``."""
-        size = clip.samples.nbytes
-        with self._lock:
-            if clip.key in self._entries or size > self.max_bytes:
-                return
-            self._entries[clip.key] = clip
-            self.nbytes += size
-            while self.nbytes > self.max_bytes:
-                _, dropped = self._entries.popitem(last=False)
-                self.nbytes -= dropped.samples.nbytes
+def _clip_bytes(clip: ReferenceClip) -> int:
+    return clip.samples.nbytes
 
 
 @dataclass(frozen=True)
@@ -187,29 +195,6 @@ class MediaPolicy:
     max_image_pixels: int = 32 * 1024 * 1024
     decode_workers: int = DEFAULT_WORKERS
     reference_cache: ReferenceCache = field(default_factory=ReferenceCache, compare=False, repr=False)
-
-
-@dataclass(frozen=True)
-class ReferenceAudio:
-    """Decoded reference audio: mono float32 ``samples`` [N] in [-1, 1] at ``sample_rate`` Hz."""
-
-    samples: np.ndarray
-    sample_rate: int
-
-    @property
-    def duration_s(self) -> float:
-        return len(self.samples) / self.sample_rate
-
-
-@dataclass(frozen=True)
-class ReferenceClip(ReferenceAudio):
-    """A loaded reference (:func:`load_reference_audio`): its ``samples`` are read-only
-    (every request of the clip shares them), and ``key`` is its content key: 64 hex digits,
-    the SHA-256 of what the request sent (the inline text, else the bytes read) and of how
-    it was loaded (caps, rate, check). Equal keys mean equal samples, so a model may key
-    what it derives from the clip (an encoded prompt) by it too."""
-
-    key: str
 
 
 @dataclass(frozen=True, eq=False)
@@ -305,7 +290,7 @@ def load_reference_audio(
     samples = resample(audio.samples, audio.sample_rate, rate)
     samples.flags.writeable = False  # shared by every request of this clip
     clip = ReferenceClip(samples, rate, key)
-    cache.put(clip)
+    cache.put(key, clip)
     return clip
 
 

@@ -509,15 +509,15 @@ def cached_clip(seed: int, n: int = 1000) -> media.ReferenceClip:
 def test_the_cache_is_bounded_by_bytes_least_recently_used_out_first():
     cache = media.ReferenceCache(max_bytes=3 * 4000)  # three clips of 1000 float32
     for seed in (1, 2, 3):
-        cache.put(cached_clip(seed))
+        cache.put(f"{seed:064x}", cached_clip(seed))
     assert cache.get(f"{1:064x}") is not None  # 1 is now the most recent: 2 goes next
-    cache.put(cached_clip(4))
+    cache.put(f"{4:064x}", cached_clip(4))
     assert [cache.get(f"{s:064x}") is not None for s in (1, 2, 3, 4)] == [True, False, True, True]
     assert cache.nbytes == 3 * 4000 and len(cache) == 3
-    cache.put(cached_clip(5, n=4000))  # larger than the whole cache: not kept, nothing dropped
+    cache.put(f"{5:064x}", cached_clip(5, n=4000))  # larger than the whole cache: not kept, nothing dropped
     assert cache.get(f"{5:064x}") is None and len(cache) == 3
     off = media.ReferenceCache(max_bytes=0)
-    off.put(cached_clip(1))
+    off.put(f"{1:064x}", cached_clip(1))
     assert len(off) == 0 and off.nbytes == 0
     with pytest.raises(ValueError, match="max_bytes"):
         media.ReferenceCache(max_bytes=-1)
@@ -532,7 +532,7 @@ def test_the_cache_stays_consistent_under_threads():
             clip = clips[(offset + i) % len(clips)]
             hit = cache.get(clip.key)
             assert hit is None or hit is clip
-            cache.put(clip)
+            cache.put(clip.key, clip)
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(work, range(8)))

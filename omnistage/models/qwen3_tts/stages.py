@@ -24,13 +24,13 @@ device memory (``mem_fraction_static``).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from omnistage.core.lru import BoundedLRU
 from omnistage.core.messages import StagePayload
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.model_runner import StepSampling
@@ -113,8 +113,10 @@ class ReferenceEncoder:
     Cache: keyed by the clip's content key (:attr:`Qwen3TTSRequest.ref_key`, the SHA-256
     the request builder took of what the request sent, so it is not hashed again here;
     architecture rule 8: a key derived from content, so one user's voice can never be
-    served for another's clip); ``cache_size`` entries, least recently used out first. A
-    hit skips both encoders (the "cached reference" case of time to first audio).
+    served for another's clip); ``cache_size`` entries, least recently used out first
+    (:class:`~omnistage.core.lru.BoundedLRU`; a batch's clips are the most recent, the
+    bound enforced after the whole batch). A hit skips both encoders (the "cached
+    reference" case of time to first audio).
 
     Batching: the clips of a batch not in the cache are encoded together, the
     speech-tokenizer encoder in one padded batch (its output is causal per frame, so
@@ -127,11 +129,14 @@ class ReferenceEncoder:
         speaker_encoder: the checkpoint's ECAPA-TDNN.
         codec_encoder: the speech tokenizer's encoder.
         cache_size: cached clips (0 = no cache).
+
+    Raises:
+        ValueError: ``cache_size`` is negative.
     """
 
     def __init__(self, speaker_encoder: SpeakerEncoder, codec_encoder: SpeechTokenizerEncoder, cache_size: int = 256) -> None:
         self.speaker_encoder, self.codec_encoder, self.cache_size = speaker_encoder, codec_encoder, cache_size
-        self._cache: OrderedDict[str, EncodedReference] = OrderedDict()  # used by the stage's one thread
+        self._cache: BoundedLRU[str, EncodedReference] = BoundedLRU(max_entries=cache_size)
 
     def cached(self, key: str) -> bool:
         """Whether the clip of content key ``key`` is in the cache (its encode is a look-up)."""
@@ -145,15 +150,11 @@ class ReferenceEncoder:
         Raises:
             ValueError / RuntimeError: the encoders failed (on the whole batch).
         """
-        missing = {key: clip for key, clip in zip(keys, clips, strict=True) if key not in self._cache}
+        known = {key: entry for key in keys if (entry := self._cache.get(key)) is not None}
+        missing = {key: clip for key, clip in zip(keys, clips, strict=True) if key not in known}
         fresh = dict(zip(missing, self._encode(list(missing.values())), strict=True)) if missing else {}
-        results = [fresh[key] if key in fresh else self._cache[key] for key in keys]
-        for key in keys:  # every key is cached now; the batch's are the most recent
-            if key in fresh:
-                self._cache[key] = fresh[key]
-            self._cache.move_to_end(key)
-        while len(self._cache) > self.cache_size:
-            self._cache.popitem(last=False)
+        results = [known[key] if key in known else fresh[key] for key in keys]
+        self._cache.put_many(zip(keys, results, strict=True))  # the batch's are the most recent
         return results
 
     def _encode(self, clips: list[np.ndarray]) -> list[EncodedReference]:

@@ -138,6 +138,18 @@ def test_the_cache_keeps_only_the_most_recent_clips():
     assert codec.batches == [1, 1, 1]
 
 
+def test_a_cached_clip_batched_with_a_new_one_outlives_an_older_clip():
+    """The bound is enforced after the whole batch: with clips 1 and 2 cached (1 the least
+    recently used), a batch of 3 (new) then 1 drops 2, not 1."""
+    codec, speaker = FakeCodecEncoder(), FakeSpeakerEncoder()
+    encoder = ReferenceEncoder(speaker, codec, cache_size=2)
+    for seed in (1, 2):
+        encode(encoder, [clip(seed)])
+    encode(encoder, [clip(3), clip(1)])
+    assert codec.batches == [1, 1, 1]
+    assert [encoder.cached(key(clip(seed))) for seed in (1, 2, 3)] == [True, False, True]
+
+
 def test_a_failing_batch_fails_its_requests_and_the_stage_serves_the_next():
     codec = FakeCodecEncoder(fail=True)
     encoder = ReferenceEncoder(FakeSpeakerEncoder(), codec)

@@ -26,14 +26,13 @@ does ([:3] role, [3:-5] text; reference text [3:-2]).
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from omnistage.core.lru import BoundedLRU
 from omnistage.engine.model_runner import upload
 from omnistage.models.qwen3_tts.modeling.config import Qwen3TTSConfig
 from omnistage.models.qwen3_tts.modeling.talker import Talker
@@ -260,8 +259,7 @@ class PromptBuilder:
         self._specials_kept: _Specials | None = None
         self._codec_kept: dict[tuple[int | None, int | None], torch.Tensor] = {}  # (language id, speaker id)
         self._role_rows = lru_cache(maxsize=ROLE_CACHE_SIZE)(self._embed_role)  # thread-safe
-        self._references: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._references_lock = threading.Lock()
+        self._references: BoundedLRU[str, torch.Tensor] = BoundedLRU(max_entries=REF_CODES_CACHE_SIZE)
 
     # -- public modes --------------------------------------------------------------------
 
@@ -476,17 +474,7 @@ class PromptBuilder:
             return self._embed_reference(ref_codes)
         host = ref_codes.to(torch.int64).contiguous()
         key = hashlib.sha256(host.numpy().tobytes() + str(tuple(host.shape)).encode()).hexdigest()
-        with self._references_lock:
-            rows = self._references.get(key)
-            if rows is not None:
-                self._references.move_to_end(key)
-                return rows
-        rows = self._embed_reference(host)
-        with self._references_lock:
-            self._references[key] = rows
-            while len(self._references) > REF_CODES_CACHE_SIZE:
-                self._references.popitem(last=False)
-        return rows
+        return self._references.get_or_compute(key, lambda: self._embed_reference(host))
 
     def _embed_reference(self, ref_codes: torch.Tensor) -> torch.Tensor:
         codes = upload(ref_codes.to(torch.int64), self._device)
