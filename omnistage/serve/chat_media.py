@@ -16,6 +16,7 @@ import numpy as np
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.serve.chat_protocol import (
+    INPUT_AUDIO_FORMATS,
     AudioPart,
     ChatCapabilities,
     ChatCompletionRequest,
@@ -24,6 +25,7 @@ from omnistage.serve.chat_protocol import (
     VideoPart,
 )
 from omnistage.serve.media import (
+    DeclaredFormat,
     MediaPolicy,
     decode_audio,
     decode_image,
@@ -93,7 +95,8 @@ def load_chat_inputs(
         PayloadTooLargeError: an item above the size cap, an audio longer than
             ``caps.max_audio_seconds``, an image above the pixel cap.
         RequestValidationError: malformed base64 or data URI, a URL the policy refuses,
-            undecodable media, naming the part (``messages.<i>.content.<j>...``).
+            undecodable media, an audio file in another container than its
+            ``input_audio.format``, naming the part (``messages.<i>.content.<j>...``).
     """
     turns = []
     for m, message in enumerate(req.messages):
@@ -118,7 +121,9 @@ def _load_part(
         if not part.input_audio.data.strip():
             raise RequestValidationError(f"{where} is empty", param=where)
         data = read_base64_source(part.input_audio.data, policy, where)  # decoded in the worker
-        audio = decode_audio(data, policy, where, max_duration_s=caps.max_audio_seconds)
+        name = part.input_audio.format  # one of INPUT_AUDIO_FORMATS (validate_chat_request)
+        declared = DeclaredFormat(f"{param}.input_audio.format", name, INPUT_AUDIO_FORMATS[name])
+        audio = decode_audio(data, policy, where, max_duration_s=caps.max_audio_seconds, declared=declared)
         return ChatAudio(audio.samples, audio.sample_rate, param)
     where = f"{param}.video_url.url"
     return ChatVideo(read_media_url(part.video_url.url, policy, where, "video"), param, policy, caps.max_video_seconds)

@@ -24,7 +24,8 @@ Content parts (``messages[i].content`` is a string or a list of parts):
 - ``{"type": "image_url", "image_url": {"url": ...}}``: a ``data:image/...;base64,`` URI,
   or an http(s) URL under the server's media policy (``--allowed-media-domain``);
 - ``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav" | "mp3" |
-  ...}}`` (OpenAI's shape; the data is the whole file in standard base64);
+  ...}}`` (OpenAI's shape; the data is the whole file in standard base64, in the container
+  ``format`` names: :data:`INPUT_AUDIO_FORMATS`);
 - ``{"type": "video_url", "video_url": {"url": ...}}``: vLLM's and SGLang's shape for a
   video (OpenAI has none); a ``data:video/...;base64,`` URI or an allowed http(s) URL.
 """
@@ -56,6 +57,24 @@ ENCODER_FORMAT: Mapping[str, str] = {"pcm16": "pcm", **{f: f for f in CHAT_AUDIO
 #: OpenAI's ``pcm16`` is 24 kHz signed 16-bit little-endian mono.
 PCM16_SAMPLE_RATE = 24_000
 
+#: ``input_audio.format`` values, each with the FFmpeg demuxers (``av`` container format
+#: names) that read its files: OpenAI's two, ``"wav"`` and ``"mp3"`` (the openai SDK's
+#: ``InputAudio.format``, ``Literal["wav", "mp3"]``), and the common formats of the playground's
+#: file picker (it sends the file's extension). Another value is a 400 naming the field; a
+#: file in another container than its format's too (strict: a declared format is checked,
+#: never ignored).
+INPUT_AUDIO_FORMATS: Mapping[str, frozenset[str]] = {
+    "wav": frozenset({"wav"}),
+    "mp3": frozenset({"mp3"}),
+    "flac": frozenset({"flac"}),
+    "ogg": frozenset({"ogg"}),
+    "opus": frozenset({"ogg", "matroska,webm"}),  # a codec: Ogg Opus or WebM Opus files
+    "webm": frozenset({"matroska,webm"}),
+    "m4a": frozenset({"mov,mp4,m4a,3gp,3g2,mj2"}),
+    "mp4": frozenset({"mov,mp4,m4a,3gp,3g2,mj2"}),
+    "aac": frozenset({"aac", "mov,mp4,m4a,3gp,3g2,mj2"}),  # a codec: ADTS or MP4 files
+}
+
 _INT32_MAX = 2**31 - 1
 _INT63_MAX = 2**63 - 1
 
@@ -84,7 +103,7 @@ class ImagePart(_Strict):
 
 class InputAudio(_Strict):
     data: str = Field(description="the whole audio file, standard base64")
-    format: str = Field(description='its container, e.g. "wav" or "mp3" (any FFmpeg reads)')
+    format: str = Field(description='its container: "wav" or "mp3" (OpenAI\'s), "flac", "ogg", "opus", "webm", "m4a", "mp4" or "aac"')
 
 
 class AudioPart(_Strict):
@@ -456,6 +475,13 @@ def _check_content(req: ChatCompletionRequest, caps: ChatCapabilities) -> None:
                 check_text(f"{param}.text", part.text, caps.max_text_chars)
                 chars += len(part.text)
                 continue
+            if kind == "audio" and part.input_audio.format not in INPUT_AUDIO_FORMATS:
+                raise RequestValidationError(
+                    f"{param}.input_audio.format {part.input_audio.format!r} is not an audio format "
+                    f"this server reads; use {' or '.join(repr(f) for f in INPUT_AUDIO_FORMATS)} "
+                    "(OpenAI takes 'wav' and 'mp3')",
+                    param=f"{param}.input_audio.format",
+                )
             counts[kind] += 1
             if counts[kind] > limits[kind]:
                 raise RequestValidationError(

@@ -50,12 +50,17 @@ class AudioDecodeJob(msgspec.Struct, tag="audio", frozen=True):
             while decoding, so a long file stops early.
         memory_bytes: address space the job may add to the worker's (RLIMIT_AS), bytes.
         encoding: how ``data`` holds the file (:data:`Encoding`).
+        containers: FFmpeg demuxer names (``av.container.format.name``: ``"wav"``,
+            ``"mp3"``, ...) the file must be read by, checked when it is opened, before any
+            sample is decoded; empty: any. Another is refused with its name in
+            :attr:`DecodeRefused.container` (the request declared another format).
     """
 
     data: bytes
     max_duration_s: float
     memory_bytes: int
     encoding: Encoding = "raw"
+    containers: tuple[str, ...] = ()
 
 
 class DecodedAudio(msgspec.Struct, tag="audio", frozen=True):
@@ -146,11 +151,14 @@ class DecodeRefused(msgspec.Struct, tag="refused", frozen=True):
     """The worker could not decode the input (a client error): ``reason`` says why;
     ``too_large`` marks a cap (duration) rather than a malformed input; ``out_of_memory``
     a job that ran out of its memory limit, after which the decoder libraries may be in any
-    state (a failed allocation inside FFmpeg or PyAV), so the pool retires that worker."""
+    state (a failed allocation inside FFmpeg or PyAV), so the pool retires that worker;
+    ``container`` the FFmpeg demuxer name of a file that is none of an
+    :class:`AudioDecodeJob`'s ``containers``."""
 
     reason: str
     too_large: bool = False
     out_of_memory: bool = False
+    container: str = ""
 
 
 class NotBase64(msgspec.Struct, tag="not_base64", frozen=True):

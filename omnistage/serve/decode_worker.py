@@ -76,6 +76,9 @@ def decode_audio(job: AudioDecodeJob) -> DecodeReply:
     try:
         options = {"probesize": str(AUDIO_PROBE_BYTES)}
         with av.open(io.BytesIO(job.data), "r", container_options=options) as container:
+            name = container.format.name
+            if job.containers and name not in job.containers:
+                return DecodeRefused(f"is a {container.format.long_name} file ({name})", container=name)
             if not container.streams.audio:
                 return DecodeRefused("contains no audio stream")
             chunks, rate = _decode_mono(container, job.max_duration_s)
@@ -122,14 +125,17 @@ def decode_image(job: ImageDecodeJob) -> DecodeReply:
                 return DecodeRefused(
                     f"is {width}x{height} pixels; the limit is {job.max_pixels} pixels", too_large=True
                 )
-            rgb = np.asarray(image.convert("RGB"), dtype=np.uint8)
+            converted = image.convert("RGB")
+            image.close()  # frees the decoded pixels before the RGB bytes are made
+            rgb = converted.tobytes()
+            del converted
     except MemoryError:
         raise
     except Exception as exc:  # untrusted bytes: any decoder failure is a client error
         return DecodeRefused(f"{type(exc).__name__}: {exc}")
-    if rgb.size == 0:
+    if not rgb:
         return DecodeRefused("has no pixels")
-    return DecodedImage(np.ascontiguousarray(rgb).tobytes(), int(rgb.shape[1]), int(rgb.shape[0]))
+    return DecodedImage(rgb, width, height)
 
 
 def decode_video(job: VideoDecodeJob) -> DecodeReply:

@@ -5,7 +5,8 @@ A reference is given as one string, read as (first match wins):
 1. ``data:audio/<type>;base64,<data>``: inline audio;
 2. ``http://...`` / ``https://...``: fetched, only from allowed domains (off by default);
 3. ``file://<path>``: a local file, only under the allowed directory (off by default);
-4. standard base64 (alphabet ``A-Z a-z 0-9 + /``, padded, whitespace ignored) that decodes
+4. standard base64 (alphabet ``A-Z a-z 0-9 + /``, padded; ASCII spaces, tabs and line
+   breaks between the characters ignored, any other character refused) that decodes
    to a known audio container (WAV, FLAC, Ogg, MP3, MP4/M4A, Matroska/WebM, AIFF, CAF,
    AU, WavPack, TTA, APE, AMR, WMA, ADTS AAC, AC-3; :data:`_AUDIO_MAGIC`): inline audio;
 5. anything else: a local path (absolute, or relative to the allowed directory), so a
@@ -54,6 +55,7 @@ import re
 import socket
 import stat
 import time
+import unicodedata
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,7 +82,10 @@ from omnistage.serve.decoding import DEFAULT_WORKERS, DecoderCrashed, DecoderTim
 
 __all__ = [
     "DEFAULT_REFERENCE_CACHE_BYTES",
+    "IMAGE_DECODE_BYTES_PER_PIXEL",
+    "IMAGE_DECODE_HEADROOM_BYTES",
     "Base64Media",
+    "DeclaredFormat",
     "MediaPolicy",
     "ReferenceAudio",
     "ReferenceCache",
@@ -101,6 +106,20 @@ MAX_REDIRECTS: Final = 3
 _REDIRECT_STATUS: Final = frozenset({301, 302, 303, 307, 308})
 _BASE64: Final = re.compile(r"[A-Za-z0-9+/]+={0,2}")
 _DATA_URI_TYPES: Final = ("audio/", "application/octet-stream")
+#: Address space an image decode may need per pixel of the image, bytes: Pillow holds
+#: decoded pixels in 4 bytes each in every mode up to 16-bit RGBA (which it reads as 8-bit
+#: RGBA), so its RGB conversion (4 more) peaks at 8; the decoded pixels are then freed, and
+#: the RGB image's bytes (3, made in chunks and joined: 3 + 3) peak at 10 a pixel
+#: (:func:`omnistage.serve.decode_worker.decode_image`); 12 with a margin. Measured at the
+#: default cap (8192x4096 solid PNGs of 0.27 MB, 2-core CPU host, 2026-12-02; bisecting
+#: ``run_job``'s ``memory_bytes`` to 8 MiB): the smallest budget that decodes is 358 MiB
+#: for 16-bit RGBA, 16-bit RGB, 16-bit grey+alpha and 8-bit RGBA, 327 MiB for 16-bit grey;
+#: the cap's budget, 12 x 32 Mi + 64 MiB = 448 MiB, leaves 90 MiB. (Before, at 256 MiB
+#: for every job, a 6000x5000 PNG within the cap was refused and its worker retired.)
+IMAGE_DECODE_BYTES_PER_PIXEL: Final = 12
+#: Fixed part of an image decode's budget, bytes: the encoded file, zlib's and Pillow's
+#: buffers (the 38 MiB the measurement above needs beyond 10 bytes a pixel), and a margin.
+IMAGE_DECODE_HEADROOM_BYTES: Final = 64 * 1024 * 1024
 DEFAULT_REFERENCE_CACHE_BYTES: Final = 64 * 1024 * 1024
 """Loaded reference samples a server keeps by default: 64 MiB of float32, about 11 min of
 24 kHz audio (233 clips of 3 s); one 30 s clip at 24 kHz is 2.75 MiB."""
@@ -173,10 +192,12 @@ class MediaPolicy:
         max_duration_s: cap on the decoded duration in seconds (default 60).
         fetch_timeout_s: total time limit of a URL fetch in seconds, redirects included.
         decode_timeout_s: time limit of decoding one item in a decoder worker, seconds.
-        decode_memory_bytes: memory one decode job may allocate in its worker, bytes
-            (a 7 MB 64-channel 96 kHz WAV peaks at ~25 MiB).
+        decode_memory_bytes: memory one audio or video decode job may allocate in its
+            worker, bytes (a 7 MB 64-channel 96 kHz WAV peaks at ~25 MiB); an image job's
+            is :attr:`image_decode_memory_bytes`, derived from ``max_image_pixels``.
         max_image_pixels: cap on an image's pixels (width x height), read from its header
-            before decoding (32 Mi pixels: 96 MiB as RGB, within ``decode_memory_bytes``).
+            before decoding (32 Mi pixels: 96 MiB as RGB); every image within it decodes
+            within its job's memory (:attr:`image_decode_memory_bytes`).
         decode_workers: decoder worker processes that decode in parallel (the process-wide
             pool has at least this many; default
             :data:`~omnistage.serve.decoding.DEFAULT_WORKERS`).
@@ -196,18 +217,32 @@ class MediaPolicy:
     decode_workers: int = DEFAULT_WORKERS
     reference_cache: ReferenceCache = field(default_factory=ReferenceCache, compare=False, repr=False)
 
+    @property
+    def image_decode_memory_bytes(self) -> int:
+        """Memory an image decode job may allocate, bytes: ``max_image_pixels`` x
+        :data:`IMAGE_DECODE_BYTES_PER_PIXEL` + :data:`IMAGE_DECODE_HEADROOM_BYTES`, or
+        ``decode_memory_bytes`` if larger, so an image at the pixel cap always decodes
+        (448 MiB at the default 32 Mi pixels)."""
+        derived = self.max_image_pixels * IMAGE_DECODE_BYTES_PER_PIXEL + IMAGE_DECODE_HEADROOM_BYTES
+        return max(self.decode_memory_bytes, derived)
+
 
 @dataclass(frozen=True, eq=False)
 class Base64Media:
     """A media file a request sent inline, still in base64: ``text`` is its standard padded
-    base64 (whitespace removed) as ASCII, ``size`` the bytes it decodes to (read from its
-    length and padding, within the policy's size cap). :func:`decode_image` and
-    :func:`decode_audio` send it to the decoder worker as it is, which decodes it there: in
+    base64 (ASCII spaces, tabs and line breaks removed) as ASCII, ``size`` the bytes it
+    decodes to (read from its length and padding, within the policy's size cap).
+    :func:`decode_image` and :func:`decode_audio` send it to the decoder worker as it is,
+    which decodes it there: in
     the server process the base64 of a 640x480 PNG (1.2 MB) held the GIL 2.2-3.5 ms, every
     other thread of the server (the event loop, the engines) waiting (issue 17)."""
 
     text: bytes
     size: int
+    #: the request's string the base64 came from, and where the base64 starts in it: an
+    #: error names the first character there that base64 does not take by its position
+    source: str = ""
+    offset: int = 0
 
     def decode(self, param: str) -> bytes:
         """The file's bytes (decoded here, in the server process).
@@ -218,7 +253,7 @@ class Base64Media:
         try:
             return base64.b64decode(self.text, validate=True)
         except (binascii.Error, ValueError):
-            raise _not_base64(param) from None
+            raise _not_base64(param, self.source, self.offset) from None
 
 
 @dataclass(frozen=True, eq=False)
@@ -275,11 +310,12 @@ def load_reference_audio(
             param=param,
         )
     text, cache = value.strip(), policy.reference_cache
+    lead = len(value) - len(value.lstrip())  # positions in errors count from the value as sent
     remote = text[:8].lower().startswith(("http://", "https://", "file://"))
     inline_key = None if remote else _content_key(b"inline", text.encode("utf-8", "surrogatepass"), policy, sample_rate, check)
     if inline_key is not None and (cached := cache.get(inline_key)) is not None:
         return cached  # this very text was inline audio when it was loaded: it still is
-    data, inline = _read_source(text, policy, param, transport)
+    data, inline = _read_source(text, policy, param, transport, lead)
     key = inline_key if inline_key is not None and inline else _content_key(b"bytes", data, policy, sample_rate, check)
     if not inline and (cached := cache.get(key)) is not None:
         return cached
@@ -330,11 +366,12 @@ def resample(samples: np.ndarray, from_rate: int, to_rate: int) -> np.ndarray:
 # ----------------------------------------------------------------------------- sources
 
 
-def _read_source(text: str, policy: MediaPolicy, param: str, transport) -> tuple[bytes, bool]:
-    """The bytes ``text`` names, and whether they were inline (a data URI or base64)."""
+def _read_source(text: str, policy: MediaPolicy, param: str, transport, lead: int) -> tuple[bytes, bool]:
+    """The bytes ``text`` names (the value sent, less ``lead`` characters of leading
+    whitespace), and whether they were inline (a data URI or base64)."""
     lower = text[:8].lower()
     if lower.startswith("data:"):
-        return _from_data_uri(text, policy, param).decode(param), True
+        return _from_data_uri(text, policy, param, lead=lead).decode(param), True
     if lower.startswith(("http://", "https://")):
         return _fetch_url(text, policy, param, transport), False
     if lower.startswith("file://"):
@@ -343,6 +380,8 @@ def _read_source(text: str, policy: MediaPolicy, param: str, transport) -> tuple
     if len(compact) % 4 == 0 and _BASE64.fullmatch(compact):
         data = _from_base64(compact, policy, param)
         if _is_audio_container(data):
+            if _NOT_BASE64_CHAR.search(text) is not None:  # U+00A0, U+2028: split() dropped them
+                raise _not_base64(param, text, lead)
             return data, True
     return _read_local(text, policy, param), False
 
@@ -367,7 +406,7 @@ def _is_audio_container(data: bytes) -> bool:
 
 
 def _from_data_uri(
-    text: str, policy: MediaPolicy, param: str, media_types: tuple[str, ...] = _DATA_URI_TYPES
+    text: str, policy: MediaPolicy, param: str, media_types: tuple[str, ...] = _DATA_URI_TYPES, lead: int = 0
 ) -> Base64Media:
     kind = media_types[0].rstrip("/")
     header, comma, payload = text.partition(",")
@@ -382,7 +421,7 @@ def _from_data_uri(
             f"{param}: data URI media type {params[0]!r} is not {kind}; use {kind}/<type>",
             param=param,
         )
-    return _inline_base64(_compact(payload), policy, param)
+    return _inline_base64(payload, policy, param, lead + len(header) + 1)
 
 
 def read_media_url(
@@ -427,7 +466,8 @@ def read_media_url_source(
     text = value.strip() if isinstance(value, str) else ""
     lower = text[:8].lower()
     if lower.startswith("data:"):
-        return _from_data_uri(text, policy, param, (f"{kind}/", "application/octet-stream"))
+        lead = len(value) - len(value.lstrip())
+        return _from_data_uri(text, policy, param, (f"{kind}/", "application/octet-stream"), lead)
     if lower.startswith(("http://", "https://")):
         return _fetch_url(text, policy, param, transport)
     if lower.startswith("file://"):
@@ -439,7 +479,8 @@ def read_media_url_source(
 
 
 def read_base64(value: str, policy: MediaPolicy, param: str) -> bytes:
-    """Standard padded base64 (whitespace ignored) -> bytes, the size cap enforced.
+    """Standard padded base64 (ASCII spaces, tabs and line breaks ignored) -> bytes, the size
+    cap enforced.
 
     Raises:
         PayloadTooLargeError: above ``policy.max_bytes``.
@@ -449,51 +490,75 @@ def read_base64(value: str, policy: MediaPolicy, param: str) -> bytes:
 
 
 def read_base64_source(value: str, policy: MediaPolicy, param: str) -> Base64Media:
-    """Standard padded base64 (whitespace ignored), not decoded yet: for :func:`decode_audio`
-    to decode in the decoder worker; the size cap checked from its length.
+    """Standard padded base64 (ASCII spaces, tabs and line breaks ignored), not decoded yet:
+    for :func:`decode_audio` to decode in the decoder worker; the size cap checked from its
+    length.
 
     Raises:
         PayloadTooLargeError: above ``policy.max_bytes``.
-        RequestValidationError: not ASCII, or not of a length of 4k (never valid base64),
-            naming ``param``.
+        RequestValidationError: a character that is not ASCII (its position named), or not
+            of a length of 4k (never valid base64), naming ``param``.
     """
-    return _inline_base64(_compact(value), policy, param)
+    return _inline_base64(value, policy, param, 0)
 
 
-#: The characters ``str.split()`` removes that ASCII text can hold.
-_ASCII_WHITESPACE: Final = " \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+#: What inline base64 may hold between its characters, removed before it is decoded: ASCII
+#: space, tab and line breaks (MIME wraps base64 in lines of 76 with CRLF). Any other
+#: character outside the alphabet (a vertical tab, U+00A0, U+2028, a zero-width space) is
+#: refused, naming its position: ``str.split()`` used to drop Unicode whitespace silently.
+_BASE64_SPACES: Final = " \t\n\r"
+_NOT_BASE64_CHAR: Final = re.compile(r"[^A-Za-z0-9+/= \t\n\r]")
+_PADDING_INSIDE: Final = re.compile(r"=[= \t\n\r]*[A-Za-z0-9+/]")
 
 
-def _compact(text: str) -> str:
-    """``text`` without whitespace (``"".join(text.split())``), looked for first: in a
-    640x480 PNG's base64 (1.2 MB, none) the split took 0.56 ms holding the GIL, the look
-    0.14 ms (one ``memchr`` per character of :data:`_ASCII_WHITESPACE`)."""
-    if text.isascii() and not any(c in text for c in _ASCII_WHITESPACE):
+def _compact(text: str, param: str, offset: int) -> str:
+    """``text`` without :data:`_BASE64_SPACES`, looked for first: in a 640x480 PNG's base64
+    (1.2 MB, none) the look took 0.14 ms holding the GIL (one ``memchr`` per space kind),
+    ``"".join(text.split())`` 0.56 ms. Text with a character that is not ASCII is refused
+    here (:func:`_not_base64`, ``offset``: where ``text`` starts in the request's string);
+    other characters outside the alphabet are refused by the decoding."""
+    if not text.isascii():
+        raise _not_base64(param, text, offset)
+    if not any(c in text for c in _BASE64_SPACES):
         return text
-    return "".join(text.split())
+    return text.encode("ascii").translate(None, _BASE64_SPACES.encode()).decode("ascii")
 
 
 def _from_base64(compact: str, policy: MediaPolicy, param: str) -> bytes:
-    return _inline_base64(compact, policy, param).decode(param)
+    return _inline_base64(compact, policy, param, 0).decode(param)
 
 
-def _inline_base64(compact: str, policy: MediaPolicy, param: str) -> Base64Media:
-    """``compact`` (base64 without whitespace) checked without decoding it: the size cap from
-    its length (3 bytes per 4 characters, less the padding), ASCII, a length of 4k."""
+def _inline_base64(text: str, policy: MediaPolicy, param: str, offset: int) -> Base64Media:
+    """``text`` (base64, ``offset`` characters into the request's string) checked without
+    decoding it: ASCII and its spaces removed (:func:`_compact`), the size cap from its
+    length (3 bytes per 4 characters, less the padding), a length of 4k."""
+    compact = _compact(text, param, offset)
     if len(compact) // 4 * 3 - 2 > policy.max_bytes:  # refuse before anything else
         _check_size(len(compact) // 4 * 3, policy, param)
-    if len(compact) % 4 or not compact.isascii():
-        raise _not_base64(param)
+    if len(compact) % 4:
+        raise _not_base64(param, text, offset)
     padding = 2 if compact.endswith("==") else 1 if compact.endswith("=") else 0
     size = len(compact) // 4 * 3 - padding
     _check_size(size, policy, param)
-    return Base64Media(compact.encode("ascii"), size)
+    return Base64Media(compact.encode("ascii"), size, text, offset)
 
 
-def _not_base64(param: str) -> RequestValidationError:
+def _not_base64(param: str, source: str = "", offset: int = 0) -> RequestValidationError:
+    """The refusal of base64 that does not decode, naming in ``source`` (the base64 as the
+    request sent it, ``offset`` characters into the field's string) the first character
+    base64 does not take, or else padding inside it, by its 0-based position in the field."""
+    if (bad := _NOT_BASE64_CHAR.search(source)) is not None:
+        char = bad.group()
+        name = unicodedata.name(char, "a control character" if char.isascii() else "unnamed")
+        what = f": character {offset + bad.start()} is U+{ord(char):04X} ({name}), which base64 does not take"
+    elif (inside := _PADDING_INSIDE.search(source)) is not None:
+        what = f": character {offset + inside.start()} is padding (=) before the end"
+    else:
+        what = ""
     return RequestValidationError(
-        f"{param} is not valid base64; send standard padded base64 (A-Z a-z 0-9 + /, "
-        "padded with = to a multiple of 4 characters)",
+        f"{param} is not valid base64{what}; send standard padded base64 (A-Z a-z 0-9 + /, "
+        "padded with = to a multiple of 4 characters; spaces, tabs and line breaks between "
+        "them are ignored)",
         param=param,
     )
 
@@ -736,8 +801,23 @@ def _fetch_timeout(policy: MediaPolicy, param: str) -> RequestValidationError:
 # ----------------------------------------------------------------------------- decoding
 
 
+@dataclass(frozen=True)
+class DeclaredFormat:
+    """The container a request says an audio file is in (chat's ``input_audio.format``):
+    ``param`` names that field, ``name`` is its value, ``containers`` the FFmpeg demuxer
+    names (``"wav"``, ``"mp3"``, ...) whose files it stands for."""
+
+    param: str
+    name: str
+    containers: frozenset[str]
+
+
 def decode_audio(
-    data: bytes | Base64Media, policy: MediaPolicy, param: str, max_duration_s: float | None = None
+    data: bytes | Base64Media,
+    policy: MediaPolicy,
+    param: str,
+    max_duration_s: float | None = None,
+    declared: DeclaredFormat | None = None,
 ) -> ReferenceAudio:
     """Decode the first audio stream of any FFmpeg-readable bytes (an audio file, or a
     video's audio track; or its :class:`Base64Media`, decoded from base64 there too) to mono
@@ -746,16 +826,27 @@ def decode_audio(
 
     Args:
         max_duration_s: the duration cap, seconds (None: ``policy.max_duration_s``).
+        declared: the format the request declared for the file, checked strictly against
+            the container FFmpeg finds (None: any container).
 
     Raises:
         PayloadTooLargeError: longer than the duration cap.
         RequestValidationError: not valid base64, no audio stream, no samples, undecodable,
-            or the decoder crashed or ran past ``policy.decode_timeout_s``, naming ``param``.
+            or the decoder crashed or ran past ``policy.decode_timeout_s``, naming ``param``;
+            a container other than ``declared``'s, naming ``declared.param``.
     """
     raw, encoding = (data.text, "base64") if isinstance(data, Base64Media) else (data, "raw")
+    containers = () if declared is None else tuple(sorted(declared.containers))
     job = AudioDecodeJob(raw, policy.max_duration_s if max_duration_s is None else max_duration_s,
-                         policy.decode_memory_bytes, encoding)  # fmt: skip
-    reply = _run_job(job, policy, param, _AUDIO_HINT)
+                         policy.decode_memory_bytes, encoding, containers)  # fmt: skip
+    try:
+        reply = _run_job(job, policy, param, _AUDIO_HINT, data)
+    except _WrongContainer as wrong:
+        raise RequestValidationError(
+            f"{declared.param} is {declared.name!r}, but {param} {wrong.reason}; the format must "
+            "name the file's container (it is checked strictly): declare the file's own format",
+            param=declared.param,
+        ) from None
     samples = np.frombuffer(reply.samples, dtype="<f4").astype(np.float32)
     return ReferenceAudio(samples, reply.sample_rate)
 
@@ -773,8 +864,8 @@ def decode_image(data: bytes | Base64Media, policy: MediaPolicy, param: str) -> 
             past ``policy.decode_timeout_s``, naming ``param``.
     """
     raw, encoding = (data.text, "base64") if isinstance(data, Base64Media) else (data, "raw")
-    job = ImageDecodeJob(raw, policy.max_image_pixels, policy.decode_memory_bytes, encoding)
-    reply = _run_job(job, policy, param, _IMAGE_HINT)
+    job = ImageDecodeJob(raw, policy.max_image_pixels, policy.image_decode_memory_bytes, encoding)
+    reply = _run_job(job, policy, param, _IMAGE_HINT, data)
     return np.frombuffer(reply.rgb, dtype=np.uint8).reshape(reply.height, reply.width, 3)
 
 
@@ -801,8 +892,11 @@ _IMAGE_HINT = ("an image", "send png, jpeg, webp, gif or another common image fo
 _VIDEO_HINT = ("video", "send mp4, webm, mkv or another common video format")
 
 
-def _run_job(job: DecodeJob, policy: MediaPolicy, param: str, hint: tuple[str, str]) -> DecodeReply:
-    """Run ``job`` in the shared pool -> its decoded reply (never a refusal)."""
+def _run_job(
+    job: DecodeJob, policy: MediaPolicy, param: str, hint: tuple[str, str], data: bytes | Base64Media = b""
+) -> DecodeReply:
+    """Run ``job`` in the shared pool -> its decoded reply (never a refusal); ``data``: what
+    the job was made of (a :class:`Base64Media`'s source names a bad character's position)."""
     try:
         reply = shared_pool(policy.decode_workers).run(job, policy.decode_timeout_s)
     except DecoderTimeout:
@@ -810,12 +904,21 @@ def _run_job(job: DecodeJob, policy: MediaPolicy, param: str, hint: tuple[str, s
     except DecoderCrashed as exc:
         raise _undecodable(param, f"the decoder process crashed: {exc}", hint) from None
     if isinstance(reply, NotBase64):
-        raise _not_base64(param)
+        raise _not_base64(param, data.source, data.offset) if isinstance(data, Base64Media) else _not_base64(param)
     if isinstance(reply, DecodeRefused):
+        if reply.container:
+            raise _WrongContainer(reply.reason)
         if reply.too_large:
             raise PayloadTooLargeError(f"{param} {reply.reason}", param=param)
         raise _undecodable(param, reply.reason, hint)
     return reply
+
+
+class _WrongContainer(Exception):
+    """A job's file is in none of its ``containers`` (``reason``: which one it is in)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 
 
 def _undecodable(param: str, why: str, hint: tuple[str, str] = _AUDIO_HINT) -> RequestValidationError:

@@ -55,9 +55,13 @@ class DispatchedOps(TorchDispatchMode):
 @contextmanager
 def no_host_syncs() -> Iterator[None]:
     """torch's CUDA sync debug mode ``"error"`` inside: it raises at the first blocking copy,
-    ``.item()`` / ``.tolist()`` / ``.cpu()`` of a device tensor or ``nonzero`` on the device."""
+    ``.item()`` / ``.tolist()`` / ``.cpu()`` of a device tensor or ``nonzero`` on the device.
+    The mode it found (``torch.cuda.get_sync_debug_mode()``: 0 default, 1 warn, 2 error) is
+    restored on exit, so a caller's own ``"warn"`` or an outer ``no_host_syncs`` stays on.
+    Needs CUDA (torch's sync debug mode initializes it; a CPU build raises)."""
+    previous = torch.cuda.get_sync_debug_mode()
     torch.cuda.set_sync_debug_mode("error")
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.set_sync_debug_mode(previous)

@@ -11,6 +11,7 @@ import zlib
 
 import numpy as np
 import pytest
+import soundfile
 from PIL import Image
 
 from omnistage.core.errors import PayloadTooLargeError, RequestValidationError
@@ -21,10 +22,12 @@ from omnistage.serve.chat_protocol import (
     parse_chat_request,
     validate_chat_request,
 )
+from omnistage.serve.decoding import shared_pool
 from omnistage.serve.media import MediaPolicy
 
 TEXT_ONLY = ChatCapabilities(model_names=("toy",), model_type="toy")
 SEEING = ChatCapabilities(model_names=("toy",), model_type="toy", input_modalities=frozenset({"text", "image"}), max_images=2)
+HEARING = ChatCapabilities(model_names=("toy",), model_type="toy", input_modalities=frozenset({"text", "audio"}))
 
 
 def png_uri(width: int = 6, height: int = 4) -> str:
@@ -70,8 +73,8 @@ def test_images_are_decoded_to_rgb_in_the_decoder_pool() -> None:
     np.testing.assert_array_equal(image.rgb.reshape(-1), np.arange(72, dtype=np.uint8))
 
 
-@pytest.mark.parametrize("space", ["\n", "\r\n", " ", "\t", "\x1c"])  # what str.split() removes
-def test_whitespace_in_an_images_base64_is_ignored(space: str) -> None:
+@pytest.mark.parametrize("space", ["\n", "\r\n", " ", "\t"])  # MIME line breaks, spaces
+def test_ascii_whitespace_in_an_images_base64_is_ignored(space: str) -> None:
     header, payload = png_uri(6, 4).split(",", 1)
     broken = header + "," + space.join(payload[i : i + 8] for i in range(0, len(payload), 8))
     req = validate_chat_request(parse_chat_request({"messages": [image_message(broken)]}), SEEING)
@@ -138,6 +141,92 @@ def test_a_png_declaring_more_pixels_than_pillows_bomb_limit_is_too_large_not_un
     big_cap = MediaPolicy(max_image_pixels=1 << 30)
     error = refused({"messages": [image_message(uri)]}, SEEING, big_cap)
     assert "DecompressionBomb" not in str(error)  # past the header: the truncated pixel data
+
+
+@pytest.mark.parametrize("char", ["\u00a0", "\u2028", "\u200b", "\x0b", "\x1c", "-"])
+def test_a_character_outside_base64_is_refused_naming_the_field_and_its_position(char: str) -> None:
+    """Unicode whitespace (``str.split()`` dropped it silently), a zero-width space, ASCII
+    control characters and URL-safe base64's ``-``: a 400 naming the field and where the
+    character is in it, in an image's data URI and in an audio clip's plain base64."""
+    header, payload = png_uri(6, 4).split(",", 1)
+    at = len(header) + 1 + 8
+    url = " " + header + "," + payload[:8] + "\n" + payload[8:16] + char + payload[16:]  # after a line break
+    error = refused({"messages": [image_message(url)]}, SEEING)
+    assert error.param == "messages.0.content.1.image_url.url"
+    assert f"character {1 + at + 9} is U+{ord(char):04X}" in str(error), str(error)
+    clip = wav_base64()
+    data = clip[:12] + char + clip[12:]
+    error = refused({"messages": [audio_message(data, "wav")]}, HEARING)
+    assert error.param == "messages.0.content.0.input_audio.data"
+    assert f"character 12 is U+{ord(char):04X}" in str(error) and "not valid base64" in str(error)
+
+
+def test_an_image_at_the_pixel_cap_decodes_and_one_pixel_more_is_too_large() -> None:
+    """The default caps agree (they did not: a 6000x5000 PNG within the 32 Mi pixel cap ran
+    out of the 256 MiB every decode had, a 400, and its worker was retired): an image of
+    exactly ``max_image_pixels`` decodes, on the same worker, and one of a pixel more is the
+    pixel cap's 413. The PNGs are solid 16-bit RGBA, 0.27 MB each, made row by row; the
+    worker peaks at 369 MiB resident, this test's process at ~+250 MiB (the 96 MiB RGB
+    reply, read and decoded; measured by the suite's RSS report, 2026-12-02)."""
+    policy = MediaPolicy()
+    assert 8192 * 4096 == policy.max_image_pixels and 8283 * 4051 == policy.max_image_pixels + 1
+    pool = shared_pool(policy.decode_workers)
+    req = validate_chat_request(parse_chat_request({"messages": [image_message(solid_png_uri(8192, 4096))]}), SEEING)
+    (turn,) = load_chat_inputs(req, SEEING, policy)
+    assert turn.parts[1].rgb.shape == (4096, 8192, 3) and int(turn.parts[1].rgb[-1, -1, 0]) == 0x7F
+    live = pool.pids
+    del turn, req
+    with pytest.raises(PayloadTooLargeError) as excinfo:
+        req = validate_chat_request(parse_chat_request({"messages": [image_message(solid_png_uri(8283, 4051))]}), SEEING)
+        load_chat_inputs(req, SEEING, policy)
+    assert excinfo.value.param == "messages.0.content.1.image_url.url"
+    assert f"8283x4051 pixels; the limit is {policy.max_image_pixels} pixels" in str(excinfo.value)
+    assert pool.pids == live  # no worker retired, none replaced
+
+
+def solid_png_uri(width: int, height: int) -> str:
+    """A solid 16-bit RGBA PNG (every channel 0x7F7F) as a data URI, compressed row by row
+    (its pixels are never all in memory)."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    row, deflate = b"\x00" + b"\x7f" * (width * 8), zlib.compressobj(9)
+    pixels = b"".join([deflate.compress(row) for _ in range(height)] + [deflate.flush()])
+    png = b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 16, 6, 0, 0, 0))
+    return "data:image/png;base64," + base64.b64encode(png + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")).decode()
+
+
+def wav_base64(container: str = "WAV") -> str:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(1600, dtype=np.float32), 16000, format=container)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def audio_message(data: str, fmt: str) -> dict:
+    return {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": data, "format": fmt}}]}
+
+
+@pytest.mark.parametrize("fmt", ["wave", "WAV", "pcm16", "", "m4b"])
+def test_an_unknown_input_audio_format_is_refused_naming_it(fmt: str) -> None:
+    with pytest.raises(RequestValidationError) as excinfo:
+        validate_chat_request(parse_chat_request({"messages": [audio_message(wav_base64(), fmt)]}), HEARING)
+    assert excinfo.value.param == "messages.0.content.0.input_audio.format"
+    assert f"{fmt!r} is not an audio format" in str(excinfo.value) and "'wav' or 'mp3'" in str(excinfo.value)
+
+
+@pytest.mark.parametrize(("container", "declared"), [("WAV", "mp3"), ("FLAC", "wav"), ("OGG", "flac"), ("MP3", "wav")])
+def test_audio_in_another_container_than_its_declared_format_is_refused(container: str, declared: str) -> None:
+    error = refused({"messages": [audio_message(wav_base64(container), declared)]}, HEARING)
+    assert error.param == "messages.0.content.0.input_audio.format"
+    assert f"is {declared!r}, but messages.0.content.0.input_audio.data is a" in str(error), str(error)
+    assert f"({container.lower()})" in str(error) and "checked strictly" in str(error)
+
+
+@pytest.mark.parametrize(("container", "declared"), [("WAV", "wav"), ("MP3", "mp3"), ("FLAC", "flac"), ("OGG", "ogg")])
+def test_audio_in_its_declared_format_decodes(container: str, declared: str) -> None:
+    req = validate_chat_request(parse_chat_request({"messages": [audio_message(wav_base64(container), declared)]}), HEARING)
+    (turn,) = load_chat_inputs(req, HEARING, MediaPolicy())
+    assert turn.parts[0].sample_rate == 16000 and len(turn.parts[0].samples) > 0
 
 
 def test_image_content_a_model_does_not_take_is_refused() -> None:
