@@ -20,11 +20,13 @@ loop (a stream that ends is replaced before the next step by a known voice's req
 cached prefix and ``SUFFIX_LEN`` new rows; their lengths staggered at the start, so about
 ``batch / CLOSED_LOOP_FRAMES`` streams end and start a step), with the engine's overlap
 off and on (``EngineConfig.overlap``: the next step launched before a step's frames are
-read, a prefill step also decoding the running streams), in the ``cuda_graphs`` mode:
-frames and audio seconds per wall second, and the share of prefill steps.
+read, a prefill step also decoding the running streams: one mixed step, one frame tail over
+the running streams' rows and the newcomers'), in the ``cuda_graphs`` mode: frames and
+audio seconds per wall second, and the share of prefill steps (with overlap: mixed steps).
+``--closed-loop-only`` runs the closed loop alone (``--loop-batches`` its batches).
 Prints a table and writes JSON (default benchmarks/results/engine_gpu.json).
 
-Usage: python benchmarks/engine_gpu.py [--output PATH]
+Usage: python benchmarks/engine_gpu.py [--output PATH] [--closed-loop-only] [--loop-batches 64 128]
        python benchmarks/engine_gpu.py --device cpu --tiny --output /tmp/engine.json  (smoke test)
 """
 
@@ -164,6 +166,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny toy sizes (a smoke test)")
     parser.add_argument("--output", default="benchmarks/results/engine_gpu.json")
+    parser.add_argument("--closed-loop-only", action="store_true", help="skip the frame steps and prefills")
+    parser.add_argument("--loop-batches", type=int, nargs="+", help="closed-loop batches (default: those >= 8)")
     args = parser.parse_args()
     device = torch.device(args.device)
     on_cuda = device.type == "cuda"
@@ -180,6 +184,10 @@ def main() -> None:
     all_modes = {"eager": ((), (), True), "tail_graphs": (tuple(batches), (), False),
                  "cuda_graphs": (tuple(batches), None, True)}
     modes = all_modes if on_cuda else {"eager": all_modes["eager"]}
+    loop_mode = "cuda_graphs" if on_cuda else "eager"
+    loop_sizes, loop_prefill_tokens, _ = modes[loop_mode]
+    if args.closed_loop_only:
+        modes = {}
     prefix = torch.randn(PREFIX_LEN, config.hidden_size, generator=torch.Generator(device=device).manual_seed(7),
                          device=device, dtype=dtype)
     rows: dict[str, dict[int, float]] = {}
@@ -195,9 +203,7 @@ def main() -> None:
         if frame_steps:
             rows[mode] = {b: frame_step_ms(engine, model, b, warmup, steps) for b in batches}
         del engine
-    loop_mode = "cuda_graphs" if on_cuda else "eager"
-    loop_sizes, loop_prefill_tokens, _ = modes[loop_mode]
-    loop_batches = [b for b in batches if b >= 8]
+    loop_batches = args.loop_batches or [b for b in batches if b >= 8]
     loop_frames, loop_steps = (CLOSED_LOOP_FRAMES, 300) if on_cuda else (12, 6)
     closed: list[dict[str, object]] = []
     for overlap in (False, True):
@@ -212,7 +218,7 @@ def main() -> None:
           f" {dtype}, {device}")
     print(f"{'batch':>6} " + " ".join(f"{m:>12}" for m in stepped) + "   frames/s (best)  audio s/s")
     results = []
-    for b in batches:
+    for b in batches if stepped else []:
         best = min(rows[m][b] for m in stepped)
         print(f"{b:>6} " + " ".join(f"{rows[m][b]:>12.2f}" for m in stepped)
               + f"   {1000 * b / best:>15.0f}  {1000 * b / best * FRAME_S:>9.1f}")

@@ -1,14 +1,20 @@
 """Decode steps (talker + code predictor + sampling), prefill tails and small prefills
 captured as CUDA graphs.
 
-Graphs per bucketed batch size (decode steps, prefill tails) and per bucketed token count
+Graphs per bucketed batch size (decode feeds, frame tails) and per bucketed token count
 (prefill forwards), all sharing one memory pool (captured largest first, as in
-nano-vllm). A decode graph reads one static ``[bucket, 3] int64`` index buffer (slot, step
-row, context length; see :meth:`ModelRunner.decode_meta`); a batch of ``B`` requests is
-padded up to its bucket with rows that touch only scratch state (the scratch slot, the
-scratch step row and the KV pool's scratch block), so replaying a graph never writes to
-another request's state. Everything else a step reads (next input embeddings, sampling
-state, block tables, the KV pool) lives at fixed addresses already.
+nano-vllm). A decode step is two replays: a *feed* graph (the input embeddings from the
+last frames and step rows, the backbone; :meth:`ModelRunner.feed`) that writes each row's
+last hidden and slot into the static input of the *tail* graphs (code 0, the code
+predictor, sampling; :meth:`ModelRunner.frame_tail`), then the tail of the same bucket. A
+prefill's last rows go into that input too: alone (a prefill step) or after a feed's
+``B`` rows (a mixed step: one tail at the bucket of ``B + k`` makes the decode frames and
+the prefill's first frames at once). A feed graph reads one static ``[bucket, 3] int64``
+index buffer (slot, step row, context length; see :meth:`ModelRunner.decode_meta`); a
+batch of ``B`` requests is padded up to its bucket with rows that touch only scratch state
+(the scratch slot, the scratch step row and the KV pool's scratch block), so replaying a
+graph never writes to another request's state. Everything else a step reads (next input
+embeddings, sampling state, block tables, the KV pool) lives at fixed addresses already.
 
 A prefill graph is the backbone over ``bucket`` rows (:meth:`ModelRunner.forward_rows`):
 a prefill's computed tokens (those after its prefix-cache hits, of any number of requests)
@@ -45,7 +51,7 @@ import torch
 from omnistage.engine.model_runner import ModelRunner, StepSampling
 from omnistage.engine.sequence import Sequence
 
-Outputs = tuple[torch.Tensor, torch.Tensor | None]  # frames [B, G] (a prefill: hidden [R, H]); states [., K, H] or None
+Outputs = tuple[torch.Tensor, torch.Tensor | None]  # frames [B, G] (a prefill, a feed: hidden [R, H]); states [., K, H] or None
 DEFAULT_PREFILL_TOKENS = (16, 32, 64, 128)
 """Prefill buckets captured by default (tokens computed in one prefill): a known voice's
 text after its cached prefix is ~15 tokens, a whole short prompt up to ~100."""
@@ -86,20 +92,20 @@ def default_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CUDAGraphRunner:
-    """Captures, per bucket, :meth:`ModelRunner.decode` (a whole decode step),
-    :meth:`ModelRunner.frame_tail` (what follows a prefill's forward: code 0, the code
-    predictor, sampling; ~3/4 of a 0.6B prefill's kernel launches) and
+    """Captures, per bucket, :meth:`ModelRunner.feed` (a decode step's backbone),
+    :meth:`ModelRunner.frame_tail` (what follows a feed or a prefill's forward: code 0, the
+    code predictor, sampling; ~3/4 of a 0.6B prefill's kernel launches) and
     :meth:`ModelRunner.forward_rows` (a prefill's forward), and replays them.
 
-    A decode or tail graph is also specific to a
+    A tail graph is also specific to a
     :class:`~omnistage.engine.model_runner.StepSampling` (which sampler work its batches
     need). The general one, which serves any batch, is captured for every bucket here; a
     step that needs less replays its own variant, captured on first use (a one-off pause of
-    about one eager step).
+    about one eager step). A feed graph serves any sampling.
 
     Args:
         runner: the eager runner (its state buffers are what the graphs read and write).
-        batch_sizes: decode and tail buckets to capture (may be empty).
+        batch_sizes: feed and tail buckets to capture (may be empty).
         sampling_variants: more :class:`StepSampling` values to capture for every bucket
             at start-up (besides the general one).
         prefill_tokens: prefill buckets to capture, in computed tokens (None: none).
@@ -121,9 +127,10 @@ class CUDAGraphRunner:
         spec = runner.spec
         rows = max(self.batch_sizes + self.prefill_tokens)
         self.padding = runner.padding_meta(rows).to(spec.device)
-        self.meta = self.padding.clone()  # decode and prefill input: slot, step row, context length
-        self.hidden = torch.zeros(rows, spec.hidden_size, dtype=spec.dtype, device=spec.device)  # tail input
-        self.tail_slots = self.padding[:, 0].clone()  # tail input: slot
+        self.meta = self.padding.clone()  # feed and prefill input: slot, step row, context length
+        # tail input (a feed graph writes its rows' last hidden and slots here)
+        self.hidden = torch.zeros(rows, spec.hidden_size, dtype=spec.dtype, device=spec.device)
+        self.tail_slots = self.padding[:, 0].clone()
         # prefill input: the rows' embeddings (padding rows keep earlier prompts' rows: they
         # reach only scratch state) and, for 3-row RoPE, their positions
         self.embeds = torch.zeros(rows, spec.hidden_size, dtype=spec.dtype, device=spec.device)
@@ -134,20 +141,22 @@ class CUDAGraphRunner:
         self.frame_caches = {size: runner.model.new_frame_cache(size) for size in self.batch_sizes}
         self.capture_stream = torch.cuda.Stream(spec.device)  # this runner's alone (module docstring)
         self._pool = None
-        # largest first, as in nano-vllm; prefill graphs before the tails: a prefill's
-        # hidden-layer states are read after its tail's replay, so no tail graph may have
-        # been given their memory (a graph captured later never takes a live output's)
+        # largest first, as in nano-vllm; prefill and feed graphs before every tail: their
+        # hidden-layer states are read after the tail's replay (a mixed step's tail may be
+        # of a larger bucket than its feed), so no tail graph may have been given their
+        # memory (a graph captured later never takes a live output's)
         for size in reversed(self.prefill_tokens):
             self._capture("prefill", size, StepSampling())
         for size in reversed(self.batch_sizes):
-            for kind in ("decode", "tail"):
-                for sampling in dict.fromkeys((StepSampling(), *sampling_variants)):
-                    self._capture(kind, size, sampling)
+            self._capture("feed", size, StepSampling())
+        for size in reversed(self.batch_sizes):
+            for sampling in dict.fromkeys((StepSampling(), *sampling_variants)):
+                self._capture("tail", size, sampling)
         device_synchronize()
 
     @property
     def max_batch_size(self) -> int:
-        """The largest decode bucket (0: none)."""
+        """The largest feed and tail bucket (0: none)."""
         return self.batch_sizes[-1] if self.batch_sizes else 0
 
     def fits_prefill(self, seqs: list[Sequence]) -> bool:
@@ -175,29 +184,49 @@ class CUDAGraphRunner:
         graph.replay()
         return hidden.index_select(0, last), slot_ids, None if layers is None else layers[:n]
 
-    def decode(self, meta: torch.Tensor, sampling: StepSampling) -> Outputs:
-        """Replay the decode step for ``meta`` (``[B, 3] int64`` host tensor, ``B <=``
-        :attr:`max_batch_size`) and ``sampling`` (its requests'); returns views of the
-        graph's outputs (:meth:`ModelRunner.decode`'s), valid until the next replay."""
+    def decode(
+        self, meta: torch.Tensor, sampling: StepSampling, extra: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> Outputs:
+        """Replay the decode step for ``meta`` (``[B, 3] int64`` host tensor) and
+        ``sampling`` (all its requests'): the feed at the bucket of ``B``, then one tail over
+        its rows and, with ``extra`` (a prefill's last hidden ``[k, H]`` and slot ids
+        ``[k] int64``, device), ``k`` more rows after them, at the bucket of ``B + k`` (``<=``
+        :attr:`max_batch_size`). Returns what :meth:`ModelRunner.decode` does (frames
+        ``[B + k, G]``, states ``[B, K, H]`` or None), views valid until the next replay."""
         batch = meta.shape[0]
         size = self._bucket(self.batch_sizes, batch)
-        graph, (codes, layers) = self._graph("decode", size, sampling)
+        rows = batch if extra is None else batch + extra[0].shape[0]
+        # both graphs first: a variant captured on first use resets the tail input
+        feed, (_, layers) = self._graph("feed", size, StepSampling())
+        tail = self._graph("tail", self._bucket(self.batch_sizes, rows), sampling)
         padded = torch.cat([meta, self.runner.padding_meta(size - batch)])
         self.meta[:size].copy_(padded.pin_memory(), non_blocking=True)
-        graph.replay()
-        return codes[:batch], None if layers is None else layers[:batch]
+        feed.replay()  # writes the tail input's rows 0..size-1
+        codes = self._replay_tail(tail, batch, extra)
+        return codes, None if layers is None else layers[:batch]
 
     def frame_tail(self, hidden: torch.Tensor, slot_ids: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
         """Replay :meth:`ModelRunner.frame_tail` for ``B <=`` :attr:`max_batch_size`
         requests (device inputs); returns a view ``[B, G]``, valid until the next replay."""
-        batch = hidden.shape[0]
-        size = self._bucket(self.batch_sizes, batch)
-        graph, (codes, _) = self._graph("tail", size, sampling)
-        self.hidden[:batch].copy_(hidden)
-        self.tail_slots[:batch].copy_(slot_ids)
-        self.tail_slots[batch:size].copy_(self.padding[batch:size, 0])
+        tail = self._graph("tail", self._bucket(self.batch_sizes, hidden.shape[0]), sampling)
+        return self._replay_tail(tail, 0, (hidden, slot_ids))
+
+    def _replay_tail(
+        self, tail: tuple[torch.cuda.CUDAGraph, Outputs], first: int, extra: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """Replay ``tail`` over the tail input's rows ``0..first-1`` (a feed's) and the
+        ``extra`` rows (hidden, slot ids) placed after them; padding slots past those.
+        Returns the frames of those rows, a view."""
+        graph, (codes, _) = tail
+        rows = first
+        if extra is not None:
+            hidden, slot_ids = extra
+            rows += hidden.shape[0]
+            self.hidden[first:rows].copy_(hidden)
+            self.tail_slots[first:rows].copy_(slot_ids)
+            self.tail_slots[rows : codes.shape[0]].copy_(self.padding[rows : codes.shape[0], 0])
         graph.replay()
-        return codes[:batch]
+        return codes[:rows]
 
     def _graph(self, kind: str, size: int, sampling: StepSampling) -> tuple[torch.cuda.CUDAGraph, Outputs]:
         key = (kind, size, sampling)
@@ -214,9 +243,12 @@ class CUDAGraphRunner:
 
             def step() -> Outputs:
                 return runner.forward_rows(self.meta[:size], self.embeds[:size], positions)
-        elif kind == "decode":
+        elif kind == "feed":
             def step() -> Outputs:
-                return runner.decode(self.meta[:size], cache, sampling=sampling)
+                hidden, layers = runner.feed(self.meta[:size])
+                self.hidden[:size].copy_(hidden)
+                self.tail_slots[:size].copy_(self.meta[:size, 0])
+                return self.hidden[:size], layers
         else:
             def step() -> Outputs:
                 return runner.frame_tail(self.hidden[:size], self.tail_slots[:size], cache, sampling), None

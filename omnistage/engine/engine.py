@@ -26,9 +26,13 @@ dropped, and its KV writes land in blocks that are freed only afterwards in stre
 (a request admitted into them writes them later on the same stream). A length stop is
 known on the host before the launch and costs no extra step; an abort or a stop from the
 stage (:meth:`AREngine.stop`) drops the frame in flight. A prefill step also decodes the
-running requests right after the prefill (``BatchScheduler`` ``decode_with_prefill``), and
-the prefill's frames, each request's first, are resolved at once (first-frame priority)
-while that decode runs: admissions never drain the device's queue. A request gets the
+running requests (``BatchScheduler`` ``decode_with_prefill``), in one mixed step: the
+prefill's forward, the decode's feed (input embeddings and backbone), then one frame tail
+(code 0, the code predictor, sampling) over the running requests' rows and the prefill's
+last rows together, so an arrival costs its forward but no tail of its own; the mixed step
+goes in flight like a decode step (the newcomers' first frames are read while the next step
+runs), and admissions never drain the device's queue. A prefill step with nothing running
+beside it is resolved at once. A request gets the
 same tokens as without overlap (its draws depend only on its own inputs and seed; only
 which requests share a batch differs, as under any continuous batching), each frame handed
 out a step later; the CPU tests check it token for token. Without overlap (the default on
@@ -117,8 +121,8 @@ class EngineConfig:
             ``max_prefill_tokens`` on CUDA; () = none. Ignored on CPU.
         use_triton: Triton decode attention (None: on CUDA when installed).
         overlap: launch step t+1 before waiting for step t's frames, and decode the
-            running requests in every prefill step (the module docstring); the same
-            outputs, a step later. None: on CUDA (on CPU the device is the host, so there
+            running requests in every prefill step, one frame tail for both (the module
+            docstring); the same outputs, a step later. None: on CUDA (on CPU the device is the host, so there
             is nothing to overlap).
         prefix_caching: share the KV blocks of prompt prefixes between requests whose
             inputs have ``cache_prompt`` (a known voice's reference prefix is computed
@@ -181,7 +185,7 @@ class StepOutput:
 @dataclass(frozen=True)
 class StepPlan:
     """A step about to run: the batch to launch (if any; a prefill's may carry a decode,
-    :attr:`ScheduledBatch.decode`) and the requests it may end (``request_ids``: the
+    :attr:`ScheduledBatch.decode`: one mixed step) and the requests it may end (``request_ids``: the
     batch, its decode and the in-flight step it resolves)."""
 
     batch: ScheduledBatch | None
@@ -423,17 +427,13 @@ class AREngine:
         try:
             with self._on_own_stream():
                 launched = self._launch(batch) if batch else None
-                # a prefill step's decode (overlap only), queued behind the prefill
-                follow = self._launch(ScheduledBatch("decode", batch.decode)) if batch and batch.decode else None
             outputs = self._resolve(previous) if previous else []
-            if launched is not None and self.overlap and batch.kind == "decode":
-                self._in_flight = launched
+            if launched is not None and self.overlap and (batch.kind == "decode" or batch.decode):
+                self._in_flight = launched  # a decode or mixed step: resolved after the next launch
             elif launched is not None:
-                # first-frame priority: a prefill's frames (each request's first) are
-                # resolved at once (the device runs the follow decode meanwhile, if any)
+                # a prefill step alone (nothing decodes beside it): its frames, each
+                # request's first, are resolved at once
                 outputs += self._resolve(launched)
-            if follow is not None:
-                self._in_flight = follow
             ok = True
             return outputs
         finally:
@@ -441,35 +441,29 @@ class AREngine:
                 self._fail(plan)
 
     def _launch(self, batch: ScheduledBatch) -> _InFlight:
-        seqs = batch.seqs
+        """Launch one step: a decode of the running requests, a prefill, or both in one
+        mixed step (a prefill with :attr:`ScheduledBatch.decode`): the prefill's forward,
+        then the decode's feed, then one frame tail over the decode rows and the
+        prefill's last rows. The step's requests are in that order: decode, then prefill."""
+        decode, prefill = (batch.decode, batch.seqs) if batch.kind == "prefill" else (batch.seqs, [])
+        seqs = decode + prefill
         sampling = StepSampling.of(seqs)
-        if batch.kind == "prefill":
-            for seq in seqs:
-                self.runner.admit(seq)
-                pending, seq.pending_rows = seq.pending_rows, []
-                for rows in pending:
-                    self._store_rows(seq, rows)
-            if self.graphs is not None and self.graphs.fits_prefill(seqs):
-                last, slot_ids, layers = self.graphs.prefill(seqs)
-            else:
-                last, slot_ids, layers = self.runner.prefill(seqs)
-            for seq in seqs:  # their KV is written (in stream order): later prompts may share it
-                self.prefix_hit_tokens += seq.num_cached
-                if seq.prompt_keys:
-                    self.kv_blocks.register(seq.request_id, seq.prompt_keys)
-            if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
-                codes = self.graphs.frame_tail(last, slot_ids, sampling)
-            else:
-                cache = self.runner.model.new_frame_cache(len(seqs))
-                codes = self.runner.frame_tail(last, slot_ids, cache, sampling)
-            spans = list(itertools.accumulate((s.prompt_len for s in seqs), initial=0))
+        extra, prompt_layers = None, None
+        if prefill:
+            last, slot_ids, prompt_layers = self._prefill(prefill)
+            extra = (last, slot_ids)
+        if decode:
+            codes, layers = self._decode(decode, sampling, extra)
         else:
-            codes, layers = self._decode(seqs, sampling)
-            spans = list(range(len(seqs) + 1))
+            codes, layers = self._frame_tail(last, slot_ids, sampling), None
+        # a decode request's rows are its fed token's, a prefill request's its computed prompt tokens'
+        rows = [(layers, i, i + 1) for i in range(len(decode))]
+        ends = list(itertools.accumulate((s.prompt_len - s.num_cached for s in prefill), initial=0))
+        rows += [(prompt_layers, start, end) for start, end in zip(ends[:-1], ends[1:], strict=True)]
         # rows stay on the device; cloned: graph outputs are overwritten by the next replay
         hidden = [
-            layers[start:end].clone() if layers is not None and seq.inputs.return_hidden else None
-            for seq, start, end in zip(seqs, spans[:-1], spans[1:], strict=True)
+            states[start:end].clone() if states is not None and seq.inputs.return_hidden else None
+            for seq, (states, start, end) in zip(seqs, rows, strict=True)
         ]
         for seq in seqs:
             seq.num_scheduled += 1
@@ -481,13 +475,44 @@ class AREngine:
         done.record()
         return _InFlight(seqs, host, done, hidden)
 
-    def _decode(self, seqs: list[Sequence], sampling: StepSampling) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Admit ``seqs`` (their slots' state, their pending step rows) and launch their
+        prefill's forward; returns :meth:`ModelRunner.prefill`'s outputs. Their prompt
+        blocks are registered in the prefix cache (their KV is written, in stream order)."""
+        for seq in seqs:
+            self.runner.admit(seq)
+            pending, seq.pending_rows = seq.pending_rows, []
+            for rows in pending:
+                self._store_rows(seq, rows)
+        if self.graphs is not None and self.graphs.fits_prefill(seqs):
+            outputs = self.graphs.prefill(seqs)
+        else:
+            outputs = self.runner.prefill(seqs)
+        for seq in seqs:  # their KV is written (in stream order): later prompts may share it
+            self.prefix_hit_tokens += seq.num_cached
+            if seq.prompt_keys:
+                self.kv_blocks.register(seq.request_id, seq.prompt_keys)
+        return outputs
+
+    def _frame_tail(self, last: torch.Tensor, slot_ids: torch.Tensor, sampling: StepSampling) -> torch.Tensor:
+        """The first frames of a prefill step alone (no decode in it)."""
+        if self.graphs is not None and last.shape[0] <= self.graphs.max_batch_size:
+            return self.graphs.frame_tail(last, slot_ids, sampling)
+        cache = self.runner.model.new_frame_cache(last.shape[0])
+        return self.runner.frame_tail(last, slot_ids, cache, sampling)
+
+    def _decode(
+        self, seqs: list[Sequence], sampling: StepSampling, extra: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode of ``seqs`` whose one frame tail also covers ``extra`` (a prefill's last
+        hidden and slot ids), if any: :meth:`ModelRunner.decode`."""
         meta = self.runner.decode_meta(seqs)
-        if self.graphs is not None and len(seqs) <= self.graphs.max_batch_size:
-            return self.graphs.decode(meta, sampling)
+        rows = len(seqs) + (0 if extra is None else extra[0].shape[0])
+        if self.graphs is not None and rows <= self.graphs.max_batch_size:
+            return self.graphs.decode(meta, sampling, extra)
         width = math.ceil(int(meta[:, 2].max()) / self.config.block_size)
-        cache = self.runner.model.new_frame_cache(len(seqs))
-        return self.runner.decode(self.runner.upload_meta(meta), cache, width, sampling)
+        cache = self.runner.model.new_frame_cache(rows)
+        return self.runner.decode(self.runner.upload_meta(meta), cache, width, sampling, extra)
 
     def _resolve(self, step: _InFlight) -> list[StepOutput]:
         if step.done is not None:

@@ -322,21 +322,35 @@ class ModelRunner:
 
     def decode(
         self, meta: torch.Tensor, cache: DenseKVCache | None, width: int | None = None,
-        sampling: StepSampling = StepSampling(),
+        sampling: StepSampling = StepSampling(), extra: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One decode step of the requests in ``meta`` (``[B, 3] int64`` on the device, see
-        :meth:`decode_meta`); ``width``: block-table columns to use (None: all, as in a
-        captured graph); ``sampling``: :meth:`StepSampling.of` the requests (or more).
-        Returns the frames ``[B, G] int64`` and the states of ``spec.hidden_layers`` of
-        the fed tokens ``[B, K, H]`` (None without any)."""
+        :meth:`decode_meta`): :meth:`feed`, then one :meth:`frame_tail` over its ``B`` rows
+        and, with ``extra`` (the last hidden ``[k, H]`` and slot ids ``[k] int64`` of a
+        prefill, :meth:`prefill`'s first two outputs), ``k`` more rows after them: a mixed
+        step makes the prefill's first frames in the same tail. ``width``: block-table
+        columns to use (None: all); ``cache``: a frame cache for ``B + k`` rows;
+        ``sampling``: :meth:`StepSampling.of` all ``B + k`` requests (or more).
+        Returns the frames ``[B + k, G] int64`` (decode rows first) and the states of
+        ``spec.hidden_layers`` of the fed tokens ``[B, K, H]`` (None without any)."""
+        hidden, layers = self.feed(meta, width)
+        slot_ids = meta[:, 0]
+        if extra is not None:
+            hidden, slot_ids = torch.cat([hidden, extra[0]]), torch.cat([slot_ids, extra[1]])
+        return self.frame_tail(hidden, slot_ids, cache, sampling), layers
+
+    def feed(self, meta: torch.Tensor, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decode step up to its frame tail: each request's input made from its last frame
+        and step row (``meta`` as in :meth:`decode`), then the backbone. Returns the last
+        hidden ``[B, H]`` (the input of :meth:`frame_tail`, with slot ids ``meta[:, 0]``) and
+        the states of ``spec.hidden_layers`` ``[B, K, H]`` (None without any)."""
         slot_ids, row_ids = meta[:, 0], meta[:, 1]
         positions = self._prepare_rows(meta, width)
         fed = self.model.next_input_embeds(self.last_codes.index_select(0, slot_ids),
                                            self.step_rows.index_select(0, row_ids))
         if self.rope_deltas is not None:
             positions = (positions + self.rope_deltas.index_select(0, slot_ids)).expand(3, -1)
-        hidden, layers = self._forward(fed.to(self.spec.dtype), positions)
-        return self.frame_tail(hidden, slot_ids, cache, sampling), layers
+        return self._forward(fed.to(self.spec.dtype), positions)
 
     def forward_rows(
         self, meta: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor | None = None

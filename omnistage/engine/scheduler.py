@@ -15,7 +15,7 @@ while running requests can decode: a burst of arrivals larger than one step's bu
 prefilled a budget at a time, with a decode step between, so the running streams keep
 getting a frame at least every other step instead of stalling until the burst is in. With
 ``decode_with_prefill`` (the engine's overlap, :class:`~omnistage.engine.engine.EngineConfig`)
-a prefill step also decodes the running requests, right after the prefill: every step then
+a prefill step also decodes the running requests (the engine runs both as one mixed step): every step then
 gives every running request a frame, and a burst is prefilled a budget per step. Prefills are coalesced: while the oldest
 waiting request has waited less than ``prefill_hold_s`` and the waiting requests could not
 fill the free slots, the running requests decode and newcomers gather. An idle engine
@@ -43,8 +43,8 @@ class ScheduledBatch:
         kind: a prefill of newly admitted requests, or a decode of running ones.
         seqs: the batch's requests.
         decode: with a prefill and ``decode_with_prefill``, the running requests decoded
-            in the same step right after it (those that were schedulable before the
-            admission); else empty.
+            in the same step (those that were schedulable before the admission); else
+            empty.
     """
 
     kind: Literal["prefill", "decode"]
