@@ -249,7 +249,7 @@ class ServeArgs:
     allowed_local_media_path: Annotated[
         Path | None,
         typer.Option(
-            help="Directory reference audio may be read from (off by default).",
+            help="Directory media (reference audio; chat images, audio and video) may be read from: file:// URIs and paths under it (off by default).",
             exists=True,
             file_okay=False,
             resolve_path=True,
@@ -259,8 +259,8 @@ class ServeArgs:
     allowed_media_domain: Annotated[
         list[str] | None,
         typer.Option(
-            help="Domain reference audio URLs may be fetched from (with its subdomains; no "
-            "wildcards); repeatable.",
+            help="Domain media URLs (reference audio; chat images, audio and video) may be fetched "
+            "from (with its subdomains; no wildcards); repeatable.",
             show_default=False,
         ),
     ] = None

@@ -359,13 +359,16 @@ def validate_chat_request(req: ChatCompletionRequest, caps: ChatCapabilities) ->
             :data:`MAX_STOP_STRINGS` strings, an empty one or one over
             :data:`MAX_STOP_CHARS` characters; a content kind is not
             among ``input_modalities``, or there are more media items than allowed; the
-            text is too long; the last message is the assistant's.
+            text is too long; the last message is the assistant's; ``stream_options`` is
+            set on a request that does not stream (OpenAI refuses it too).
     """
     if req.model and req.model not in caps.model_names:
         raise RequestValidationError(
             f"model {req.model!r} is not served here; available models: {', '.join(caps.model_names)}",
             param="model",
         )
+    if req.stream_options is not None and not req.stream:
+        raise RequestValidationError("stream_options is only allowed with stream: true", param="stream_options")
     _check_modalities(req, caps)
     _check_optional_fields(req, caps)
     _check_limits(req, caps)

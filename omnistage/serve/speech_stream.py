@@ -63,9 +63,7 @@ from omnistage.serve.protocol import (
     SpeechUsage,
     error_envelope,
     output_sample_rate,
-    parse_speech_request,
     usage_of,
-    validate_speech_request,
 )
 from omnistage.serve.voice_library import key_owner
 
@@ -82,6 +80,8 @@ MAX_PENDING_SEGMENTS = 2
 MAX_MESSAGE_CHARS = 64 * 1024
 _BOUNDARY = re.compile(r"[.!?;。！？；](?=\s)|\n")
 _SESSION_FIELDS_REFUSED = frozenset({"input", "text", "stream", "stream_format"})
+_PROBE_TEXT = "probe"
+"""The text ``session.config``'s fields are checked with: any valid word would do."""
 
 
 class SentenceSegmenter:
@@ -247,10 +247,14 @@ async def _run_session(server: SpeechServer, websocket: WebSocket, owner: str) -
 
 
 async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) -> _Session:
-    """Read ``session.config``, check its fields as a speech request's, announce the session.
+    """Read ``session.config``, check its fields as a speech request's (the model's own
+    checks included: the request is built, as :meth:`SpeechServer.prepare` builds it, for
+    a one-word text, and dropped), announce the session. ``ignored_fields`` are then those
+    of that request: a saved voice, which the request uses, is not among them.
 
     Raises:
-        RequestValidationError: not a config message, or fields a request would fail on.
+        OmnistageError: not a config message, or fields every request of the session
+            would fail on (4xx naming the field).
     """
     message = await _receive(websocket)
     if message.get("type") != "session.config":
@@ -263,7 +267,8 @@ async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) 
             param=refused[0],
         )
     caps = server.capabilities
-    probe = validate_speech_request(parse_speech_request({**fields, "input": "probe"}, server.request_type), caps)
+    probe_body = {**fields, "input": _PROBE_TEXT, "stream": True}
+    probe, _ = await run_in_threadpool(server.prepare, probe_body, owner, live=caps.live_text_input)
     rate = output_sample_rate(probe, caps)
     session = _Session(
         server=server,

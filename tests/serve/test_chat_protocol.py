@@ -241,6 +241,17 @@ def test_max_tokens_and_max_completion_tokens_must_agree() -> None:
     assert parse_chat_request(body).completion_cap == 3
 
 
+@pytest.mark.parametrize("stream", [False, None])
+def test_stream_options_without_stream_are_refused_as_openai_refuses_them(stream) -> None:
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stream_options": {"include_usage": True}}
+    if stream is not None:
+        body["stream"] = stream
+    error = refused(body, TEXT_ONLY)
+    assert error.param == "stream_options" and "stream: true" in str(error)
+    body["stream"] = True
+    assert validate_chat_request(parse_chat_request(body), TEXT_ONLY).stream_options.include_usage
+
+
 def test_stop_from_a_model_that_does_not_declare_it_is_refused_naming_stop() -> None:
     error = refused({"messages": [{"role": "user", "content": "Hi"}], "stop": "."}, TEXT_ONLY)
     assert error.param == "stop" and "not supported" in str(error)

@@ -9,11 +9,13 @@ Precondition: the request is what :func:`~omnistage.serve.protocol.validate_spee
 returned against :func:`~.capabilities.qwen3_tts_capabilities` of the same checkpoint (the
 server does this first), so ``voice`` and ``language`` are declared (lower-case) names.
 That check already rejects, naming the field: unknown speaker or language (listing the
-allowed ones), blank or too long text, ``instructions`` on Base (and on 0.6B CustomVoice),
+allowed ones), blank or too long text,
 ``ref_audio``/``ref_text``/``references``/``x_vector_only_mode`` on CustomVoice and
-VoiceDesign, ``speed``, and the sampling ranges the wire format has (temperature >= 0,
+VoiceDesign, and the sampling ranges the wire format has (temperature >= 0,
 top_k >= 0 (-1 = 0), 0 < top_p <= 1, repetition_penalty > 0,
-initial_codec_chunk_frames >= 0). This builder adds the rules of the model's own fields
+initial_codec_chunk_frames >= 0); it drops, naming them in ``ignored_fields``, the OpenAI
+fields the checkpoint has no use for: ``instructions`` on Base (and on 0.6B CustomVoice),
+``voice`` on Base and VoiceDesign (a Base saved voice is resolved before it), ``speed``. This builder adds the rules of the model's own fields
 and those that need the model type:
 
 - ``task_type``, when given, must be the checkpoint's (``Base``, ``CustomVoice`` or

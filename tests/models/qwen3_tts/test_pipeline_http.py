@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
 from omnistage.core.errors import RequestAbortedError
@@ -667,13 +668,26 @@ def test_a_client_that_leaves_while_its_request_waits_for_text_aborts_it(servers
     assert request_id not in server.speech.pipeline.coordinator.requests
 
 
-def test_non_streaming_mode_is_refused_for_live_text(servers):
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [({"non_streaming_mode": True}, "non_streaming_mode"), ({"task_type": "Base"}, "task_type"),
+     ({"max_new_tokens": 8193}, "max_new_tokens"), ({"min_new_tokens": 25}, "min_new_tokens"),
+     ({"instructions": " "}, "instructions")],
+)
+def test_the_models_own_checks_refuse_a_session_config_before_any_text(servers, fields, param):
+    """session.started means every request of the session would pass the model's request
+    builder, not only the framework's checks: a field it refuses is the session's first
+    and only answer (closed 1008), and nothing was admitted."""
     server = servers["custom_voice"]
-    with open_session(server, "custom_voice", non_streaming_mode=True) as ws:
-        send(ws, "Hello.")
-        events: list[dict] = []
-        rest(ws, events)
-    assert events[-1]["type"] == "error" and events[-1]["error"]["param"] == "non_streaming_mode"
+    with connect(server.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream") as ws:
+        ws.send(json.dumps({"type": "session.config", **VOICES["custom_voice"], **FIELDS, **fields}))
+        error = json.loads(ws.recv(timeout=30))
+        with pytest.raises(ConnectionClosed) as closed:
+            ws.recv(timeout=30)
+    assert error["type"] == "error" and error["error"]["param"] == param, error
+    assert "segment_index" not in error
+    assert closed.value.rcvd is not None and closed.value.rcvd.code == 1008
+    assert not server.speech.pipeline.coordinator.requests
 
 
 @pytest.mark.parametrize("text", ["Hello world, it's 2024.", "a  b\n\nc", "\nx.y z", "Hi you all, good day."])

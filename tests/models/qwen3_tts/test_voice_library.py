@@ -256,6 +256,7 @@ def test_a_saved_voice_speaks_over_the_websocket_as_its_text_arrives(server):
 
     whole, events = session(["Hello there. How are you?"])
     by_word, _ = session(["Hello ", "there. ", "How ", "are ", "you?"])
+    assert events[0]["type"] == "session.started" and events[0]["ignored_fields"] == [], events[0]  # voice is used
     assert events[-1]["type"] == "session.done" and events[-1]["segments"] == 1, events[-1]
     samples = [np.frombuffer(a, "<i2").astype(np.int32) for a in (whole, by_word)]
     assert len(samples[0]) == len(samples[1]) == 4 * 1920
