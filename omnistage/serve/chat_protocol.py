@@ -15,7 +15,8 @@ All of them raise :class:`~omnistage.core.errors.RequestValidationError` (400) o
 The schema is OpenAI's (the ``openai`` SDK's ``ChatCompletionCreateParams``) for what it
 serves, composed with a model's own fields: a chat model's ``EntryClass.chat_request`` is
 :class:`ChatCompletionRequest` or a subclass adding fields; a field no class declares is a
-400 listing the model's own fields. Which optional fields a model takes is
+400 listing the model's own fields (an OpenAI field this server does not serve, such as
+``tools``, a 400 saying so: :data:`UNSERVED_OPENAI_FIELDS`). Which optional fields a model takes is
 ``ChatCapabilities.supported_fields``.
 
 Content parts (``messages[i].content`` is a string or a list of parts):
@@ -42,8 +43,11 @@ from pydantic import (
     Field,
     JsonValue,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from omnistage.core.errors import RequestValidationError
 from omnistage.serve.protocol import TopK, _decode_json_object, check_text, choice
@@ -126,18 +130,37 @@ PART_TYPES = ("text", "image_url", "input_audio", "video_url")
 
 class ChatMessageIn(_Strict):
     """One message. ``developer`` is OpenAI's newer name for ``system`` and is read as it.
-    ``content``: a string or a list of parts (a string is one text part)."""
+    ``content``: a string or a list of parts (a string is one text part); ``null`` only in
+    an assistant message (OpenAI's schema allows it there, e.g. a turn that called tools),
+    read as no text. The assistant-message fields OpenAI's SDK may echo back from a reply
+    (``refusal``, ``audio``, ``tool_calls``, ``function_call``) are accepted only empty, as
+    this server makes no refusals, keeps no reply audio and calls no tools
+    (:func:`validate_chat_request` refuses another value, naming it), except ``audio`` beside
+    text ``content``: a spoken reply echoed back whole (its ``content`` is its transcript),
+    read as that text, as the model reads every past turn."""
 
     role: Literal["system", "developer", "user", "assistant"]
     content: list[ContentPart]
     name: str | None = Field(default=None, description="accepted, not used")
+    refusal: str | None = None
+    audio: dict[str, JsonValue] | None = None
+    tool_calls: list[JsonValue] | None = None
+    function_call: dict[str, JsonValue] | None = None
 
-    @model_validator(mode="before")
+    @field_validator("content", mode="before")
     @classmethod
-    def _string_content(cls, data: object) -> object:
-        if isinstance(data, Mapping) and isinstance(data.get("content"), str):
-            return {**data, "content": [{"type": "text", "text": data["content"]}]}
-        return data
+    def _content(cls, value: object, info: ValidationInfo) -> object:
+        if isinstance(value, str):
+            return [{"type": "text", "text": value}]
+        if value is None:
+            role = info.data.get("role")
+            if role == "assistant":
+                return []
+            raise PydanticCustomError(
+                "null_content", "a {role} message needs content (null is allowed only for the assistant's)",
+                {"role": role or "non-assistant"},
+            )
+        return value
 
     @property
     def turn_role(self) -> Literal["system", "user", "assistant"]:
@@ -155,10 +178,32 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class ResponseFormat(_Strict):
+    """``response_format``: OpenAI's three kinds; only ``text`` (the default) is served."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, JsonValue] | None = None
+
+
+#: ``service_tier`` values (OpenAI's); ``auto`` and ``default`` are the one tier served.
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+_NULL_IS_DEFAULT = ("stream", "n")
+
+
 class ChatCompletionRequest(_Strict):
     """Body of ``POST /v1/chat/completions``: OpenAI's fields this server serves, and the
     framework's ``top_k``; a model's subclass adds its own (module docstring). Unknown
     fields are rejected. Unset sampling fields take the model's defaults.
+
+    OpenAI's fields clients send at their defaults are accepted at those values only
+    (``n`` 1; ``frequency_penalty`` and ``presence_penalty`` 0, as the engine's sampler has
+    only a multiplicative repetition penalty; ``logit_bias`` {}; ``logprobs`` false;
+    ``top_logprobs`` 0; ``response_format`` ``{"type": "text"}``; ``store`` false;
+    ``service_tier`` ``"auto"`` or ``"default"``; ``parallel_tool_calls`` any: there are no
+    tools), ``null`` for each meaning its default; another value is a 400 naming the field
+    and saying why. ``metadata`` (at most :data:`MAX_METADATA_PAIRS` string pairs, keys of
+    at most :data:`MAX_METADATA_KEY_CHARS` characters, values of at most
+    :data:`MAX_METADATA_VALUE_CHARS`) and ``user`` are informational: accepted, not used.
 
     ``max_completion_tokens`` is OpenAI's current name of ``max_tokens``; either may be
     set (both: they must agree). ``stop``: a string or a list of at most
@@ -183,8 +228,28 @@ class ChatCompletionRequest(_Strict):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=_INT32_MAX)
     seed: int | None = Field(default=None, ge=0, le=_INT63_MAX)
     stop: str | list[str] | None = None
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    n: int = Field(default=1, ge=1, description="1 only: one choice per request")
+    # OpenAI's fields accepted only at their no-effect values (:func:`_check_no_effect_fields`).
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="0 only")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0, description="0 only")
+    logit_bias: dict[str, int] | None = Field(default=None, description="{} only")
+    logprobs: bool | None = Field(default=None, description="false only")
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="0 only")
+    response_format: ResponseFormat | None = Field(default=None, description='{"type": "text"} only')
+    store: bool | None = Field(default=None, description="false only: nothing is stored")
+    service_tier: ServiceTier | None = Field(default=None, description='"auto" or "default" only')
+    parallel_tool_calls: bool | None = Field(default=None, description="accepted, no effect: no tools")
+    # informational: accepted (metadata checked against OpenAI's limits), not used
+    metadata: dict[str, str] | None = Field(default=None, description="at most 16 string pairs, accepted, not used")
     user: str | None = Field(default=None, description="accepted, not used")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: object) -> object:
+        """OpenAI's schema allows ``null`` for ``stream`` and ``n``: their defaults."""
+        if isinstance(data, Mapping) and any(data.get(k, 0) is None for k in _NULL_IS_DEFAULT):
+            return {k: v for k, v in data.items() if not (k in _NULL_IS_DEFAULT and v is None)}
+        return data
 
     @property
     def audio_output(self) -> bool:
@@ -210,6 +275,20 @@ def own_chat_fields(request_type: type[ChatCompletionRequest]) -> tuple[str, ...
 
 #: Optional fields a model must declare in ``supported_fields`` to accept them.
 OPTIONAL_CHAT_FIELDS: frozenset[str] = frozenset({"top_k", "seed", "stop"})
+#: OpenAI fields this server does not serve, with why: a 400 naming the field says so
+#: (a model's subclass may declare one and serve it).
+UNSERVED_OPENAI_FIELDS: Mapping[str, str] = {
+    "tools": "tool calling is not supported",
+    "tool_choice": "tool calling is not supported",
+    "functions": "function calling is not supported",
+    "function_call": "function calling is not supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+    "reasoning_effort": "the model has no reasoning-effort setting",
+    "verbosity": "the model has no verbosity setting",
+}
+#: ``metadata`` limits (OpenAI's): pairs, key characters, value characters.
+MAX_METADATA_PAIRS, MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 16, 64, 512
 #: ``stop`` holds this many strings at most (OpenAI's limit).
 MAX_STOP_STRINGS = 4
 #: A stop string holds this many characters at most (ours, not OpenAI's: the text held back
@@ -307,6 +386,8 @@ def parse_chat_request(
     """
     data = _decode_json_object(body)
     for key in data:
+        if key in UNSERVED_OPENAI_FIELDS and key not in request_type.model_fields:
+            raise RequestValidationError(f"{key}: {UNSERVED_OPENAI_FIELDS[key]}", param=key)
         if key not in request_type.model_fields:
             own = own_chat_fields(request_type)
             hint = f" (this model's own fields: {', '.join(own)})" if own else ""
@@ -360,7 +441,14 @@ def validate_chat_request(req: ChatCompletionRequest, caps: ChatCapabilities) ->
             :data:`MAX_STOP_CHARS` characters; a content kind is not
             among ``input_modalities``, or there are more media items than allowed; the
             text is too long; the last message is the assistant's; ``stream_options`` is
-            set on a request that does not stream (OpenAI refuses it too).
+            set on a request that does not stream (OpenAI refuses it too); an OpenAI field
+            is set to a value this server cannot honour (``n`` > 1, a non-zero penalty, a
+            non-empty ``logit_bias``, ``logprobs``, ``top_logprobs`` > 0, ``store``, a JSON
+            ``response_format`` (``response_format.type``), a ``service_tier`` other than
+            auto/default) or a message echoes a ``refusal``, ``audio`` (without text
+            ``content``), ``tool_calls`` or
+            ``function_call`` (``messages.<i>.<field>``); ``metadata`` is over OpenAI's
+            limits (``metadata``, or ``metadata.<key>`` for a long value).
     """
     if req.model and req.model not in caps.model_names:
         raise RequestValidationError(
@@ -370,6 +458,7 @@ def validate_chat_request(req: ChatCompletionRequest, caps: ChatCapabilities) ->
     if req.stream_options is not None and not req.stream:
         raise RequestValidationError("stream_options is only allowed with stream: true", param="stream_options")
     _check_modalities(req, caps)
+    _check_no_effect_fields(req)
     _check_optional_fields(req, caps)
     _check_limits(req, caps)
     _check_content(req, caps)
@@ -408,6 +497,63 @@ def _check_modalities(req: ChatCompletionRequest, caps: ChatCapabilities) -> Non
             f"available: {', '.join(sorted(allowed))}",
             param="audio.format",
         )
+
+
+def _check_no_effect_fields(req: ChatCompletionRequest) -> None:
+    """OpenAI's fields that clients send at their defaults: any other value is refused,
+    saying why, never ignored; ``metadata`` within OpenAI's limits."""
+    refusals = (
+        ("n", req.n > 1, "one choice per request is served; n must be 1"),
+        ("frequency_penalty", bool(req.frequency_penalty), _NO_PENALTY),
+        ("presence_penalty", bool(req.presence_penalty), _NO_PENALTY),
+        ("logit_bias", bool(req.logit_bias), "logit bias is not supported; send {} or omit it"),
+        ("logprobs", bool(req.logprobs), "log probabilities are not returned; logprobs must be false"),
+        ("top_logprobs", bool(req.top_logprobs), "log probabilities are not returned; top_logprobs must be 0"),
+        ("store", bool(req.store), "completions are not stored; store must be false"),
+        ("service_tier", req.service_tier not in (None, "auto", "default"),
+         'one processing tier is served; service_tier must be "auto" or "default"'),
+        ("response_format.type", req.response_format is not None and req.response_format.type != "text",
+         'structured output is not supported; response_format must be {"type": "text"}'),
+    )  # fmt: skip
+    for param, refused, why in refusals:
+        if refused:
+            raise RequestValidationError(f"{param}: {why}", param=param)
+    for m, message in enumerate(req.messages):
+        _check_message_echoes(message, f"messages.{m}")
+    _check_metadata(req.metadata or {})
+
+
+_NO_PENALTY = "the sampler has no presence or frequency penalty; it must be 0"
+
+
+def _check_message_echoes(message: ChatMessageIn, where: str) -> None:
+    echoes = (
+        ("refusal", message.refusal is not None, "refusals are not taken; send the text as content"),
+        ("audio", message.audio is not None and not any(part.type == "text" and part.text for part in message.content),
+         "a reply's audio is not kept, so it cannot be referred to by id; send its transcript as content"),
+        ("tool_calls", bool(message.tool_calls), "tool calling is not supported"),
+        ("function_call", message.function_call is not None, "function calling is not supported"),
+    )  # fmt: skip
+    for name, refused, why in echoes:
+        if refused:
+            raise RequestValidationError(f"{where}.{name}: {why}", param=f"{where}.{name}")
+
+
+def _check_metadata(metadata: Mapping[str, str]) -> None:
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise RequestValidationError(
+            f"metadata holds {len(metadata)} pairs; at most {MAX_METADATA_PAIRS}", param="metadata"
+        )
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            raise RequestValidationError(
+                f"metadata: a key holds {len(key)} characters; at most {MAX_METADATA_KEY_CHARS}", param="metadata"
+            )
+        if len(value) > MAX_METADATA_VALUE_CHARS:
+            raise RequestValidationError(
+                f"metadata.{key} holds {len(value)} characters; at most {MAX_METADATA_VALUE_CHARS}",
+                param=f"metadata.{key}",
+            )
 
 
 def _check_optional_fields(req: ChatCompletionRequest, caps: ChatCapabilities) -> None:

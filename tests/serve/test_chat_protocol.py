@@ -275,3 +275,101 @@ def test_up_to_four_stop_strings_are_taken() -> None:
     assert validate_chat_request(parse_chat_request(body), caps).stop_sequences == ("end",)
     body["stop"] = "x" * MAX_STOP_CHARS
     assert validate_chat_request(parse_chat_request(body), caps).stop_sequences == ("x" * MAX_STOP_CHARS,)
+
+
+# ----------------------------------------------------------------- OpenAI fields at their defaults
+HI = [{"role": "user", "content": "Hi"}]
+#: What OpenAI clients send at the values that change nothing (the SDK sends null as null).
+OPENAI_DEFAULTS = {
+    "n": 1, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "logprobs": False,
+    "top_logprobs": 0, "response_format": {"type": "text"}, "store": False, "service_tier": "auto",
+    "parallel_tool_calls": True, "metadata": {"app": "test", "run": "1"}, "user": "someone", "stream": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "value"), [*OPENAI_DEFAULTS.items(), *[(name, None) for name in OPENAI_DEFAULTS]])
+def test_an_openai_field_at_a_value_of_no_effect_is_accepted(name, value) -> None:
+    req = validate_chat_request(parse_chat_request({"messages": HI, name: value}), TEXT_ONLY)
+    assert req.n == 1 and req.stream is False
+
+
+def test_all_openai_defaults_together_are_accepted() -> None:
+    body = {"messages": HI, **OPENAI_DEFAULTS, "service_tier": "default", "parallel_tool_calls": False}
+    validate_chat_request(parse_chat_request(body), TEXT_ONLY)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "why"),
+    [
+        ({"n": 2}, "n", "one choice per request"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "no presence or frequency penalty"),
+        ({"presence_penalty": -1}, "presence_penalty", "no presence or frequency penalty"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+        ({"logit_bias": {"42": 5}}, "logit_bias", "not supported"),
+        ({"logprobs": True}, "logprobs", "not returned"),
+        ({"top_logprobs": 3}, "top_logprobs", "not returned"),
+        ({"store": True}, "store", "not stored"),
+        ({"service_tier": "flex"}, "service_tier", "one processing tier"),
+        ({"service_tier": "priority"}, "service_tier", "one processing tier"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type", "structured output"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+         "response_format.type", "structured output"),
+        ({"response_format": {"type": "yaml"}}, "response_format.type", "'text', 'json_object' or 'json_schema'"),
+        ({"metadata": {"k": 1}}, "metadata.k", "valid string"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling is not supported"),
+        ({"tool_choice": "none"}, "tool_choice", "tool calling is not supported"),
+        ({"reasoning_effort": "low"}, "reasoning_effort", "reasoning-effort"),
+    ],
+)  # fmt: skip
+def test_a_value_this_server_cannot_honour_is_refused_naming_the_field_and_why(fields, param, why) -> None:
+    error = refused({"messages": HI, **fields}, TEXT_ONLY)
+    assert error.param == param and why in str(error), str(error)
+
+
+def test_metadata_is_held_to_openais_limits() -> None:
+    at_limits = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
+    validate_chat_request(parse_chat_request({"messages": HI, "metadata": at_limits}), TEXT_ONLY)
+    assert refused({"messages": HI, "metadata": {**at_limits, "extra": ""}}, TEXT_ONLY).param == "metadata"
+    assert refused({"messages": HI, "metadata": {"k" * 65: ""}}, TEXT_ONLY).param == "metadata"
+    assert refused({"messages": HI, "metadata": {"key": "v" * 513}}, TEXT_ONLY).param == "metadata.key"
+
+
+def test_an_assistant_message_with_null_content_reads_as_no_text() -> None:
+    body = {"messages": [*HI, {"role": "assistant", "content": None}, {"role": "user", "content": "Again"}]}
+    req = validate_chat_request(parse_chat_request(body), TEXT_ONLY)
+    assert req.messages[1].content == []
+    turns = load_chat_inputs(req, TEXT_ONLY, MediaPolicy())
+    assert [(t.role, t.parts) for t in turns][1] == ("assistant", ())
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer"])
+def test_null_content_outside_an_assistant_message_is_refused_naming_it(role) -> None:
+    body = {"messages": [{"role": role, "content": None}, *HI]}
+    error = refused(body, TEXT_ONLY)
+    assert error.param == "messages.0.content" and f"a {role} message needs content" in str(error)
+
+
+def test_a_spoken_reply_echoed_back_whole_reads_as_its_text() -> None:
+    """The SDK's reply message sent back as history: ``content`` is its transcript."""
+    reply = {"role": "assistant", "content": "Hello!", "audio": {"id": "audio_1", "data": "AAAA", "expires_at": 1, "transcript": "Hello!"}}
+    req = validate_chat_request(parse_chat_request({"messages": [*HI, reply, *HI]}), TEXT_ONLY)
+    assert [p.text for p in req.messages[1].content] == ["Hello!"]
+
+
+@pytest.mark.parametrize(
+    ("echo", "param"),
+    [
+        ({"content": None, "audio": {"id": "audio_1"}}, "messages.1.audio"),  # OpenAI's audio-by-id turn
+        ({"content": "x", "tool_calls": [{"id": "c", "type": "function"}]}, "messages.1.tool_calls"),
+        ({"content": "x", "function_call": {"name": "f", "arguments": "{}"}}, "messages.1.function_call"),
+        ({"content": None, "refusal": "I can't."}, "messages.1.refusal"),
+    ],
+)
+def test_an_assistant_echo_this_server_cannot_honour_is_refused_naming_it(echo, param) -> None:
+    body = {"messages": [*HI, {"role": "assistant", **echo}, *HI]}
+    assert refused(body, TEXT_ONLY).param == param
+
+
+def test_empty_assistant_echoes_are_accepted() -> None:
+    echo = {"role": "assistant", "content": "x", "audio": None, "refusal": None, "tool_calls": [], "function_call": None}
+    validate_chat_request(parse_chat_request({"messages": [*HI, echo, *HI]}), TEXT_ONLY)

@@ -299,6 +299,15 @@ def _error(excinfo: pytest.ExceptionInfo) -> tuple[int, str | None]:
         ({"messages": [{"role": "user", "content": [{"type": "sticker"}]}]}, 400, "messages.0.content.0"),
         ({"messages": [{"role": "assistant", "content": "Hi."}]}, 400, "messages.0.role"),
         ({"frequency_penalty": 1.0}, 400, "frequency_penalty"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
+        ({"store": True}, 400, "store"),
+        ({"response_format": {"type": "json_object"}}, 400, "response_format.type"),
+        ({"service_tier": "flex"}, 400, "service_tier"),
+        ({"metadata": {str(i): "v" for i in range(17)}}, 400, "metadata"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({"messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+        ({"messages": [*HELLO, {"role": "assistant", "content": None, "audio": {"id": "audio_1"}}, *HELLO]}, 400, "messages.1.audio"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_refused_naming_the_field_before_any_stage_runs(server, client, fields, status, param) -> None:
@@ -309,6 +318,46 @@ def test_bad_requests_are_refused_naming_the_field_before_any_stage_runs(server,
     assert _error(excinfo) == (status, param), excinfo.value.body
     assert excinfo.value.body["type"] == "invalid_request_error"
     assert batches(server) == before
+    assert_nothing_left(server)
+
+
+#: What OpenAI clients send at the values that change nothing (the SDK sends None as null).
+OPENAI_DEFAULTS = {
+    "n": 1, "frequency_penalty": 0, "presence_penalty": 0, "logit_bias": {}, "logprobs": False,
+    "top_logprobs": None, "response_format": {"type": "text"}, "store": False, "service_tier": "auto",
+    "parallel_tool_calls": True, "metadata": {"app": "omnistage-tests"}, "user": "someone", "stream": False,
+}  # fmt: skip
+
+
+def test_an_openai_client_sending_the_defaults_gets_the_reply_it_gets_without_them(client) -> None:
+    plain = client.chat.completions.create(model="qwen3-omni", messages=HELLO, max_tokens=4)
+    with_defaults = client.chat.completions.create(model="qwen3-omni", messages=HELLO, max_tokens=4, **OPENAI_DEFAULTS)
+    assert with_defaults.choices[0].message.content == plain.choices[0].message.content
+    assert with_defaults.usage.model_dump() == plain.usage.model_dump()
+
+
+def test_a_reply_sent_back_as_history_by_the_sdk_is_taken(server, client) -> None:
+    """The SDK's reply message object in the next request's messages (it echoes the reply's
+    ``audio: null``); an assistant turn with ``content: None`` reads as an empty turn."""
+    first = client.chat.completions.create(model="qwen3-omni", messages=HELLO, max_tokens=3)
+    again = [{"role": "user", "content": "Again."}]
+    echoed = client.chat.completions.create(
+        model="qwen3-omni", messages=[*HELLO, first.choices[0].message, *again], max_tokens=3
+    )
+    as_text = client.chat.completions.create(
+        model="qwen3-omni", messages=[*HELLO, {"role": "assistant", "content": first.choices[0].message.content}, *again],
+        max_tokens=3,
+    )  # fmt: skip
+    assert echoed.choices[0].message.content == as_text.choices[0].message.content
+    assert echoed.usage.prompt_tokens == as_text.usage.prompt_tokens
+    null = client.chat.completions.create(
+        model="qwen3-omni", messages=[*HELLO, {"role": "assistant", "content": None}, *again], max_tokens=3
+    )
+    empty = client.chat.completions.create(
+        model="qwen3-omni", messages=[*HELLO, {"role": "assistant", "content": ""}, *again], max_tokens=3
+    )
+    assert null.usage.prompt_tokens == empty.usage.prompt_tokens < as_text.usage.prompt_tokens
+    assert null.choices[0].message.content == empty.choices[0].message.content
     assert_nothing_left(server)
 
 
