@@ -381,13 +381,17 @@ def parse_chat_request(
 
     Raises:
         RequestValidationError: not a JSON object, an unknown field (``param`` = it; the
-            message lists the model's own fields), or a bad type or value (``param`` = its
+            message lists the model's own fields), a field of :data:`UNSERVED_OPENAI_FIELDS`
+            that is not null (the message says why), or a bad type or value (``param`` = its
             dotted location, e.g. ``messages.0.content.1.image_url.url``).
     """
     data = _decode_json_object(body)
-    for key in data:
-        if key in UNSERVED_OPENAI_FIELDS and key not in request_type.model_fields:
+    unserved = {key for key in data if key in UNSERVED_OPENAI_FIELDS and key not in request_type.model_fields}
+    for key in sorted(unserved):
+        if data[key] is not None:  # null: not set
             raise RequestValidationError(f"{key}: {UNSERVED_OPENAI_FIELDS[key]}", param=key)
+    data = {key: value for key, value in data.items() if key not in unserved}
+    for key in data:
         if key not in request_type.model_fields:
             own = own_chat_fields(request_type)
             hint = f" (this model's own fields: {', '.join(own)})" if own else ""

@@ -326,6 +326,10 @@ def test_a_value_this_server_cannot_honour_is_refused_naming_the_field_and_why(f
     assert error.param == param and why in str(error), str(error)
 
 
+def test_an_unserved_openai_field_left_null_is_unset() -> None:
+    validate_chat_request(parse_chat_request({"messages": HI, "tools": None, "tool_choice": None}), TEXT_ONLY)
+
+
 def test_metadata_is_held_to_openais_limits() -> None:
     at_limits = {f"{i:02d}" + "k" * 62: "v" * 512 for i in range(16)}
     validate_chat_request(parse_chat_request({"messages": HI, "metadata": at_limits}), TEXT_ONLY)
