@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import importlib.util
 import json
 import logging
 import os
@@ -29,9 +30,10 @@ from omnistage.core.errors import OmnistageError
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.media import DEFAULT_REFERENCE_CACHE_BYTES, MediaPolicy, ReferenceCache
 
-__all__ = ["SERVE_EPILOG", "serve"]
+__all__ = ["SERVE_EPILOG", "HttpImpl", "LoopImpl", "ServeArgs", "serve", "uvicorn_config"]
 
 READY_POLL_S = 0.2
+STARTUP_FAILURE = 3  # uvicorn's exit status when its server did not start
 SERVE_EPILOG = (
     "Pipeline overrides: every settable config value is also a flag --<path> VALUE (or "
     "--<path>=VALUE), e.g. --max_concurrent_requests 8, --<stage>.device cuda:0, "
@@ -51,6 +53,37 @@ class LogLevel(StrEnum):
     info = "info"
     debug = "debug"
     trace = "trace"
+
+
+class HttpImpl(StrEnum):
+    """uvicorn's HTTP/1.1 parser (``auto``: httptools when installed, else h11)."""
+
+    auto = "auto"
+    h11 = "h11"
+    httptools = "httptools"
+
+
+class LoopImpl(StrEnum):
+    """uvicorn's event loop (``auto``: uvloop when installed, else asyncio's own)."""
+
+    auto = "auto"
+    asyncio = "asyncio"
+    uvloop = "uvloop"
+
+
+# the choices that need a package of their own; the others ship with uvicorn or Python
+_PACKAGES: dict[tuple[str, str], str] = {
+    ("--http", "httptools"): "httptools",
+    ("--loop", "uvloop"): "uvloop",
+}
+
+
+def _check_installed(flag: str, value: str) -> None:
+    """Exit with a message now, before loading the model, if ``flag value`` names a package
+    that is not installed (uvicorn would fail only once the model is loaded)."""
+    package = _PACKAGES.get((flag, value))
+    if package is not None and importlib.util.find_spec(package) is None:
+        fail(f"{flag} {value}: the {package} package is not installed (pip install {package})")
 
 
 def _configure_logging(console: Console, level: LogLevel) -> None:
@@ -199,10 +232,13 @@ def _run(app: FastAPI, server: ServeArgs, console: Console, what: str) -> None:
     watcher = threading.Thread(target=_wait_ready, args=probe, daemon=True)
     status.start()
     watcher.start()
+    runner = uvicorn.Server(uvicorn_config(app, server))
     try:
         with _graceful_signals():
-            uvicorn.run(app, host=host, port=port, log_level=server.log_level, log_config=None)
-    except SystemExit as exc:  # uvicorn exits on a failed startup, after logging why
+            runner.run()
+            if not runner.started:  # a failed lifespan startup, logged by uvicorn
+                fail("the server did not start (see the log above)", code=STARTUP_FAILURE)
+    except SystemExit as exc:  # uvicorn exits when it cannot listen, after logging why
         if exc.code not in (0, None):
             fail("the server did not start (see the log above)", code=_exit_code(exc))
     finally:
@@ -219,6 +255,20 @@ def _run(app: FastAPI, server: ServeArgs, console: Console, what: str) -> None:
 
 def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else 1
+
+
+def uvicorn_config(app: FastAPI, server: ServeArgs) -> uvicorn.Config:
+    """uvicorn's configuration for ``app``: ``server``'s address, log level (our logging
+    stays configured: no ``log_config``), HTTP parser and event loop."""
+    return uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_level=server.log_level.value,
+        log_config=None,
+        http=server.http.value,
+        loop=server.loop.value,
+    )
 
 
 @dataclass(frozen=True)
@@ -299,6 +349,17 @@ class ServeArgs:
         ),
     ] = MediaPolicy.decode_workers
     log_level: Annotated[LogLevel, typer.Option(help="Server log level.")] = LogLevel.info
+    http: Annotated[
+        HttpImpl,
+        typer.Option(
+            help="uvicorn's HTTP parser; auto: httptools when installed, else h11 "
+            "(benchmarks/README.md measures both)."
+        ),
+    ] = HttpImpl.auto
+    loop: Annotated[
+        LoopImpl,
+        typer.Option(help="uvicorn's event loop; auto: uvloop when installed, else asyncio's."),
+    ] = LoopImpl.auto
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Skip the warm-up request before reporting ready.")
     ] = False
@@ -331,6 +392,8 @@ def serve(ctx: typer.Context, *, model: ModelArgs, server: ServeArgs) -> None:
     POST /v1/chat/completions)."""
     resolved = resolve_model(model, ctx.args)
     _check_address(server.host, server.port)
+    _check_installed("--http", server.http.value)
+    _check_installed("--loop", server.loop.value)
     settings = server.settings()
     console = Console(stderr=True)
     _configure_logging(console, server.log_level)

@@ -316,6 +316,7 @@ def test_serve_exits_non_zero_when_a_stage_process_dies_past_its_restart_limit()
         "--port",
         str(port),
         "--no-warmup",
+        *("--http", "h11", "--loop", "asyncio"),  # the explicit choices; the other tests: auto
     ]
     server = subprocess.Popen(
         [
@@ -363,3 +364,37 @@ def test_serve_options_become_server_settings(tmp_path: Path, monkeypatch: pytes
 
 def test_a_blank_served_model_name_is_a_usage_error():
     assert_usage_error(invoke("serve", "--model-path", "tone-test", "--served-model-name", " "), "--served-model-name")
+
+
+def test_http_and_loop_flags_reach_uvicorns_config():
+    from fastapi import FastAPI
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from omnistage.cli.serve import HttpImpl, LoopImpl, ServeArgs, uvicorn_config
+
+    defaults = uvicorn_config(FastAPI(), ServeArgs())
+    assert (defaults.http, defaults.loop) == ("auto", "auto")
+    for http, loop, protocol in (
+        (HttpImpl.h11, LoopImpl.asyncio, H11Protocol),
+        (HttpImpl.httptools, LoopImpl.uvloop, HttpToolsProtocol),
+    ):
+        config = uvicorn_config(FastAPI(), ServeArgs(port=free_port(), http=http, loop=loop))
+        assert (config.http, config.loop) == (http.value, loop.value)
+        config.load()
+        assert config.http_protocol_class is protocol
+
+
+def test_a_bad_http_or_loop_value_is_a_usage_error_naming_the_flag():
+    for flag in ("--http", "--loop"):
+        result = invoke("serve", "--model-path", "tone-test", flag, "fast")
+        assert_usage_error(result, flag, "'fast'")
+
+
+@pytest.mark.parametrize(("flag", "package"), [("--http", "httptools"), ("--loop", "uvloop")])
+def test_a_choice_whose_package_is_missing_fails_at_start_naming_the_flag(
+    flag: str, package: str, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setitem(sys.modules, package, None)  # what an import sees when it is absent
+    result = invoke("serve", "--model-path", "tone-test", "--port", str(free_port()), flag, package)
+    assert_usage_error(result, f"{flag} {package}", f"the {package} package is not installed")
