@@ -7,8 +7,8 @@ vocoder's host loops, and it delays the chunks of every other stream. This scrip
 that cost on a CPU. It serves a model with ``omnistage serve`` once per configuration
 (``--config NAME ROOT SERVE_ARGS``: a source tree, ``.`` for this one, and extra serve
 arguments; all servers started at once, measured one at a time while the others idle,
-rounds alternating), drives closed-loop levels (streaming pcm, exactly ``--frames`` frames
-per request) from this process with :func:`omnistage.bench.speed.run_speed`, and reads,
+rounds alternating), drives closed-loop levels (pcm, exactly ``--frames`` frames per
+request; streamed, or whole responses with ``--no-stream``) from this process with :func:`omnistage.bench.speed.run_speed`, and reads,
 before and after each level, the CPU time of every server thread
 (``/proc/<pid>/task/<tid>/schedstat``: nanoseconds on a CPU), of this process (the client,
 ``time.process_time``) and the server's ``first_byte`` phase (``/metrics``).
@@ -23,6 +23,9 @@ Models (``--model``):
 - ``qwen3-tts``: a tiny random Qwen3-TTS Base (voice clone with a cached reference): the
   real pipeline, whose CPU compute takes most of the machine.
 
+``--body-kib N`` (paced only) pads every request body with N KiB (the paced request's
+ignored ``padding`` field), to measure the cost of reading and parsing a large body.
+
 Threads are named with ``py-spy dump`` (``pip install py-spy``) and grouped as ``loop``
 (``MainThread``: the asyncio loop, which runs the coordinator's event handling, the
 responses and the sockets) and ``workers`` (AnyIO worker threads: ``run_in_threadpool``,
@@ -31,11 +34,16 @@ e.g. request parsing). Reported per level:
 - ``loop_ms_per_audio_s``, ``loop_us_per_chunk``: the loop's CPU per second of audio
   delivered and per vocoder chunk (chunks per request from the chunk plan: 18 for 125
   frames); ``workers_ms_per_request``; ``client_ms_per_audio_s``: this process's CPU;
+- ``loop_ms_per_request``, ``server_ms_per_request`` (loop + workers): the HTTP side's CPU
+  per request;
 - TTFA p50 / p99, its ``client`` phase (the client's TTFA after the server's last
   ``X-Timeline`` mark) and the server's mean ``first_byte`` phase (the last mark to the
-  first byte handed to the response), audio throughput.
+  first byte handed to the response), latency p50 / p99, audio throughput, requests per
+  second.
 
-Prints a table with the ratios of each configuration to the first, and writes ``--output``::
+Per configuration and level the summary is the median over the ``--rounds`` of each
+figure. Prints a table with the ratios of each configuration to the first (streamed: per
+audio second and chunk; ``--no-stream``: per request), and writes ``--output``::
 
     python benchmarks/http_cost.py --config before /path/to/main '' --config after . '' \\
         --output benchmarks/results/http_cost.json
@@ -49,6 +57,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -66,6 +75,7 @@ from qwen3_tts_gpu import REF_TEXT, TEXT, tiny_base_checkpoint  # noqa: E402 -- 
 from omnistage.bench import BenchSample, SpeechTarget  # noqa: E402
 from omnistage.bench.speed import SpeedOptions, run_speed  # noqa: E402
 from omnistage.scheduling.vocoder import ChunkPlan  # noqa: E402
+from omnistage.testing.waits import free_port  # noqa: E402
 
 PHASE_SUM = re.compile(r'omnistage_request_phase_seconds_(sum|count)\{phase="first_byte"\} (\S+)')
 
@@ -81,12 +91,12 @@ class Model:
     python_path: tuple[Path, ...] = ()
 
 
-def paced_model(work: Path, frames: int, step_ms: float) -> Model:
+def paced_model(work: Path, frames: int, step_ms: float, body_kib: int) -> Model:
     return Model(
         paced_speech.write_checkpoint(work / "paced_speech"),
         ["--vocoder.factory.args.step_ms", str(step_ms)],
         {"OMNISTAGE_EXTRA_MODELS": "paced_speech:PacedSpeechConfig"},
-        {"frames": frames},
+        {"frames": frames, **({"padding": "x" * (1024 * body_kib)} if body_kib else {})},
         (HERE,),
     )
 
@@ -182,12 +192,12 @@ def wait_healthy(server: Server, deadline: float) -> None:
     raise RuntimeError(f"server {server.config.name} did not become healthy")
 
 
-def bench(port: int, conc: int, n: int, model: Model) -> tuple[dict, float]:
+def bench(port: int, conc: int, n: int, model: Model, stream: bool) -> tuple[dict, float]:
     """One closed level, driven from this process; returns its stats and this process's
     CPU seconds during it (the client's cost)."""
     target = SpeechTarget(f"http://127.0.0.1:{port}", extra_fields=model.fields)
     options = SpeedOptions(
-        target, concurrencies=(conc,), num_requests=n, warmup=0, show_progress=False
+        target, concurrencies=(conc,), num_requests=n, warmup=0, stream=stream, show_progress=False
     )
     cpu = time.process_time()
     report = asyncio.run(run_speed(options, [BenchSample("s0", TEXT)]))
@@ -205,12 +215,12 @@ def first_byte_phase(port: int) -> tuple[float, float]:
     return float(values.get("sum", 0)), float(values.get("count", 0))
 
 
-def measure(server: Server, conc: int, n: int, frames: int, model: Model) -> dict:
+def measure(server: Server, conc: int, n: int, frames: int, model: Model, stream: bool) -> dict:
     pid = server.proc.pid
     names = thread_names(pid)
     phase_before = first_byte_phase(server.port)
     before = thread_cpu_ns(pid)
-    level, client_s = bench(server.port, conc, n, model)
+    level, client_s = bench(server.port, conc, n, model, stream)
     after = thread_cpu_ns(pid)
     phase_after = first_byte_phase(server.port)
     first_byte_ms = (
@@ -231,6 +241,7 @@ def measure(server: Server, conc: int, n: int, frames: int, model: Model) -> dic
             groups[group] += ns - before.get(tid, 0)
     ok, audio_s = level["num_ok"], level["audio_s_total"]
     chunks = ok * chunks_per_request(frames)
+    server_ns = groups["loop"] + groups["workers"]
     return {
         "config": server.config.name, "concurrency": conc, "requests_ok": ok, "audio_s": round(audio_s, 1),
         "chunks": chunks, "loop_cpu_s": round(groups["loop"] / 1e9, 3), "workers_cpu_s": round(groups["workers"] / 1e9, 3),
@@ -238,7 +249,10 @@ def measure(server: Server, conc: int, n: int, frames: int, model: Model) -> dic
         "loop_us_per_chunk": round(groups["loop"] / 1e3 / chunks, 1),
         "workers_ms_per_request": round(groups["workers"] / 1e6 / ok, 3),
         "client_ms_per_audio_s": round(1e3 * client_s / audio_s, 3),
+        "loop_ms_per_request": round(groups["loop"] / 1e6 / ok, 3), "server_ms_per_request": round(server_ns / 1e6 / ok, 3),
         "ttfa_p50_ms": round(level["ttfa_ms"]["p50"], 1), "ttfa_p99_ms": round(level["ttfa_ms"]["p99"], 1),
+        "latency_p50_ms": round(level["latency_ms"]["p50"], 2), "latency_p99_ms": round(level["latency_ms"]["p99"], 2),
+        "requests_per_s": round(level["request_throughput"], 1),
         "client_phase_ms": round(level.get("ttfa_phases_ms", {}).get("client", float("nan")), 1),
         "first_byte_phase_ms": round(first_byte_ms, 2),
         "audio_throughput": round(level["audio_throughput"], 2), "wall_s": round(level["wall_s"], 1),
@@ -250,11 +264,21 @@ KEYS = (
     "loop_us_per_chunk",
     "workers_ms_per_request",
     "client_ms_per_audio_s",
+    "loop_ms_per_request",
+    "server_ms_per_request",
+    "ttfa_p50_ms",
+    "ttfa_p99_ms",
+    "client_phase_ms",
+    "first_byte_phase_ms",
+    "latency_p50_ms",
+    "latency_p99_ms",
+    "audio_throughput",
+    "requests_per_s",
 )
 
 
 def summarize(levels: list[dict], configs: list[Config], concurrencies: list[int]) -> list[dict]:
-    """Per configuration and concurrency: the mean of each CPU figure over the rounds, and
+    """Per configuration and concurrency: the median of each figure over the rounds, and
     its ratio to the first configuration's."""
     rows = []
     for conc in concurrencies:
@@ -264,19 +288,29 @@ def summarize(levels: list[dict], configs: list[Config], concurrencies: list[int
                 lv for lv in levels if lv["config"] == config.name and lv["concurrency"] == conc
             ]
             row = {"config": config.name, "concurrency": conc, "rounds": len(mine)}
-            for key in (
-                *KEYS,
-                "ttfa_p50_ms",
-                "ttfa_p99_ms",
-                "client_phase_ms",
-                "first_byte_phase_ms",
-                "audio_throughput",
-            ):
-                row[key] = round(sum(lv[key] for lv in mine) / len(mine), 3)
+            for key in KEYS:
+                row[key] = round(statistics.median(lv[key] for lv in mine), 3)
             base = base or row
             row["ratio"] = {key: round(row[key] / base[key], 3) for key in KEYS if base[key]}
             rows.append(row)
     return rows
+
+
+def print_whole_table(rows: list[dict]) -> None:
+    print(
+        f"{'config':<10} {'c':>4} {'server ms/req':>14} {'loop ms/req':>14} {'workers ms/req':>15}"
+        f" {'latency p50/p99 ms':>19} {'req/s':>15}"
+    )
+    for r in rows:
+        x = r["ratio"]
+        print(
+            f"{r['config']:<10} {r['concurrency']:>4}"
+            f" {r['server_ms_per_request']:>6.3f} ({x.get('server_ms_per_request', 0):.2f}x)"
+            f" {r['loop_ms_per_request']:>6.3f} ({x.get('loop_ms_per_request', 0):.2f}x)"
+            f" {r['workers_ms_per_request']:>7.3f} ({x.get('workers_ms_per_request', 0):.2f}x)"
+            f" {r['latency_p50_ms']:>9.2f}/{r['latency_p99_ms']:<9.2f}"
+            f" {r['requests_per_s']:>7.1f} ({x.get('requests_per_s', 0):.2f}x)"
+        )
 
 
 def print_table(rows: list[dict]) -> None:
@@ -315,35 +349,49 @@ def main() -> None:
         "--requests", type=int, default=0, help="requests per level (0: twice the concurrency)"
     )
     parser.add_argument("--frames", type=int, default=125)
+    parser.add_argument(
+        "--no-stream", action="store_true", help="whole-response requests (default: streamed)"
+    )
+    parser.add_argument(
+        "--body-kib", type=int, default=0, help="paced: pad every request body with N KiB"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
-        "--port", type=int, default=8741, help="first server's port; the next ones follow"
+        "--port",
+        type=int,
+        default=0,
+        help="first server's port, the next ones following (0: ports free now, the kernel's pick)",
     )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
+    if args.body_kib < 0 or (args.body_kib and args.model != "paced"):
+        parser.error("--body-kib takes N >= 0 and needs --model paced")
+    stream = not args.no_stream
     configs = [
         Config(n, Path(r), shlex.split(a)) for n, r, a in (args.config or [("this", ".", "")])
     ]
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.model == "paced":
-            model = paced_model(work, args.frames, args.step_ms)
+            model = paced_model(work, args.frames, args.step_ms, args.body_kib)
         else:
             model = qwen3_tts_model(work, args.frames, max(args.concurrency))
+        ports = [args.port + i if args.port else free_port() for i in range(len(configs))]
         servers = [
-            start(c, model, args.port + i, work / f"server_{c.name}.log")
-            for i, c in enumerate(configs)
+            start(c, model, port, work / f"server_{c.name}.log")
+            for c, port in zip(configs, ports, strict=True)
         ]
         levels = []
         try:
             deadline = time.monotonic() + 300
             for server in servers:
                 wait_healthy(server, deadline)
-                bench(server.port, 8, 16, model)  # warm-up
+                bench(server.port, 8, 16, model, stream)  # warm-up
             for round_ in range(args.rounds):
                 for server in servers if round_ % 2 == 0 else servers[::-1]:
                     for conc in args.concurrency:
-                        level = measure(server, conc, args.requests or 2 * conc, args.frames, model)
+                        n = args.requests or 2 * conc
+                        level = measure(server, conc, n, args.frames, model, stream)
                         levels.append({**level, "round": round_})
                         print(json.dumps(level), flush=True)
         finally:
@@ -352,9 +400,10 @@ def main() -> None:
             for server in servers:
                 server.proc.wait(30)
     rows = summarize(levels, configs, args.concurrency)
-    print_table(rows)
+    (print_table if stream else print_whole_table)(rows)
     report = {
         "command": " ".join(shlex.quote(a) for a in sys.argv), "model": args.model, "frames": args.frames,
+        "stream": stream, "body_kib": args.body_kib,
         "step_ms": args.step_ms if args.model == "paced" else None, "chunks_per_request": chunks_per_request(args.frames),
         "configs": [{"name": c.name, "root": str(c.root), "serve_args": c.serve_args} for c in configs],
         "summary": rows, "levels": levels,

@@ -13,7 +13,8 @@ Served through the registry's extra entries (no checkpoint weights; ``config.jso
         omnistage serve --model-path DIR --vocoder.factory.args.step_ms 25
 
 with ``DIR/config.json`` = ``{"architectures": ["PacedSpeechForBenchmark"]}``
-(:func:`write_checkpoint`). A request's ``frames`` field sets its length.
+(:func:`write_checkpoint`). A request's ``frames`` field sets its length; its ``padding``
+(a string, ignored) makes its body as large as a measurement needs.
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ def write_checkpoint(out_dir: Path) -> Path:
 class PacedSpeechRequest(SpeechRequest):
     frames: int = Field(
         default=125, ge=1, le=10_000, description="12.5 Hz frames of audio to stream"
+    )
+    padding: str = Field(
+        default="",
+        max_length=16 * 1024 * 1024,
+        description="ignored: makes the request body larger (http_cost.py --body-kib)",
     )
 
 
@@ -152,7 +158,7 @@ class PacedSpeechConfig(SpeechModelConfig):
         return SpeechCapabilities(
             model_names=("paced-speech",),
             model_type="paced_speech",
-            supported_fields=frozenset({"frames"}),
+            supported_fields=frozenset({"frames", "padding"}),
             voices=("tone",),
             default_voice="tone",
             sample_rate=SAMPLE_RATE,
