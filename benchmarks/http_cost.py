@@ -42,7 +42,7 @@ e.g. request parsing). Reported per level:
   second.
 
 Per configuration and level the summary is the median over the ``--rounds`` of each
-figure. Prints a table with the ratios of each configuration to the first (streamed: per
+figure, and of its ratio to the first configuration's in the same round. Prints a table with the ratios of each configuration to the first (streamed: per
 audio second and chunk; ``--no-stream``: per request), and writes ``--output``::
 
     python benchmarks/http_cost.py --config before /path/to/main '' --config after . '' \\
@@ -278,20 +278,35 @@ KEYS = (
 
 
 def summarize(levels: list[dict], configs: list[Config], concurrencies: list[int]) -> list[dict]:
-    """Per configuration and concurrency: the median of each figure over the rounds, and
-    its ratio to the first configuration's."""
+    """Per configuration and concurrency: the median of each figure over the rounds, its
+    ratio to the first configuration's median (``ratio``), and the median over the rounds
+    of its ratio to the first configuration's figure in the same round (``paired_ratio``:
+    a round measures every configuration within a minute, so a load that changes between
+    rounds on a shared machine cancels out)."""
     rows = []
     for conc in concurrencies:
+        by_config = {
+            config.name: {
+                lv["round"]: lv
+                for lv in levels
+                if lv["config"] == config.name and lv["concurrency"] == conc
+            }
+            for config in configs
+        }
+        base_rounds = by_config[configs[0].name]
         base = None
         for config in configs:
-            mine = [
-                lv for lv in levels if lv["config"] == config.name and lv["concurrency"] == conc
-            ]
+            mine = by_config[config.name]
             row = {"config": config.name, "concurrency": conc, "rounds": len(mine)}
             for key in KEYS:
-                row[key] = round(statistics.median(lv[key] for lv in mine), 3)
+                row[key] = round(statistics.median(lv[key] for lv in mine.values()), 3)
             base = base or row
             row["ratio"] = {key: round(row[key] / base[key], 3) for key in KEYS if base[key]}
+            row["paired_ratio"] = {
+                key: round(statistics.median(mine[r][key] / base_rounds[r][key] for r in mine), 3)
+                for key in KEYS
+                if all(base_rounds[r][key] for r in mine)
+            }
             rows.append(row)
     return rows
 
