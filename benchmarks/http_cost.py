@@ -311,20 +311,22 @@ def summarize(levels: list[dict], configs: list[Config], concurrencies: list[int
     return rows
 
 
+def _with_ratio(row: dict, key: str, spec: str) -> str:
+    """One table cell: `` value (ratio to the first configuration)x``."""
+    return f" {row[key]:{spec}} ({row['ratio'].get(key, 0):.2f}x)"
+
+
 def print_whole_table(rows: list[dict]) -> None:
     print(
         f"{'config':<10} {'c':>4} {'server ms/req':>14} {'loop ms/req':>14} {'workers ms/req':>15}"
         f" {'latency p50/p99 ms':>19} {'req/s':>15}"
     )
     for r in rows:
-        x = r["ratio"]
         print(
             f"{r['config']:<10} {r['concurrency']:>4}"
-            f" {r['server_ms_per_request']:>6.3f} ({x.get('server_ms_per_request', 0):.2f}x)"
-            f" {r['loop_ms_per_request']:>6.3f} ({x.get('loop_ms_per_request', 0):.2f}x)"
-            f" {r['workers_ms_per_request']:>7.3f} ({x.get('workers_ms_per_request', 0):.2f}x)"
-            f" {r['latency_p50_ms']:>9.2f}/{r['latency_p99_ms']:<9.2f}"
-            f" {r['requests_per_s']:>7.1f} ({x.get('requests_per_s', 0):.2f}x)"
+            f"{_with_ratio(r, 'server_ms_per_request', '>6.3f')}{_with_ratio(r, 'loop_ms_per_request', '>6.3f')}"
+            f"{_with_ratio(r, 'workers_ms_per_request', '>7.3f')}"
+            f" {r['latency_p50_ms']:>9.2f}/{r['latency_p99_ms']:<9.2f}{_with_ratio(r, 'requests_per_s', '>7.1f')}"
         )
 
 
@@ -334,13 +336,10 @@ def print_table(rows: list[dict]) -> None:
         f" {'client ms/audio s':>18} {'TTFA p50/p99 ms':>17} {'client/first_byte ms':>21} {'audio s/s':>9}"
     )
     for r in rows:
-        x = r["ratio"]
         print(
             f"{r['config']:<10} {r['concurrency']:>4}"
-            f" {r['loop_ms_per_audio_s']:>8.3f} ({x.get('loop_ms_per_audio_s', 0):.2f}x)"
-            f" {r['loop_us_per_chunk']:>6.0f} ({x.get('loop_us_per_chunk', 0):.2f}x)"
-            f" {r['workers_ms_per_request']:>7.2f} ({x.get('workers_ms_per_request', 0):.2f}x)"
-            f" {r['client_ms_per_audio_s']:>10.2f} ({x.get('client_ms_per_audio_s', 0):.2f}x)"
+            f"{_with_ratio(r, 'loop_ms_per_audio_s', '>8.3f')}{_with_ratio(r, 'loop_us_per_chunk', '>6.0f')}"
+            f"{_with_ratio(r, 'workers_ms_per_request', '>7.2f')}{_with_ratio(r, 'client_ms_per_audio_s', '>10.2f')}"
             f" {r['ttfa_p50_ms']:>8.0f}/{r['ttfa_p99_ms']:<8.0f}"
             f" {r['client_phase_ms']:>10.1f}/{r['first_byte_phase_ms']:<10.2f} {r['audio_throughput']:>9.1f}"
         )
