@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.engine.paged_attention import triton_available
+
 # SnakeBeta's division guard and ConvNeXt's LayerNorm epsilon: the reference decoders'
 # constants (qwen_tts 12 Hz tokenizer, transformers' Qwen3-Omni code2wav).
 SNAKE_EPS = 1e-9
@@ -162,7 +164,11 @@ class CausalTransConv(_Stateful):
 
 class SnakeBeta(nn.Module):
     """``x + sin(x * e^alpha)^2 / (e^beta + 1e-9)`` per channel (BigVGAN's SnakeBeta with
-    log-scale parameters, as the checkpoint stores them). ``[B, C, L]`` -> same."""
+    log-scale parameters, as the checkpoint stores them). ``[B, C, L]`` -> same.
+
+    On CUDA with Triton installed it is one fused kernel computed in fp32
+    (:func:`~omnistage.engine.triton_vocoder.snake_beta_triton`, why: there); else
+    PyTorch's ops in ``x``'s dtype."""
 
     def __init__(self, channels: int) -> None:
         super().__init__()
@@ -170,6 +176,10 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and triton_available():
+            from omnistage.engine.triton_vocoder import snake_beta_triton
+
+            return snake_beta_triton(x, self.alpha, self.beta, SNAKE_EPS)
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
         return x + torch.sin(x * alpha).pow(2) / (beta + SNAKE_EPS)
