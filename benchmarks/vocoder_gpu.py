@@ -8,10 +8,14 @@ for 1, 8 and 64 concurrent streams at chunk sizes 1 and 8 frames, eager vs CUDA 
 the first 1-frame chunk of a fresh stream at concurrency 1 (slot allocation included), and
 opening one stream with an unseen 3 s reference as left context (38 frames: eager; graph
 replays of 32 + 6 frames, the Qwen3-TTS vocoder's; replays of chunks of at most 8 frames).
-Audio throughput = streams x chunk x 80 ms per call time. Prints a table and writes JSON
-(default benchmarks/results/vocoder_gpu.json). About a minute on an H200.
+Audio throughput = streams x chunk x 80 ms per call time. ``--op-shapes N`` adds, from one
+eager decode of the largest level under ``torch.profiler``, the ``N`` convolution ops with
+the most device time (CPU time on a CPU) by input shapes, the kernels under them included,
+so a slow cuDNN kernel in ``gpu_share.py``'s table can be traced to its layer (JSON key
+``op_shapes``). Prints a table and writes JSON (default benchmarks/results/vocoder_gpu.json).
+About a minute on an H200.
 
-Usage: python benchmarks/vocoder_gpu.py [--dtype bfloat16|float32] [--output PATH]
+Usage: python benchmarks/vocoder_gpu.py [--dtype bfloat16|float32] [--op-shapes 12] [--output PATH]
        python benchmarks/vocoder_gpu.py --device cpu --size tiny --iters 3 --output /tmp/v.json  (smoke test)
 """
 
@@ -26,6 +30,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from omnistage.engine.vocoder_arena import (
     DEFAULT_GRAPH_CHUNK_LENGTHS,
@@ -94,6 +99,34 @@ def context_open_ms(arena: StreamingDecoderArena, iters: int) -> list[float]:
     return times
 
 
+CONV_OP = "aten::convolution"  # under conv1d and conv_transpose1d alike
+
+
+def op_shapes(arena: StreamingDecoderArena, streams: int, frames: int, top: int) -> list[dict[str, object]]:
+    """The ``top`` convolutions (:data:`CONV_OP`; a weight ``[C_in, C_out, K]`` is a transposed
+    one's) of one decode of ``streams`` x ``frames`` in ``arena`` (one without graphs: an
+    eager decode, the kernels its graphs would hold), by device time (CUDA; CPU time on a
+    CPU), grouped by input shapes (weight and bias shapes included). An op's time includes
+    the kernels it launched."""
+    device = arena.device
+    slots = [arena.allocate() for _ in range(streams)]
+    codes = torch.randint(0, 2048, (streams, frames, 16), device=device)
+    arena.decode(slots, codes)  # warm: kernel selection, workspaces
+    sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        arena.decode(slots, codes)
+        sync(device)
+    for slot in slots:
+        arena.free(slot)
+    rows = [r for r in prof.key_averages(group_by_input_shape=True) if r.key == CONV_OP]
+
+    def cost(r) -> float:  # noqa: ANN001 -- a profiler row
+        return r.device_time_total if device.type == "cuda" else r.cpu_time_total
+    return [{"op": r.key, "shapes": str(r.input_shapes), "calls": r.count, "ms": cost(r) / 1e3}
+            for r in sorted(rows, key=cost, reverse=True)[:top]]  # fmt: skip
+
+
 def summary(times: list[float]) -> dict[str, float]:
     ordered = sorted(times)
     return {"median_ms": statistics.median(ordered), "p90_ms": ordered[int(0.9 * (len(ordered) - 1))]}
@@ -105,6 +138,7 @@ def main() -> None:
     parser.add_argument("--size", default="0.6b", choices=["tiny", "0.6b"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--op-shapes", type=int, default=0, metavar="N", help="the N costliest conv ops by input shapes")
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results/vocoder_gpu.json")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -141,10 +175,16 @@ def main() -> None:
     for mode, stats in contexts.items():
         print(f"open with an unseen {CONTEXT_FRAMES}-frame left context, {mode}: median {stats['median_ms']:.2f} ms, "
               f"p90 {stats['p90_ms']:.2f} ms")  # fmt: skip
+    if args.op_shapes:
+        convs = op_shapes(StreamingDecoderArena(decoder, num_slots=max(CONCURRENCY)), max(CONCURRENCY), max(CHUNKS), args.op_shapes)
+        print(f"\nconv ops of one eager decode of {max(CONCURRENCY)} streams x {max(CHUNKS)} frames (ms, calls, op, input shapes)")
+        for c in convs:
+            print(f"{c['ms']:8.3f} {c['calls']:4d}  {c['op']}  {c['shapes']}")
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "torch": torch.__version__, "size": args.size, "dtype": args.dtype, "iters": args.iters,
         "chunks": rows, "first_chunk": firsts, "context_open": contexts, "context_frames": CONTEXT_FRAMES,
+        **({"op_shapes": convs} if args.op_shapes else {}),
     }  # fmt: skip
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
