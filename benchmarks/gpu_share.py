@@ -30,11 +30,9 @@ import json
 import sys
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.vocoder_arena import DEFAULT_GRAPH_CHUNK_LENGTHS, StreamingDecoderArena
@@ -48,11 +46,12 @@ from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_gpu import request  # noqa: E402 -- the same requests as the engine benchmark
+from profiling import kernel_table  # noqa: E402
 
 CHUNK = 8  # frames per vocoder call and stream: the steady chunk of the serving plan
 
 
-def run_for(window_s: float, fn, stop: threading.Event | None = None) -> float:  # noqa: ANN001 -- any callable
+def run_for(window_s: float, fn) -> float:  # noqa: ANN001 -- any callable
     """Calls of ``fn`` per second over ``window_s`` (device-synchronized at both ends)."""
     torch.cuda.synchronize()
     start, calls = time.perf_counter(), 0
@@ -61,26 +60,6 @@ def run_for(window_s: float, fn, stop: threading.Event | None = None) -> float: 
         calls += 1
     torch.cuda.synchronize()
     return calls / (time.perf_counter() - start)
-
-
-def kernel_table(fn, top: int) -> list[dict[str, float]]:  # noqa: ANN001 -- any callable
-    """CUDA time per kernel name over 5 calls of ``fn`` (after one warm call), per call."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name][0] += event.device_time / 1e3 / 5
-            totals[event.name][1] += 1 / 5
-    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
-    total = sum(ms for ms, _ in totals.values())
-    return [{"kernel": name[:110], "ms_per_call": ms, "launches_per_call": n, "share": ms / total}
-            for name, (ms, n) in rows[:top]] + [{"kernel": "TOTAL", "ms_per_call": total,
-                                                 "launches_per_call": sum(n for _, n in totals.values()), "share": 1.0}]
 
 
 def main() -> None:

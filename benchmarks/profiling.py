@@ -1,7 +1,7 @@
-"""Profiling helpers of the device benchmarks (``qwen3_tts_gpu.py``, ``qwen3_omni_served.py``):
-a py-spy profile of a served process tree during one level, and the server's own TTFA
-decomposition read from its ``/metrics`` (``omnistage_request_phase_seconds``, see
-:mod:`omnistage.pipeline.timeline`)."""
+"""Profiling helpers of the device benchmarks (``qwen3_tts_gpu.py``, ``qwen3_omni_served.py``,
+``gpu_share.py``): a py-spy profile of a served process tree during one level, the server's
+own TTFA decomposition read from its ``/metrics`` (``omnistage_request_phase_seconds``, see
+:mod:`omnistage.pipeline.timeline`), and the CUDA kernels of a callable by device time."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import threading
 from pathlib import Path
 
 import httpx
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+from torch.profiler import ProfilerActivity, profile
 
 
 class PySpyProfile:
@@ -136,3 +138,28 @@ def mean_phases_between(before: dict[str, float], after: dict[str, float]) -> di
         sorted(((k, round(v, 2)) for k, v in phases.items() if v > 0), key=lambda kv: -kv[1])
     )
     return ranked | {"ttfa": round((after["ttfa_s"] - before["ttfa_s"]) / count * 1e3, 2)}
+
+
+def kernel_table(fn, top: int, calls: int = 5) -> list[dict]:  # noqa: ANN001 -- any callable
+    """The CUDA kernels ``fn()`` launches, from ``torch.profiler`` over ``calls`` calls after
+    one warm call (device-synchronized): per kernel name its device ms and launches per call
+    and its share of the total, the ``top`` costliest, then a ``TOTAL`` row."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            row = totals.setdefault(event.name, [0.0, 0.0])
+            row[0] += event.device_time / 1e3 / calls
+            row[1] += 1 / calls
+    total_ms = sum(ms for ms, _ in totals.values())
+    rows = sorted(totals.items(), key=lambda item: -item[1][0])[:top]
+    return [
+        {"kernel": name[:110], "ms_per_call": ms, "launches_per_call": n, "share": ms / total_ms}
+        for name, (ms, n) in rows
+    ] + [{"kernel": "TOTAL", "ms_per_call": total_ms,
+          "launches_per_call": sum(n for _, n in totals.values()), "share": 1.0}]  # fmt: skip

@@ -8,14 +8,15 @@ for 1, 8 and 64 concurrent streams at chunk sizes 1 and 8 frames, eager vs CUDA 
 the first 1-frame chunk of a fresh stream at concurrency 1 (slot allocation included), and
 opening one stream with an unseen 3 s reference as left context (38 frames: eager; graph
 replays of 32 + 6 frames, the Qwen3-TTS vocoder's; replays of chunks of at most 8 frames).
-Audio throughput = streams x chunk x 80 ms per call time. ``--op-shapes N`` adds, from one
-eager decode of the largest level under ``torch.profiler``, the ``N`` convolution ops with
-the most device time (CPU time on a CPU) by input shapes, the kernels under them included,
-so a slow cuDNN kernel in ``gpu_share.py``'s table can be traced to its layer (JSON key
-``op_shapes``). Prints a table and writes JSON (default benchmarks/results/vocoder_gpu.json).
+Audio throughput = streams x chunk x 80 ms per call time. ``--op-shapes N`` adds the ``N``
+convolution ops with the most device time (CPU time on a CPU) by input shapes, the kernels
+under them included, from one eager decode of ``--op-shapes-streams`` (128) x 8 frames under
+``torch.profiler``: a slow cuDNN kernel in ``gpu_share.py``'s table traced to its layer (JSON
+key ``op_shapes``). Prints a table and writes JSON (default
+benchmarks/results/vocoder_gpu.json).
 About a minute on an H200.
 
-Usage: python benchmarks/vocoder_gpu.py [--dtype bfloat16|float32] [--op-shapes 12] [--output PATH]
+Usage: python benchmarks/vocoder_gpu.py [--dtype bfloat16|float32] [--op-shapes 12 [--op-shapes-streams 128]] [--output PATH]
        python benchmarks/vocoder_gpu.py --device cpu --size tiny --iters 3 --output /tmp/v.json  (smoke test)
 """
 
@@ -139,6 +140,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--op-shapes", type=int, default=0, metavar="N", help="the N costliest conv ops by input shapes")
+    parser.add_argument("--op-shapes-streams", type=int, default=128,
+                        help="streams of the --op-shapes decode (cuDNN picks kernels by batch)")  # fmt: skip
     parser.add_argument("--output", type=Path, default=Path(__file__).parent / "results/vocoder_gpu.json")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -176,8 +179,9 @@ def main() -> None:
         print(f"open with an unseen {CONTEXT_FRAMES}-frame left context, {mode}: median {stats['median_ms']:.2f} ms, "
               f"p90 {stats['p90_ms']:.2f} ms")  # fmt: skip
     if args.op_shapes:
-        convs = op_shapes(StreamingDecoderArena(decoder, num_slots=max(CONCURRENCY)), max(CONCURRENCY), max(CHUNKS), args.op_shapes)
-        print(f"\nconv ops of one eager decode of {max(CONCURRENCY)} streams x {max(CHUNKS)} frames (ms, calls, op, input shapes)")
+        streams = args.op_shapes_streams
+        convs = op_shapes(StreamingDecoderArena(decoder, num_slots=streams), streams, max(CHUNKS), args.op_shapes)
+        print(f"\nconv ops of one eager decode of {streams} streams x {max(CHUNKS)} frames (ms, calls, op, input shapes)")
         for c in convs:
             print(f"{c['ms']:8.3f} {c['calls']:4d}  {c['op']}  {c['shapes']}")
     result = {

@@ -38,6 +38,8 @@ from omnistage.engine.paged_attention import triton_available
 # constants (qwen_tts 12 Hz tokenizer, transformers' Qwen3-Omni code2wav).
 SNAKE_EPS = 1e-9
 CONVNEXT_NORM_EPS = 1e-6
+#: Input dtypes :class:`SnakeBeta` runs through the fused Triton kernel on CUDA.
+FUSED_SNAKE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +168,9 @@ class SnakeBeta(nn.Module):
     """``x + sin(x * e^alpha)^2 / (e^beta + 1e-9)`` per channel (BigVGAN's SnakeBeta with
     log-scale parameters, as the checkpoint stores them). ``[B, C, L]`` -> same.
 
-    On CUDA with Triton installed it is one fused kernel computed in fp32
+    On CUDA with Triton installed, for fp32, bf16 and fp16 and without gradients (no
+    autograd through it: the vocoders decode under inference mode, their weights frozen), it
+    is one fused kernel computed in fp32
     (:func:`~omnistage.engine.triton_vocoder.snake_beta_triton`, why: there); else
     PyTorch's ops in ``x``'s dtype."""
 
@@ -176,7 +180,8 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton_available():
+        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.alpha, self.beta))
+        if x.is_cuda and x.dtype in FUSED_SNAKE_DTYPES and not grads and triton_available():
             from omnistage.engine.triton_vocoder import snake_beta_triton
 
             return snake_beta_triton(x, self.alpha, self.beta, SNAKE_EPS)

@@ -2,15 +2,18 @@
 :mod:`omnistage.engine.causal_vocoder`).
 
 :func:`snake_beta_triton`: ``y = x + sin(x * e^alpha)^2 / (e^beta + eps)`` per channel
-(BigVGAN's SnakeBeta, the formula and ``eps`` of
-:class:`~omnistage.engine.causal_vocoder.SnakeBeta`), in fp32 from one read of ``x`` and one
-write of ``y``. PyTorch's eager form is five kernels (multiply, sine, square, divide, add),
-each reading and writing the whole tensor, and the non-contiguous input a causal transposed
-conv hands on (a slice of its output) keeps them off the vectorized path. Measured on the
-H200 (``benchmarks/gpu_share.py``, both trees in one call:
-``benchmarks/results/gpu_share_before.json``, ``..._snake.json``), one graph replay of the
-Qwen3-TTS decoder at 128 streams x 8 frames: 73.8 ms before, 52.4 ms with this kernel; 16 x
-8: 13.0 -> 9.8 ms. Shapes are static, so it can be captured in a CUDA graph.
+(SnakeBeta of BigVGAN, Lee et al. 2023, arXiv:2206.04658, with log-scale parameters; the
+formula and ``eps`` of :class:`~omnistage.engine.causal_vocoder.SnakeBeta`), computed in
+fp32 from one read of ``x`` and one write of ``y``. PyTorch's eager form is eight launches
+(two ``exp`` and the ``+ eps`` over the ``[C]`` parameters, then multiply, sine, square,
+divide and add over ``x``), each over the whole tensor, and the non-contiguous input a causal
+transposed conv hands on (a slice of its output) keeps them off the vectorized path.
+Measured on the H200 (``benchmarks/gpu_share.py``, both trees in one call:
+``benchmarks/results/gpu_share_before.json``, ``..._snake.json``; the measured tree also
+padded the 96 -> 1 output conv, since taken out: benchmarks/README.md, "Device runs of
+2026-12-03"), one graph replay of the Qwen3-TTS decoder at 128 streams x 8 frames: 73.8 ms
+before, 52.4 ms after; 16 x 8: 13.0 -> 9.8 ms. Shapes are static, so it can be captured in
+a CUDA graph.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from omnistage.engine.causal_vocoder import FUSED_SNAKE_DTYPES
 
 MAX_BLOCK = 1024  # samples per program
 
@@ -38,7 +43,7 @@ def _snake_beta_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # one (batch, channel) row of [B, C, L]
-    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = offsets < length
     batch, channel = row // channels, row % channels
     x = tl.load(x_ptr + batch * stride_b + channel * stride_c + offsets * stride_l, mask=inside).to(
@@ -57,25 +62,34 @@ def _snake_beta_kernel(
 def snake_beta_triton(
     x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, eps: float
 ) -> torch.Tensor:
-    """SnakeBeta of ``x [B, C, L]`` (any strides, CUDA) with log-scale ``alpha``, ``beta``
-    ``[C]`` -> a contiguous ``[B, C, L]`` of ``x``'s dtype.
+    """SnakeBeta of ``x [B, C, L]`` (any strides; CUDA; fp32, bf16 or fp16) with log-scale
+    ``alpha``, ``beta`` ``[C]`` (on ``x``'s device) -> a contiguous ``[B, C, L]`` of ``x``'s
+    dtype, computed in fp32. No autograd: the caller uses it without gradients.
 
     Raises:
-        ValueError: ``x`` is not 3-D or ``alpha`` / ``beta`` are not ``[C]``.
+        ValueError: ``x`` is not 3-D or of another dtype, or ``alpha`` / ``beta`` are not
+            ``[C]`` on ``x``'s device.
     """
-    if x.dim() != 3 or alpha.shape != (x.shape[1],) or beta.shape != (x.shape[1],):
+    channels = x.shape[1] if x.dim() == 3 else -1
+    if (
+        x.dim() != 3
+        or x.dtype not in FUSED_SNAKE_DTYPES
+        or any(p.shape != (channels,) or p.device != x.device for p in (alpha, beta))
+    ):
         raise ValueError(
-            f"SnakeBeta needs x [B, C, L] and alpha, beta [C]; got {tuple(x.shape)}, "
-            f"{tuple(alpha.shape)}, {tuple(beta.shape)}"
+            f"SnakeBeta needs x [B, C, L] of {FUSED_SNAKE_DTYPES} and alpha, beta [C] on its device; got "
+            f"x {tuple(x.shape)} {x.dtype} on {x.device}, alpha {tuple(alpha.shape)} on "
+            f"{alpha.device}, beta {tuple(beta.shape)} on {beta.device}"
         )
-    batch, channels, length = x.shape
+    batch, _, length = x.shape
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     block = min(MAX_BLOCK, triton.next_power_of_2(length))
     grid = (batch * channels, triton.cdiv(length, block))
-    _snake_beta_kernel[grid](
-        x, alpha, beta, out, channels, length, *x.stride(), eps, BLOCK=block,
-    )  # fmt: skip
+    with torch.cuda.device(x.device):
+        _snake_beta_kernel[grid](
+            x, alpha.contiguous(), beta.contiguous(), out, channels, length, *x.stride(), eps,
+            BLOCK=block,
+        )  # fmt: skip
     return out
-

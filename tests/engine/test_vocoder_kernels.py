@@ -5,33 +5,82 @@ import pytest
 import torch
 
 from omnistage.engine.causal_vocoder import SNAKE_EPS, SnakeBeta
+from omnistage.engine.paged_attention import triton_available
+
+needs_triton = pytest.mark.skipif(
+    not (torch.cuda.is_available() and triton_available()), reason="needs CUDA and triton"
+)
 
 
-def _snake_reference(x: torch.Tensor, snake: SnakeBeta) -> torch.Tensor:
+def _snake_reference(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
     """SnakeBeta's formula in fp64 (the docstring's, term by term)."""
-    alpha = snake.alpha.double().exp()[None, :, None]
-    beta = snake.beta.double().exp()[None, :, None]
-    x = x.double()
+    x, alpha, beta = x.double(), alpha.double().exp()[None, :, None], beta.double().exp()[None, :, None]
     return x + torch.sin(x * alpha).pow(2) / (beta + SNAKE_EPS)
 
 
+def _parameters(channels: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(channels, generator=generator) * 2, torch.randn(channels, generator=generator)
+
+
+# bf16: the kernel rounds once from fp32 (2^-8 of an element at most); PyTorch's eager bf16
+# ops round at every step and land at 2.6e-2 to 4.3e-2 of the scale here, so 1e-2 tells them apart
 @pytest.mark.gpu
-@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1.6e-2)])
+@needs_triton
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_fused_snake_beta_equals_the_formula_on_strided_input(dtype, tolerance) -> None:
-    """A slice of a wider tensor (what a causal transposed conv hands on), lengths around
-    the kernel's block, large arguments of the sine: the fused kernel's output is
-    contiguous and equals the formula (relative to the output's scale)."""
+    """A slice of a wider tensor (what a causal transposed conv hands on) and a transposed
+    view (no unit stride), lengths around the kernel's block, large arguments of the sine:
+    the kernel's output is contiguous and equals the formula (relative to the output's
+    scale)."""
+    from omnistage.engine.triton_vocoder import snake_beta_triton
+
     generator = torch.Generator().manual_seed(0)
-    snake = SnakeBeta(6)
-    with torch.no_grad():
-        snake.alpha.copy_(torch.randn(6, generator=generator) * 2)
-        snake.beta.copy_(torch.randn(6, generator=generator))
-    snake = snake.to("cuda", dtype)
+    alpha, beta = (p.to("cuda", dtype) for p in _parameters(6, generator))
     for length in (1, 37, 1024, 1500, 4100):
         wide = (torch.randn(3, 6, length + 9, generator=generator) * 4).to("cuda", dtype)
-        x = wide[..., 4 : 4 + length]
-        out = snake(x)
-        assert out.is_contiguous() and out.shape == x.shape and out.dtype == dtype
-        expected = _snake_reference(x, snake)
-        scale = expected.abs().max().item()
-        assert (out.double() - expected).abs().max().item() <= tolerance * scale, length
+        channels_last = (torch.randn(3, length, 6, generator=generator) * 4).to("cuda", dtype)
+        for x in (wide[..., 4 : 4 + length], channels_last.transpose(1, 2)):
+            out = snake_beta_triton(x, alpha, beta, SNAKE_EPS)
+            assert out.is_contiguous() and out.shape == x.shape and out.dtype == dtype
+            expected = _snake_reference(x, alpha, beta)
+            scale = expected.abs().max().item()
+            assert (out.double() - expected).abs().max().item() <= tolerance * scale, (length, x.stride())
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_module_takes_the_kernel_without_gradients_and_pytorch_with_them() -> None:
+    """Under inference mode (how the vocoders decode) SnakeBeta's output is the kernel's,
+    bit for bit; with gradients it stays differentiable (PyTorch's ops), and both agree."""
+    from omnistage.engine.triton_vocoder import snake_beta_triton
+
+    generator = torch.Generator().manual_seed(1)
+    snake = SnakeBeta(5)
+    with torch.no_grad():
+        for parameter, value in zip((snake.alpha, snake.beta), _parameters(5, generator), strict=True):
+            parameter.copy_(value)
+    snake = snake.to("cuda")
+    x = torch.randn(2, 5, 300, generator=generator).cuda().requires_grad_()
+    with torch.inference_mode():
+        fused = snake(x)
+    assert torch.equal(fused, snake_beta_triton(x.detach(), snake.alpha.detach(), snake.beta.detach(), SNAKE_EPS))
+    eager = snake(x)
+    eager.sum().backward()
+    assert x.grad is not None and snake.alpha.grad is not None
+    assert (eager.detach() - fused).abs().max().item() <= 1e-5 * eager.abs().max().item()
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_kernel_rejects_bad_shapes_dtypes_and_devices() -> None:
+    from omnistage.engine.triton_vocoder import snake_beta_triton
+
+    x, alpha = torch.zeros(2, 3, 8, device="cuda"), torch.zeros(3, device="cuda")
+    for bad in (
+        (x[0], alpha, alpha),  # not [B, C, L]
+        (x.double(), alpha, alpha),  # not fp32 / bf16 / fp16
+        (x, alpha[:2], alpha),  # alpha not [C]
+        (x, alpha, alpha.cpu()),  # beta on another device
+    ):
+        with pytest.raises(ValueError, match="SnakeBeta needs"):
+            snake_beta_triton(*bad, SNAKE_EPS)
