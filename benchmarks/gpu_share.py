@@ -97,8 +97,12 @@ def main() -> None:
             own_stream=own_stream))
         for i in range(args.batch):
             engine.add_request(f"r{i}", request(config, device, dtype, i, 1000))
-        while engine.scheduler.waiting or any(s.num_scheduled == 0 for s in engine.scheduler.running):
+        for _ in range(2 * args.batch):  # admission takes a few prefill steps; never forever
+            if not (engine.scheduler.waiting or any(s.num_scheduled == 0 for s in engine.scheduler.running)):
+                break
             engine.step()
+        else:
+            raise RuntimeError(f"{len(engine.scheduler.waiting)} of {args.batch} requests never started (KV pool too small?)")
         engine_alone = run_for(args.window_s, engine.step)
         stop, rates = threading.Event(), {}
 
