@@ -55,6 +55,7 @@ __all__ = [
     "audio_of_chunk",
     "content_type",
     "encode_audio",
+    "encoded_rate",
     "float_to_s16",
     "resample",
 ]
@@ -248,7 +249,7 @@ class _AvEncoder:
 
     def __init__(self, fmt: str, sample_rate: int, sink, *, streaming: bool) -> None:
         container_format, codec, options = _AV_FORMATS[fmt]
-        self.rate = _encoder_rate(fmt, codec, sample_rate)
+        self.rate = encoded_rate(fmt, sample_rate)
         self._resampler = (
             soxr.ResampleStream(sample_rate, self.rate, 1, dtype="float32")
             if self.rate != sample_rate
@@ -283,10 +284,20 @@ class _AvEncoder:
             self._container.mux(packet)
 
 
-def _encoder_rate(fmt: str, codec: str, rate: int) -> int:
+def encoded_rate(fmt: str, rate: int) -> int:
+    """Hz of the audio a ``fmt`` file holds when it is made from samples at ``rate`` Hz:
+    ``opus`` 48 kHz; ``mp3`` and ``aac`` ``rate`` where the codec takes it, else its next
+    supported rate above (or its highest); ``wav``, ``pcm`` and ``flac`` ``rate``.
+
+    Raises:
+        RequestValidationError: unknown ``fmt`` (``param="response_format"``).
+    """
+    _check_format(fmt)
     if fmt == "opus":
         return OPUS_SAMPLE_RATE
-    rates = av.codec.Codec(codec, "w").audio_rates
+    if fmt == "pcm":
+        return rate
+    rates = av.codec.Codec(_AV_FORMATS[fmt][1], "w").audio_rates
     if not rates or rate in rates:
         return rate
     higher = [r for r in rates if r > rate]

@@ -41,6 +41,7 @@ from pydantic import (
 
 from omnistage.core.errors import OmnistageError, PayloadTooLargeError, RequestValidationError
 from omnistage.core.payloads import AudioResult
+from omnistage.serve.audio import encoded_rate
 
 ResponseFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 StreamFormat = Literal["audio", "sse"]
@@ -452,12 +453,15 @@ def _check_sample_rate(req: SpeechRequest) -> None:
 
 
 def output_sample_rate(req: SpeechRequest, caps: SpeechCapabilities) -> int:
-    """Hz of the audio sent for ``req``: ``sample_rate`` when set, else
-    :data:`OPENAI_PCM_SAMPLE_RATE` for pcm and the model's own rate for every other format
-    (whose header or codec carries it)."""
+    """Hz of the audio sent for ``req`` (``X-Sample-Rate``; the model's audio is resampled to
+    it before encoding): ``sample_rate`` when set, else :data:`OPENAI_PCM_SAMPLE_RATE` for
+    pcm and the model's own rate for every other format (whose header or codec carries it),
+    as its codec takes it (:func:`~omnistage.serve.audio.encoded_rate`: opus is 48 kHz)."""
     if req.sample_rate is not None:
-        return req.sample_rate
-    return OPENAI_PCM_SAMPLE_RATE if req.response_format == "pcm" else caps.sample_rate
+        rate = req.sample_rate
+    else:
+        rate = OPENAI_PCM_SAMPLE_RATE if req.response_format == "pcm" else caps.sample_rate
+    return encoded_rate(req.response_format, rate)
 
 
 def _check_model(req: SpeechRequest, caps: SpeechCapabilities) -> None:

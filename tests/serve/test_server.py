@@ -41,9 +41,11 @@ def speech(server, body: dict, **kwargs) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v1/audio/speech", json=body, timeout=30, **kwargs)
 
 
-def decoded_samples(data: bytes) -> int:
+def decoded(data: bytes) -> tuple[int, int]:
+    """(sample rate in Hz, sample count) of the audio file ``data``, as FFmpeg decodes it."""
     with av.open(io.BytesIO(data)) as container:
-        return sum(frame.samples for frame in container.decode(audio=0))
+        rate = container.streams.audio[0].rate
+        return rate, sum(frame.samples for frame in container.decode(audio=0))
 
 
 def wait_idle(server, timeout=5.0) -> None:
@@ -116,7 +118,10 @@ def test_every_format_decodes_to_the_expected_sample_count(tone_server, fmt, str
     if fmt == "pcm":
         assert response.content == expected_pcm("formats!")
         return
-    count = decoded_samples(response.content)
+    rate, count = decoded(response.content)
+    assert response.headers["x-sample-rate"] == str(rate)  # the rate sent: opus's is 48 kHz
+    if not stream and fmt != "aac":  # counted at that rate (ADTS keeps the codec's padding)
+        assert int(response.headers["x-audio-samples"]) == count
     if fmt in ("wav", "flac"):
         assert count == expected
     elif fmt == "opus":  # encoded at 48 kHz
