@@ -21,6 +21,7 @@ from fastapi import APIRouter, Form, Request, UploadFile
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import FormData
 
 from omnistage.core.errors import (
     ConflictError,
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["VoiceObject", "install_voice_routes"]
 
 _UPLOAD_READ_BYTES = 1 << 20
+_UPLOAD_FIELDS = ("audio_sample", "name", "consent", "ref_text")
 
 
 class VoiceObject(BaseModel):
@@ -90,6 +92,7 @@ def install_voice_routes(v1: APIRouter, server: SpeechServer) -> None:
         ref_text: str | None = Form(default=None),
     ) -> JSONResponse:
         library = _library(server)
+        _check_form_fields(await request.form())
         name, consent = _check_name(name, caps.voices), _check_consent(consent)
         mime_type = _mime_type(audio_sample.content_type)
         data = await _read_upload(audio_sample, server.settings.media_policy.max_bytes)
@@ -114,6 +117,22 @@ def _library(server: SpeechServer):
         )
         raise RequestValidationError(f"no voice library: {reason}")
     return server.library
+
+
+def _check_form_fields(form: FormData) -> None:
+    """Each part of the upload is one of :data:`_UPLOAD_FIELDS`, once.
+
+    Raises:
+        RequestValidationError: an unknown or repeated part (``param`` its name).
+    """
+    names = [key for key, _ in form.multi_items()]
+    for key in names:
+        if key not in _UPLOAD_FIELDS:
+            raise RequestValidationError(
+                f"unknown field {key!r} (an upload takes {', '.join(_UPLOAD_FIELDS)})", param=key
+            )
+        if names.count(key) > 1:
+            raise RequestValidationError(f"{key} is sent {names.count(key)} times; send it once", param=key)
 
 
 def _check_name(name: str, builtin: tuple[str, ...]) -> str:

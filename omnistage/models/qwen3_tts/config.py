@@ -152,18 +152,26 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
         self, request: Qwen3TTSSpeechRequest, audio: str, ref_text: str | None
     ) -> Qwen3TTSSpeechRequest:
         """Base: the saved clip as ``ref_audio``; its transcript as ``ref_text`` (ICL), or
-        without one ``x_vector_only_mode``.
+        ``x_vector_only_mode`` when it has none or the request sets it (the speaker
+        embedding of the clip alone).
 
         Raises:
             RequestValidationError: the request also sends ``ref_audio`` or
-                ``references`` (``param="voice"``).
+                ``references`` (``param="voice"``), or ``ref_text`` (the saved voice's
+                transcript is its own; ``param="ref_text"``).
         """
         if request.ref_audio is not None or request.references:
             raise RequestValidationError(
                 f"voice {request.voice!r} is a saved voice; send it or ref_audio/references, not both",
                 param="voice",
             )
-        clone = {"ref_audio": audio, "ref_text": ref_text, "x_vector_only_mode": ref_text is None}
+        if request.ref_text is not None:
+            raise RequestValidationError(
+                f"voice {request.voice!r} is a saved voice with its own transcript (or none); omit ref_text",
+                param="ref_text",
+            )
+        x_vector = request.x_vector_only_mode or ref_text is None
+        clone = {"ref_audio": audio, "ref_text": None if x_vector else ref_text, "x_vector_only_mode": x_vector}
         return request.model_copy(update={**clone, "voice": None})
 
     def sample_requests(self) -> list[Qwen3TTSSpeechRequest]:

@@ -166,6 +166,37 @@ def test_a_saved_voice_with_its_own_reference_is_400(server):
     assert response.status_code == 400 and response.json()["error"]["param"] == "voice"
 
 
+def test_a_saved_voice_with_a_ref_text_of_the_request_is_400(server):
+    assert upload(server, "own-text", ref_text=REF_TEXT).status_code == 200
+    response = speak(server, voice="own-text", ref_text="Other words.")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "ref_text"
+
+
+def test_x_vector_only_mode_clones_a_saved_voice_from_its_embedding(server):
+    assert upload(server, "icl-voice", ref_text=REF_TEXT).status_code == 200
+    inline = "data:audio/wav;base64," + base64.b64encode(CLIP).decode()
+    saved = speak(server, voice="icl-voice", x_vector_only_mode=True)
+    assert saved.status_code == 200, saved.text
+    assert saved.content == speak(server, ref_audio=inline, x_vector_only_mode=True).content
+    assert saved.content != speak(server, voice="icl-voice").content
+
+
+@pytest.mark.parametrize(
+    ("data", "clips", "param"),
+    [({"name": "extra", "consent": "c", "foo": "1"}, 1, "foo"),
+     ({"name": ["twice", "again"], "consent": "c"}, 1, "name"),
+     ({"name": "two-clips", "consent": "c"}, 2, "audio_sample")],
+    ids=["unknown", "repeated", "two_clips"],
+)
+def test_an_unknown_or_repeated_upload_part_is_400_naming_it(server, data, clips, param):
+    files = [("audio_sample", ("clip.wav", CLIP, "audio/wav"))] * clips
+    response = httpx.post(f"{server.base_url}/v1/audio/voices", files=files, data=data, headers=auth(ALICE))
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
+    assert response.json()["error"]["param"] in response.json()["error"]["message"]
+    names = data["name"] if isinstance(data["name"], list) else [data["name"]]
+    assert not set(names) & set(saved_names(server, ALICE))
+
+
 @pytest.mark.parametrize(
     ("clip", "status"),
     [(b"not audio at all", 400), (base64.b64decode(wav_data_uri(tone_clip(0.2)).split(",", 1)[1]), 400),
