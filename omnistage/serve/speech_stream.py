@@ -61,6 +61,7 @@ from omnistage.serve.audio import StreamingAudioEncoder, audio_of_chunk
 from omnistage.serve.protocol import (
     ErrorBody,
     SpeechUsage,
+    check_text,
     error_envelope,
     output_sample_rate,
     usage_of,
@@ -322,10 +323,12 @@ async def _feed_live(session: _Session, sender: asyncio.Task, text: str) -> None
     each delta.
 
     Raises:
-        RequestValidationError: the session's text is longer than ``max_input_chars``.
+        RequestValidationError: the session's text is longer than ``max_input_chars``, or
+            a delta holds a NUL or an unpaired surrogate (the checks ``input`` gets).
     """
     segment = session.live_segment
     limit = session.server.capabilities.max_input_chars
+    check_text("text", text, limit)
     total = (segment.chars if segment is not None else len(session.opening)) + len(text)
     if total > limit:
         raise RequestValidationError(f"a session's text may have at most {limit} characters", param="text")

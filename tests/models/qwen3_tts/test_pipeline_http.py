@@ -668,6 +668,23 @@ def test_a_client_that_leaves_while_its_request_waits_for_text_aborts_it(servers
     assert request_id not in server.speech.pipeline.coordinator.requests
 
 
+@pytest.mark.parametrize("delta", ["\x00", "\udc00"], ids=["nul", "lone_surrogate"])
+def test_a_later_delta_the_input_checks_refuse_is_a_400_naming_text(servers, delta):
+    """A delta into the running request gets the checks of ``input`` (a lone surrogate
+    failed the engine's tokenizer: a 500; a NUL was spoken)."""
+    server = servers["custom_voice"]
+    events: list[dict] = []
+    with open_session(server, "custom_voice") as ws:
+        send(ws, *WORDS[:2])
+        first_audio(ws, events)
+        send(ws, delta)
+        rest(ws, events)
+    error = events[-1]
+    assert error["type"] == "error" and error["error"]["code"] == 400, error
+    assert error["error"]["param"] == "text", error
+    leak_check(server)
+
+
 @pytest.mark.parametrize(
     ("fields", "param"),
     [({"non_streaming_mode": True}, "non_streaming_mode"), ({"task_type": "Base"}, "task_type"),
