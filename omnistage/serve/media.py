@@ -831,7 +831,8 @@ def decode_audio(
 
     Raises:
         PayloadTooLargeError: longer than the duration cap.
-        RequestValidationError: not valid base64, no audio stream, no samples, undecodable,
+        RequestValidationError: not valid base64, no audio stream, no samples, NaN or
+            infinite samples (a float file's; a model reading them makes NaN), undecodable,
             or the decoder crashed or ran past ``policy.decode_timeout_s``, naming ``param``;
             a container other than ``declared``'s, naming ``declared.param``.
     """
@@ -848,6 +849,8 @@ def decode_audio(
             param=declared.param,
         ) from None
     samples = np.frombuffer(reply.samples, dtype="<f4").astype(np.float32)
+    if not np.isfinite(samples).all():
+        raise RequestValidationError(f"{param} contains NaN or infinite samples", param=param)
     return ReferenceAudio(samples, reply.sample_rate)
 
 

@@ -125,6 +125,20 @@ def test_too_long_is_413():
     assert_tone(load_reference_audio(B64, MediaPolicy(max_duration_s=0.5)))
 
 
+@pytest.mark.parametrize("bad", [np.nan, np.inf], ids=["nan", "inf"])
+def test_non_finite_samples_are_a_400_naming_the_field(bad):
+    """Every decode refuses them (a chat's input_audio and a video's track too, not only a
+    voice reference): a float WAV with one NaN made Qwen3-Omni's reply all NaN tokens."""
+    samples = tone()
+    samples[100] = bad
+    buf = io.BytesIO()
+    sf.write(buf, samples, RATE, format="WAV", subtype="FLOAT")
+    with pytest.raises(RequestValidationError) as err:
+        media.decode_audio(buf.getvalue(), MediaPolicy(), "messages.0.content.0.input_audio.data")
+    assert err.value.param == "messages.0.content.0.input_audio.data" and "NaN" in str(err.value)
+    rejects(base64.b64encode(buf.getvalue()).decode())
+
+
 def test_resample():
     x = tone(1.0, 22050)
     y = resample(x, 22050, 16000)

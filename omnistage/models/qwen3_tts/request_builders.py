@@ -476,8 +476,9 @@ def load_reference(value: str, media: MediaPolicy, param: str = "ref_audio") -> 
 
 
 def check_reference(audio: ReferenceAudio, param: str) -> None:
-    """The reference rules on a decoded clip (at its own rate): at least
-    :data:`MIN_REF_SECONDS`, finite samples, a peak of at least :data:`SILENT_PEAK`.
+    """The reference rules on a decoded clip (at its own rate; its samples are finite,
+    :func:`~omnistage.serve.media.decode_audio`): at least :data:`MIN_REF_SECONDS`, a peak
+    of at least :data:`SILENT_PEAK`.
 
     Raises:
         RequestValidationError: naming ``param``.
@@ -487,8 +488,6 @@ def check_reference(audio: ReferenceAudio, param: str) -> None:
             f"{param} is {audio.duration_s:.2f} s long; at least {MIN_REF_SECONDS} s of speech is needed",
             param=param,
         )
-    if not np.isfinite(audio.samples).all():
-        raise RequestValidationError(f"{param} contains NaN or infinite samples", param=param)
     if np.abs(audio.samples).max() < SILENT_PEAK:
         raise RequestValidationError(
             f"{param} is silent; send a recording of the voice", param=param
