@@ -33,8 +33,9 @@ The cut depends only on the text, never on how it was split into deltas: the sam
 word by word or at once gives the same segments and, with a seed, the same audio.
 
 Backpressure: at most :data:`MAX_PENDING_SEGMENTS` segments are admitted ahead of the one
-being sent; past that the server stops reading the socket (the client's sends block), and
-a client that stops reading blocks the server's sends, which holds back the next segments;
+being sent; the text past them waits, cut, for room (at most :data:`MAX_AHEAD_CHARS`
+characters, the socket read all along), and a client that stops reading blocks the
+server's sends, which holds back the next segments;
 each request's stream buffer is capped by the coordinator. A disconnect, an error or the
 end of the session aborts every request of the session it has not finished.
 """
@@ -54,7 +55,12 @@ from fastapi import FastAPI, WebSocket, WebSocketDisconnect
 from pydantic import JsonValue
 from starlette.concurrency import run_in_threadpool
 
-from omnistage.core.errors import OmnistageError, RequestAbortedError, RequestValidationError
+from omnistage.core.errors import (
+    OmnistageError,
+    PayloadTooLargeError,
+    RequestAbortedError,
+    RequestValidationError,
+)
 from omnistage.core.payloads import InputText
 from omnistage.pipeline.coordinator import RequestHandle
 from omnistage.serve.audio import StreamingAudioEncoder, audio_of_chunk
@@ -79,6 +85,9 @@ before it, so the first audio of a long sentence is not held back by its end."""
 MAX_PENDING_SEGMENTS = 2
 """Segments admitted ahead of the one whose audio is being sent."""
 MAX_MESSAGE_CHARS = 64 * 1024
+MAX_AHEAD_CHARS = 1 << 20
+"""Characters of cut segments a session may hold waiting for admission: a client further
+ahead of its audio than this is refused (413 naming ``text``)."""
 _BOUNDARY = re.compile(r"[.!?;。！？；](?=\s)|\n")
 _SESSION_FIELDS_REFUSED = frozenset({"input", "text", "stream", "stream_format"})
 _PROBE_TEXT = "probe"
@@ -150,6 +159,7 @@ class _Session:
     next_index: int = 0
     live_segment: _Segment | None = None  # live text: the session's one request
     opening: str = ""  # live text: what came before it was admitted
+    ahead_chars: int = 0  # characters of the segments read but not admitted yet
 
     @property
     def live(self) -> bool:
@@ -288,34 +298,83 @@ async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) 
 
 
 async def _read_text(session: _Session, sender: asyncio.Task) -> None:
-    """Admit segments as text arrives (live text: feed it to the session's request), until
-    ``input.done``; a sender that fails first ends the reading (its error is raised by
-    awaiting it)."""
+    """Read the client's messages until ``input.done``: live text goes into the session's
+    request; other text is cut into segments that a second task admits as room frees, so
+    the socket is read all along (a client's pongs too: while the reading waited for
+    room, the server's keepalive ping went unanswered and cut the session after 40 s).
+    A sender or admitter that fails first ends the reading (its error is raised).
+
+    Raises:
+        PayloadTooLargeError: more than :data:`MAX_AHEAD_CHARS` characters of segments
+            wait for admission.
+    """
+    if session.live:
+        await _read_live_text(session, sender)
+        return
+    ready: asyncio.Queue[str | None] = asyncio.Queue()
+    admitter = asyncio.create_task(_admit_ready(session, ready, sender))
+    try:
+        while True:
+            message = await _first(_receive(session.websocket), admitter)
+            kind = message.get("type")
+            if kind == "input.text":
+                segments = session.segmenter.push(_text_of(message))
+            elif kind == "input.done":
+                segments = session.segmenter.flush()
+            else:
+                raise _unknown_type(kind)
+            for text in segments:
+                session.ahead_chars += len(text)
+                ready.put_nowait(text)
+            if session.ahead_chars > MAX_AHEAD_CHARS:
+                raise PayloadTooLargeError(
+                    f"the session's text is more than {MAX_AHEAD_CHARS} characters ahead of its audio",
+                    param="text",
+                )
+            if kind == "input.done":
+                ready.put_nowait(None)
+                await admitter
+                return
+    finally:
+        if not admitter.done():
+            admitter.cancel()
+            await asyncio.gather(admitter, return_exceptions=True)
+
+
+async def _admit_ready(session: _Session, ready: asyncio.Queue[str | None], sender: asyncio.Task) -> None:
+    """Admit the segments of ``ready`` in order as room frees, until its None (then the
+    end of the session's audio is queued)."""
+    while (text := await _first(ready.get(), sender)) is not None:
+        session.ahead_chars -= len(text)
+        await _first(session.admit(text), sender)
+    await session.pending.put(None)
+
+
+async def _read_live_text(session: _Session, sender: asyncio.Task) -> None:
+    """Live text: each delta into the session's request until ``input.done``."""
     while True:
         message = await _first(_receive(session.websocket), sender)
         kind = message.get("type")
         if kind == "input.text":
-            text = message.get("text")
-            if not isinstance(text, str):
-                raise RequestValidationError("input.text needs a string text", param="text")
-            if session.live:
-                await _feed_live(session, sender, text)
-                continue
-            segments = session.segmenter.push(text)
-        elif kind == "input.done" and session.live:
+            await _feed_live(session, sender, _text_of(message))
+        elif kind == "input.done":
             if session.live_segment is not None:
                 session.server.pipeline.end_input(session.live_segment.handle.request_id)
             await session.pending.put(None)
             return
-        elif kind == "input.done":
-            segments = session.segmenter.flush()
         else:
-            raise RequestValidationError(f"unknown message type {kind!r}; expected input.text or input.done", param="type")
-        for text in segments:
-            await _first(session.admit(text), sender)
-        if kind == "input.done":
-            await session.pending.put(None)
-            return
+            raise _unknown_type(kind)
+
+
+def _text_of(message: dict[str, JsonValue]) -> str:
+    text = message.get("text")
+    if not isinstance(text, str):
+        raise RequestValidationError("input.text needs a string text", param="text")
+    return text
+
+
+def _unknown_type(kind: JsonValue) -> RequestValidationError:
+    return RequestValidationError(f"unknown message type {kind!r}; expected input.text or input.done", param="type")
 
 
 async def _feed_live(session: _Session, sender: asyncio.Task, text: str) -> None:

@@ -33,10 +33,11 @@ class RunningServer:
         asyncio.run_coroutine_threadsafe(assert_no_request_state(pipeline), pipeline.coordinator.loop).result(timeout_s)
 
 
-def run_uvicorn(app) -> Iterator[RunningServer]:
-    """Serve ``app`` on a free port in a thread until the generator is closed."""
+def run_uvicorn(app, **options) -> Iterator[RunningServer]:
+    """Serve ``app`` on a free port in a thread until the generator is closed (``options``:
+    more ``uvicorn.Config`` arguments)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -13,9 +13,12 @@ import pytest
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
+from omnistage.serve import speech_stream
+from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.audio import float_to_s16, resample
 from omnistage.serve.speech_stream import MAX_PENDING_SEGMENTS, SentenceSegmenter
-from omnistage.testing.tone import SAMPLE_RATE
+from omnistage.testing.tone import SAMPLE_RATE, ToneConfig
+from tests.serve.conftest import run_uvicorn, wait_health
 from tests.serve.test_server import expected_samples, wait_idle
 
 TEXT = "Hello there. How are you? Fine; thanks!"
@@ -151,6 +154,31 @@ def test_a_client_that_does_not_read_holds_back_the_next_segments(tone_server):
         ws.send(json.dumps({"type": "input.done"}))
         _, events = read_all(ws)
     assert events[-1]["type"] == "session.done" and events[-1]["segments"] == 12
+
+
+def test_a_client_far_ahead_of_the_audio_keeps_its_session():
+    """Text sent faster than it is spoken, in more messages than uvicorn queues (32): the
+    socket is still read, so the keepalive's pongs arrive (the session was cut with 1011
+    "keepalive ping timeout" once a ping went unanswered)."""
+    app = create_app(ToneConfig.for_model_path("tone-test"), ServerSettings())
+    for server in run_uvicorn(app, ws_ping_interval=0.2, ws_ping_timeout=1.0):
+        assert wait_health(server.base_url).status_code == 200
+        with session(server, delay_s=0.01) as ws:
+            send_text(ws, *[f"Sentence {i}. " for i in range(60)])
+            ws.send(json.dumps({"type": "input.done"}))
+            _, events = read_all(ws)
+        assert events[-1]["type"] == "session.done" and events[-1]["segments"] == 60, events[-1]
+
+
+def test_text_further_ahead_than_the_cap_is_413_naming_text(tone_server, monkeypatch):
+    monkeypatch.setattr(speech_stream, "MAX_AHEAD_CHARS", 100)
+    with session(tone_server, delay_s=0.05) as ws:
+        send_text(ws, *[f"Sentence {i}. " for i in range(20)])
+        _, events = read_all(ws)
+    assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == 413, events[-1]
+    assert events[-1]["error"]["param"] == "text"
+    wait_idle(tone_server, timeout=5)
+    tone_server.assert_no_request_state()
 
 
 @pytest.mark.parametrize(
