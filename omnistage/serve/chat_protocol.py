@@ -175,7 +175,11 @@ class AudioOutput(_Strict):
 
 
 class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` (a last chunk with the usage);
+    ``include_obfuscation`` false or null only (no chunk carries OpenAI's padding)."""
+
     include_usage: bool = False
+    include_obfuscation: bool | None = None
 
 
 class ResponseFormat(_Strict):
@@ -447,7 +451,8 @@ def validate_chat_request(req: ChatCompletionRequest, caps: ChatCapabilities) ->
             text is too long; the last message is the assistant's; ``stream_options`` is
             set on a request that does not stream (OpenAI refuses it too); an OpenAI field
             is set to a value this server cannot honour (``n`` > 1, a non-zero penalty, a
-            non-empty ``logit_bias``, ``logprobs``, ``top_logprobs`` > 0, ``store``, a JSON
+            non-empty ``logit_bias``, ``logprobs``, ``top_logprobs`` > 0, ``store``,
+            ``stream_options.include_obfuscation``, a JSON
             ``response_format`` (``response_format.type``), a ``service_tier`` other than
             auto/default) or a message echoes a ``refusal``, ``audio`` (without text
             ``content``), ``tool_calls`` or
@@ -514,6 +519,8 @@ def _check_no_effect_fields(req: ChatCompletionRequest) -> None:
         ("logprobs", bool(req.logprobs), "log probabilities are not returned; logprobs must be false"),
         ("top_logprobs", bool(req.top_logprobs), "log probabilities are not returned; top_logprobs must be 0"),
         ("store", bool(req.store), "completions are not stored; store must be false"),
+        ("stream_options.include_obfuscation", bool(req.stream_options and req.stream_options.include_obfuscation),
+         "stream chunks are not padded; include_obfuscation must be false"),
         ("service_tier", req.service_tier not in (None, "auto", "default"),
          'one processing tier is served; service_tier must be "auto" or "default"'),
         ("response_format.type", req.response_format is not None and req.response_format.type != "text",

@@ -252,6 +252,17 @@ def test_stream_options_without_stream_are_refused_as_openai_refuses_them(stream
     assert validate_chat_request(parse_chat_request(body), TEXT_ONLY).stream_options.include_usage
 
 
+@pytest.mark.parametrize("obfuscation", [False, None])
+def test_the_sdks_include_obfuscation_false_is_taken_and_true_refused(obfuscation) -> None:
+    """The openai SDK's ``stream_options.include_obfuscation``: false (its bandwidth
+    saving) changes nothing here, so it is taken; true asks for padding no chunk has."""
+    options = {"include_usage": True, "include_obfuscation": obfuscation}
+    body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True, "stream_options": options}
+    assert validate_chat_request(parse_chat_request(body), TEXT_ONLY).stream_options.include_usage
+    body["stream_options"] = {**options, "include_obfuscation": True}
+    assert refused(body, TEXT_ONLY).param == "stream_options.include_obfuscation"
+
+
 def test_stop_from_a_model_that_does_not_declare_it_is_refused_naming_stop() -> None:
     error = refused({"messages": [{"role": "user", "content": "Hi"}], "stop": "."}, TEXT_ONLY)
     assert error.param == "stop" and "not supported" in str(error)
