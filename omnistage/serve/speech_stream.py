@@ -401,9 +401,16 @@ async def _feed_live(session: _Session, sender: asyncio.Task, text: str) -> None
 
 
 async def _first(awaitable, sender: asyncio.Task):
-    """Await ``awaitable`` unless the sender task ends first (then re-raise its error)."""
+    """Await ``awaitable`` unless the sender task ends first (then re-raise its error); a
+    cancelled wait cancels ``awaitable`` too (an admission must not finish after the
+    session's abort)."""
     task = asyncio.ensure_future(awaitable)
-    done, _ = await asyncio.wait({task, sender}, return_when=asyncio.FIRST_COMPLETED)
+    try:
+        done, _ = await asyncio.wait({task, sender}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise
     if task in done:
         return task.result()
     task.cancel()

@@ -140,6 +140,18 @@ def test_disconnect_after_input_done_aborts_what_is_still_sending(tone_server):
     tone_server.assert_no_request_state()
 
 
+def test_disconnect_while_segments_wait_for_room_admits_none_of_them(tone_server):
+    """The client leaves while cut segments wait for admission: the one being admitted is
+    cancelled with the session, not submitted after its abort (it was left in flight)."""
+    for _ in range(3):
+        with session(tone_server, delay_s=0.05) as ws:
+            send_text(ws, *[f"Sentence {i}. " for i in range(12)])
+            while not isinstance(ws.recv(timeout=10), bytes):
+                pass
+        wait_idle(tone_server, timeout=5)
+        tone_server.assert_no_request_state()
+
+
 def test_a_client_that_does_not_read_holds_back_the_next_segments(tone_server):
     """Sending many sentences without reading: at most MAX_PENDING_SEGMENTS segments wait
     behind the one being sent, so the server never runs ahead unbounded."""
