@@ -183,12 +183,22 @@ async def watch_disconnect(awaitable: Awaitable[T], request: Request, abort: Cal
 
 
 def require_json(request: Request) -> None:
-    """JSON bodies only: besides being the API's format, this keeps a web page from making
-    a browser post a "simple" (text/plain or form) request to a local server."""
+    """JSON bodies only, sent as is: besides being the API's format, this keeps a web page
+    from making a browser post a "simple" (text/plain or form) request to a local server.
+    A ``Content-Encoding`` (gzip, ...) is refused by name: the body is never decompressed.
+
+    Raises:
+        UnsupportedMediaTypeError: another media type, or an encoding other than identity.
+    """
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         raise UnsupportedMediaTypeError(
             f"the body must be JSON with Content-Type: application/json, got {media_type or 'none'!r}"
+        )
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise UnsupportedMediaTypeError(
+            f"Content-Encoding {encoding!r} is not supported; send the JSON body uncompressed"
         )
 
 

@@ -1,6 +1,7 @@
 """The HTTP server end to end, with the deterministic tone model behind a real uvicorn."""
 
 import base64
+import gzip
 import io
 import json
 import logging
@@ -174,6 +175,18 @@ def test_a_body_not_declared_as_json_is_415(tone_server):
         headers = {"Content-Type": content_type} if content_type else {}
         response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=b'{"input": "hi"}', headers=headers)
         assert response.status_code == 415 and response.json()["error"]["code"] == 415
+
+
+def test_a_compressed_body_is_415_naming_its_encoding(tone_server):
+    """The body is never decompressed: gzip JSON was a 400 "not valid JSON: 'utf-8' codec
+    can't decode byte 0x8b", and a plain body declared gzip was read as plain."""
+    for body in (gzip.compress(b'{"input": "hi"}'), b'{"input": "hi"}'):
+        headers = {**JSON, "Content-Encoding": "gzip"}
+        response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=body, headers=headers)
+        assert response.status_code == 415 and "gzip" in response.json()["error"]["message"], response.text
+    identity = {**JSON, "Content-Encoding": "identity"}
+    body = b'{"input": "hi", "stream": false}'
+    assert httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=body, headers=identity).status_code == 200
 
 
 @pytest.mark.parametrize("escaped", [r"hello\u0000world", r"hello \ud800 there"])
