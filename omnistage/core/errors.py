@@ -10,7 +10,7 @@ class                          HTTP    meaning
 ``AuthenticationError``        401     missing or wrong API key
 ``NotFoundError``              404     no such resource (model, saved voice) for this key
 ``ConflictError``              409     the resource exists already (a saved voice's name)
-``UnsupportedMediaTypeError``  415     a body that is not declared as JSON
+``UnsupportedMediaTypeError``  415     a body not declared as JSON, or compressed
 ``PayloadTooLargeError``       413     request body or media above its cap
 ``QueueFullError``             503     admission bound reached; retry later
 ``PipelineUnhealthyError``     503     a stage process died or the pipeline is stopping
@@ -84,9 +84,17 @@ class PayloadTooLargeError(RequestValidationError):
 
 
 class UnsupportedMediaTypeError(RequestValidationError):
-    """The request body is not declared as JSON (``Content-Type: application/json``)."""
+    """The request body is not declared as JSON (``Content-Type: application/json``), or
+    it is sent with a content coding (``Content-Encoding: gzip``, ...): bodies are never
+    decompressed. ``coding`` names that coding (the answer then carries
+    ``Accept-Encoding: identity``, RFC 7694); None for a media type.
+    """
 
     http_status = 415
+
+    def __init__(self, message: str, coding: str | None = None) -> None:
+        self.coding = coding
+        super().__init__(message)
 
 
 class NotFoundError(RequestValidationError):

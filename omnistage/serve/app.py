@@ -46,6 +46,7 @@ from omnistage.core.errors import (
     RequestAbortedError,
     RequestValidationError,
     StageFailureError,
+    UnsupportedMediaTypeError,
 )
 from omnistage.core.messages import StreamChunk
 from omnistage.core.request import PipelineRequest, new_request_id
@@ -233,6 +234,8 @@ def _error_response(exc: BaseException) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if isinstance(exc, AuthenticationError) else None
     if isinstance(exc, PipelineUnhealthyError) and exc.retry_after_s is not None:
         headers = {"Retry-After": str(math.ceil(exc.retry_after_s))}
+    if isinstance(exc, UnsupportedMediaTypeError) and exc.coding is not None:
+        headers = {"Accept-Encoding": "identity"}
     return JSONResponse(body, status_code=status, headers=headers)
 
 

@@ -8,12 +8,13 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
+from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
 from omnistage.core.errors import (
@@ -185,21 +186,48 @@ async def watch_disconnect(awaitable: Awaitable[T], request: Request, abort: Cal
 def require_json(request: Request) -> None:
     """JSON bodies only, sent as is: besides being the API's format, this keeps a web page
     from making a browser post a "simple" (text/plain or form) request to a local server.
-    A ``Content-Encoding`` (gzip, ...) is refused by name: the body is never decompressed.
 
     Raises:
-        UnsupportedMediaTypeError: another media type, or an encoding other than identity.
+        UnsupportedMediaTypeError: another media type, or a content coding (see
+            :func:`require_identity_encoding`).
     """
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json" and not media_type.endswith("+json"):
         raise UnsupportedMediaTypeError(
             f"the body must be JSON with Content-Type: application/json, got {media_type or 'none'!r}"
         )
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):
-        raise UnsupportedMediaTypeError(
-            f"Content-Encoding {encoding!r} is not supported; send the JSON body uncompressed"
-        )
+    require_identity_encoding(request)
+
+
+def require_identity_encoding(request: Request) -> None:
+    """The body is sent as is: every ``Content-Encoding`` header line, each a comma-separated
+    list, names only ``identity`` (any case) or nothing. The body is never decompressed.
+
+    Raises:
+        UnsupportedMediaTypeError: another coding (gzip, ...), named, with ``coding`` set
+            (the answer then carries ``Accept-Encoding: identity``, RFC 7694).
+    """
+    for line in request.headers.getlist("content-encoding"):
+        for coding in line.split(","):
+            coding = coding.strip().lower()
+            if coding not in ("", "identity"):
+                raise UnsupportedMediaTypeError(
+                    f"Content-Encoding {coding!r} is not supported; send the body uncompressed", coding=coding
+                )
+
+
+class IdentityBodyRoute(APIRoute):
+    """A route whose body FastAPI parses itself (a multipart form): the body's encoding is
+    checked (:func:`require_identity_encoding`) before it is read."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def checked(request: Request) -> Response:
+            require_identity_encoding(request)
+            return await handler(request)
+
+        return checked
 
 
 async def read_body(request: Request, limit: int) -> bytes:

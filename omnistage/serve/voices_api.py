@@ -6,6 +6,8 @@
   ``client.audio.voices.create``): ``audio_sample`` (file), ``name``, ``consent``, and
   omnistage's optional ``ref_text`` (the clip's transcript: in-context cloning; without it
   the model clones from the speaker embedding alone). Answers the OpenAI voice object.
+  The form is sent as is: a ``Content-Encoding`` other than identity is a 415, before
+  the body is read.
 - ``DELETE /v1/audio/voices/{id}`` (the id or the name): OpenAI's ``audio.voice.deleted``.
 
 An upload is checked the way a speech request naming it would be (the model's request
@@ -30,6 +32,7 @@ from omnistage.core.errors import (
     RequestValidationError,
 )
 from omnistage.serve.protocol import validate_speech_request, voices_response
+from omnistage.serve.server_core import IdentityBodyRoute
 from omnistage.serve.voice_library import MAX_NAME_CHARS, SavedVoice, data_uri
 
 if TYPE_CHECKING:
@@ -83,7 +86,6 @@ def install_voice_routes(v1: APIRouter, server: SpeechServer) -> None:
         body["uploaded_voices"] = [VoiceObject.of(v).model_dump() for v in saved]
         return JSONResponse(body)
 
-    @v1.post("/audio/voices")
     async def upload(
         request: Request,
         audio_sample: UploadFile,
@@ -101,6 +103,8 @@ def install_voice_routes(v1: APIRouter, server: SpeechServer) -> None:
             library.add, request.state.owner, name, consent, ref_text or None, mime_type, data
         )
         return JSONResponse(VoiceObject.of(voice).model_dump())
+
+    v1.add_api_route("/audio/voices", upload, methods=["POST"], route_class_override=IdentityBodyRoute)
 
     @v1.delete("/audio/voices/{voice_id}")
     async def delete(request: Request, voice_id: str) -> JSONResponse:

@@ -184,9 +184,38 @@ def test_a_compressed_body_is_415_naming_its_encoding(tone_server):
         headers = {**JSON, "Content-Encoding": "gzip"}
         response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=body, headers=headers)
         assert response.status_code == 415 and "gzip" in response.json()["error"]["message"], response.text
+        assert response.headers["accept-encoding"] == "identity"  # RFC 7694, section 3
     identity = {**JSON, "Content-Encoding": "identity"}
     body = b'{"input": "hi", "stream": false}'
     assert httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=body, headers=identity).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [[("Content-Encoding", "identity"), ("Content-Encoding", "gzip")], [("Content-Encoding", "identity, GZip")]],
+    ids=["second_line", "comma_list"],
+)
+def test_every_content_coding_of_every_header_line_is_checked(tone_server, lines):
+    """``Content-Encoding: identity`` then a second ``Content-Encoding: gzip`` line passed:
+    only the first line was read, and a gzip body was read as plain."""
+    headers = [("Content-Type", "application/json"), *lines]
+    response = httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=b'{"input": "hi"}', headers=headers)
+    assert response.status_code == 415 and "'gzip'" in response.json()["error"]["message"], response.text
+    fine = [("Content-Type", "application/json"), ("Content-Encoding", "Identity, ,identity"), ("Content-Encoding", "identity")]
+    body = b'{"input": "hi", "stream": false}'
+    assert httpx.post(f"{tone_server.base_url}/v1/audio/speech", content=body, headers=fine).status_code == 200
+
+
+def test_a_compressed_voice_upload_is_415_before_its_form_is_read(tone_server):
+    """The multipart upload never checked Content-Encoding: a plain form declared gzip was
+    read as plain (here: the tone model's 400 'does not clone voices', from the route)."""
+    files = {"audio_sample": ("clip.wav", b"RIFF", "audio/wav")}
+    url = f"{tone_server.base_url}/v1/audio/voices"
+    response = httpx.post(url, files=files, data={"name": "n", "consent": "c"}, headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 415 and "'gzip'" in response.json()["error"]["message"], response.text
+    assert response.headers["accept-encoding"] == "identity"
+    plain = httpx.post(url, files=files, data={"name": "n", "consent": "c"})
+    assert plain.status_code == 400 and "does not clone voices" in plain.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("escaped", [r"hello\u0000world", r"hello \ud800 there"])
