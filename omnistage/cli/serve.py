@@ -29,8 +29,9 @@ from omnistage.cli.options import API_KEY_ENV, fail, option_group
 from omnistage.core.errors import OmnistageError
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.media import DEFAULT_REFERENCE_CACHE_BYTES, MediaPolicy, ReferenceCache
+from omnistage.serve.speech_stream import MAX_MESSAGE_CHARS
 
-__all__ = ["SERVE_EPILOG", "HttpImpl", "LoopImpl", "ServeArgs", "serve", "uvicorn_config"]
+__all__ = ["SERVE_EPILOG", "HttpImpl", "LoopImpl", "WS_MAX_BYTES", "ServeArgs", "serve", "uvicorn_config"]
 
 READY_POLL_S = 0.2
 STARTUP_FAILURE = 3  # uvicorn's exit status when its server did not start
@@ -257,9 +258,17 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else 1
 
 
+WS_MAX_BYTES = 4 * MAX_MESSAGE_CHARS
+"""uvicorn's ``ws_max_size`` (bytes of one WebSocket message): a message the session takes
+has at most ``MAX_MESSAGE_CHARS`` characters, each at most 4 bytes of UTF-8, so none is
+refused; a larger frame is closed with 1009 from its header instead of being buffered
+whole (uvicorn's default is 16 MiB, times its queue of 32 messages)."""
+
+
 def uvicorn_config(app: FastAPI, server: ServeArgs) -> uvicorn.Config:
     """uvicorn's configuration for ``app``: ``server``'s address, log level (our logging
-    stays configured: no ``log_config``), HTTP parser and event loop."""
+    stays configured: no ``log_config``), HTTP parser, event loop and the WebSocket
+    message cap (:data:`WS_MAX_BYTES`)."""
     return uvicorn.Config(
         app,
         host=server.host,
@@ -268,6 +277,7 @@ def uvicorn_config(app: FastAPI, server: ServeArgs) -> uvicorn.Config:
         log_config=None,
         http=server.http.value,
         loop=server.loop.value,
+        ws_max_size=WS_MAX_BYTES,
     )
 
 

@@ -385,6 +385,52 @@ def test_http_and_loop_flags_reach_uvicorns_config():
         assert config.http_protocol_class is protocol
 
 
+def test_the_websocket_message_cap_is_the_sessions_in_utf8_bytes():
+    """uvicorn buffered a frame up to its default 16 MiB before the session's
+    MAX_MESSAGE_CHARS check; the CLI passes ws_max_size: 4 bytes per character."""
+    from fastapi import FastAPI
+
+    from omnistage.cli.serve import ServeArgs, uvicorn_config
+    from omnistage.serve.speech_stream import MAX_MESSAGE_CHARS
+
+    assert uvicorn_config(FastAPI(), ServeArgs()).ws_max_size == 4 * MAX_MESSAGE_CHARS
+
+
+def test_an_oversized_websocket_frame_is_closed_1009_and_the_largest_message_is_read():
+    """With the CLI's ws_max_size, a frame over it is closed with 1009 (not buffered and
+    then refused by the session, 1008); a message of MAX_MESSAGE_CHARS 4-byte characters
+    still reaches the session (its error names the field, 1008)."""
+    from fastapi import FastAPI
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    from omnistage.cli.serve import ServeArgs, uvicorn_config
+    from omnistage.serve.app import ServerSettings, create_app
+    from omnistage.serve.speech_stream import MAX_MESSAGE_CHARS
+    from omnistage.testing.tone import ToneConfig
+    from tests.serve.conftest import run_uvicorn, wait_health
+
+    ws_max_size = uvicorn_config(FastAPI(), ServeArgs()).ws_max_size
+    app = create_app(ToneConfig.for_model_path("tone-test"), ServerSettings(playground=False, warmup=False))
+    envelope = '{"type": "session.config", "bogus": ""}'
+    largest = envelope[:-2] + "\U0001f600" * (MAX_MESSAGE_CHARS - len(envelope)) + envelope[-2:]
+    assert len(largest) == MAX_MESSAGE_CHARS and len(largest.encode()) > MAX_MESSAGE_CHARS * 3
+    for running in run_uvicorn(app, ws_max_size=ws_max_size):
+        assert wait_health(running.base_url).status_code == 200
+        url = running.base_url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+        with connect(url) as ws:
+            ws.send(largest)
+            assert json.loads(ws.recv(timeout=10))["error"]["param"] == "bogus"
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd.code == 1008
+        with connect(url) as ws:
+            ws.send("x" * (4 * MAX_MESSAGE_CHARS + 1))
+            with pytest.raises(ConnectionClosed) as closed:
+                ws.recv(timeout=10)
+            assert closed.value.rcvd.code == 1009
+
+
 def test_a_bad_http_or_loop_value_is_a_usage_error_naming_the_flag():
     for flag in ("--http", "--loop"):
         result = invoke("serve", "--model-path", "tone-test", flag, "fast")
