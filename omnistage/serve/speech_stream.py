@@ -15,7 +15,7 @@ Server -> client::
     <binary frames: the response_format's bytes>         # all frames of the session form one stream
     {"type": "audio.done", "segment_index", "finish_reason", "usage"}
     {"type": "session.done", "segments", "usage"}       # after input.done, once all audio is out
-    {"type": "error", "error": {message, type, param, code}, "segment_index"?}  # then the socket closes
+    {"type": "error", "error": {message, type, param, code}, "segment_index"?}  # last: then the socket closes
 
 Live text (a model whose capabilities declare ``live_text_input``): the
 session is ONE request, admitted at the first text that is not blank, and every later
@@ -33,11 +33,13 @@ The cut depends only on the text, never on how it was split into deltas: the sam
 word by word or at once gives the same segments and, with a seed, the same audio.
 
 Backpressure: at most :data:`MAX_PENDING_SEGMENTS` segments are admitted ahead of the one
-being sent; the text past them waits, cut, for room (at most :data:`MAX_AHEAD_CHARS`
-characters, the socket read all along), and a client that stops reading blocks the
-server's sends, which holds back the next segments;
+being sent; the text past them waits, cut, for room (at most :data:`MAX_AHEAD_CHARS`,
+each waiting segment counted as its characters plus :data:`SEGMENT_OVERHEAD_CHARS`), so
+each message is read as it comes until ``input.done`` (none after it); a client that
+stops reading blocks the server's sends, which holds back the next segments;
 each request's stream buffer is capped by the coordinator. A disconnect, an error or the
-end of the session aborts every request of the session it has not finished.
+end of the session aborts every request of the session it has not finished; an error
+stops the session's audio before its ``error`` event is sent.
 """
 
 from __future__ import annotations
@@ -86,8 +88,13 @@ MAX_PENDING_SEGMENTS = 2
 """Segments admitted ahead of the one whose audio is being sent."""
 MAX_MESSAGE_CHARS = 64 * 1024
 MAX_AHEAD_CHARS = 1 << 20
-"""Characters of cut segments a session may hold waiting for admission: a client further
-ahead of its audio than this is refused (413 naming ``text``)."""
+"""What the cut segments a session holds waiting for admission may count (characters, each
+segment's plus :data:`SEGMENT_OVERHEAD_CHARS`): a client further ahead of its audio than
+this is refused (413 naming ``text``)."""
+SEGMENT_OVERHEAD_CHARS = 64
+"""What one waiting segment counts toward :data:`MAX_AHEAD_CHARS` beyond its characters:
+about the bytes of a Python string's header and its queue slot, so that many tiny segments
+("a. a. a. ...") cost what they hold, not only their letters."""
 _BOUNDARY = re.compile(r"[.!?;。！？；](?=\s)|\n")
 _SESSION_FIELDS_REFUSED = frozenset({"input", "text", "stream", "stream_format"})
 _PROBE_TEXT = "probe"
@@ -159,7 +166,7 @@ class _Session:
     next_index: int = 0
     live_segment: _Segment | None = None  # live text: the session's one request
     opening: str = ""  # live text: what came before it was admitted
-    ahead_chars: int = 0  # characters of the segments read but not admitted yet
+    ahead_chars: int = 0  # _ahead_cost of the segments cut, not admitted yet (the one waiting for room too)
 
     @property
     def live(self) -> bool:
@@ -234,8 +241,12 @@ def install_speech_stream_route(app: FastAPI, server: SpeechServer) -> None:
 
 
 async def _run_session(server: SpeechServer, websocket: WebSocket, owner: str) -> None:
+    """Run one session to its end; on an error, its audio sender is stopped and its
+    requests aborted first, so the ``error`` event is the last message before the close."""
     session: _Session | None = None
     sender: asyncio.Task | None = None
+    error: OmnistageError | None = None
+    error_index: int | None = None
     try:
         session = await _open_session(server, websocket, owner)
         sender = asyncio.create_task(_send_audio(session))
@@ -246,15 +257,17 @@ async def _run_session(server: SpeechServer, websocket: WebSocket, owner: str) -
     except (WebSocketDisconnect, OSError):
         pass  # the client left (uvicorn's ClientDisconnected is an OSError): aborted below
     except _SegmentError as exc:
-        await _send_error(websocket, exc.error, exc.index)
+        error, error_index = exc.error, exc.index
     except OmnistageError as exc:
-        await _send_error(websocket, exc, None)
+        error = exc
     finally:
         if sender is not None and not sender.done():
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
         if session is not None:
             session.abort_all()
+    if error is not None:
+        await _send_error(websocket, error, error_index)
 
 
 async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) -> _Session:
@@ -298,15 +311,16 @@ async def _open_session(server: SpeechServer, websocket: WebSocket, owner: str) 
 
 
 async def _read_text(session: _Session, sender: asyncio.Task) -> None:
-    """Read the client's messages until ``input.done``: live text goes into the session's
-    request; other text is cut into segments that a second task admits as room frees, so
-    the socket is read all along (a client's pongs too: while the reading waited for
-    room, the server's keepalive ping went unanswered and cut the session after 40 s).
-    A sender or admitter that fails first ends the reading (its error is raised).
+    """Read the client's messages until ``input.done``, then no more: live text goes
+    into the session's request; other text is cut into segments that a second task admits
+    as room frees, so each message is read as it comes, never waiting for room (a
+    client's pongs too: while the reading waited for room, the server's keepalive ping
+    went unanswered and cut the session after 40 s). A sender or admitter that fails
+    first ends the reading (its error is raised).
 
     Raises:
-        PayloadTooLargeError: more than :data:`MAX_AHEAD_CHARS` characters of segments
-            wait for admission.
+        PayloadTooLargeError: the segments waiting for admission count more than
+            :data:`MAX_AHEAD_CHARS` (see :func:`_ahead_cost`).
     """
     if session.live:
         await _read_live_text(session, sender)
@@ -324,11 +338,12 @@ async def _read_text(session: _Session, sender: asyncio.Task) -> None:
             else:
                 raise _unknown_type(kind)
             for text in segments:
-                session.ahead_chars += len(text)
+                session.ahead_chars += _ahead_cost(text)
                 ready.put_nowait(text)
             if session.ahead_chars > MAX_AHEAD_CHARS:
                 raise PayloadTooLargeError(
-                    f"the session's text is more than {MAX_AHEAD_CHARS} characters ahead of its audio",
+                    f"the session's text waiting for its audio counts more than {MAX_AHEAD_CHARS} characters"
+                    f" (each segment's plus {SEGMENT_OVERHEAD_CHARS})",
                     param="text",
                 )
             if kind == "input.done":
@@ -343,11 +358,17 @@ async def _read_text(session: _Session, sender: asyncio.Task) -> None:
 
 async def _admit_ready(session: _Session, ready: asyncio.Queue[str | None], sender: asyncio.Task) -> None:
     """Admit the segments of ``ready`` in order as room frees, until its None (then the
-    end of the session's audio is queued)."""
+    end of the session's audio is queued). A segment counts in ``ahead_chars`` until it
+    is admitted."""
     while (text := await _first(ready.get(), sender)) is not None:
-        session.ahead_chars -= len(text)
         await _first(session.admit(text), sender)
+        session.ahead_chars -= _ahead_cost(text)
     await session.pending.put(None)
+
+
+def _ahead_cost(text: str) -> int:
+    """What a segment waiting for admission counts toward :data:`MAX_AHEAD_CHARS`."""
+    return len(text) + SEGMENT_OVERHEAD_CHARS
 
 
 async def _read_live_text(session: _Session, sender: asyncio.Task) -> None:

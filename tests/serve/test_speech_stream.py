@@ -3,6 +3,7 @@ per sentence, the same audio however the text is split, backpressure and abort."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
+from starlette.websockets import WebSocket
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import ClientConnection, connect
 
@@ -18,6 +20,7 @@ from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.audio import float_to_s16, resample
 from omnistage.serve.speech_stream import MAX_PENDING_SEGMENTS, SentenceSegmenter
 from omnistage.testing.tone import SAMPLE_RATE, ToneConfig
+from omnistage.testing.waits import wait_until_async
 from tests.serve.conftest import run_uvicorn, wait_health
 from tests.serve.test_server import expected_samples, wait_idle
 
@@ -193,6 +196,24 @@ def test_text_further_ahead_than_the_cap_is_413_naming_text(tone_server, monkeyp
     tone_server.assert_no_request_state()
 
 
+def test_many_tiny_segments_count_toward_the_cap_as_what_they_hold(tone_server):
+    """One message of 21,000 two-letter sentences: 42,000 letters, far under the cap, but
+    21,000 queued strings; each waiting segment counts SEGMENT_OVERHEAD_CHARS more, so
+    it is a 413 naming text before any of them is admitted (it was taken, a whole
+    string per segment)."""
+    count = 21_000
+    assert 2 * count < speech_stream.MAX_AHEAD_CHARS < count * (2 + speech_stream.SEGMENT_OVERHEAD_CHARS)
+    with session(tone_server) as ws:
+        send_text(ws, "a. " * count)
+        event = json.loads(ws.recv(timeout=10))
+        assert event["type"] == "error" and event["error"]["code"] == 413, event
+        assert event["error"]["param"] == "text"
+        with pytest.raises(ConnectionClosed):
+            ws.recv(timeout=10)
+    wait_idle(tone_server, timeout=5)
+    tone_server.assert_no_request_state()
+
+
 @pytest.mark.parametrize(
     ("config", "param"),
     [({"voice": "nobody"}, "voice"), ({"input": "hi"}, "input"), ({"stream_format": "sse"}, "stream_format"),
@@ -222,3 +243,53 @@ def test_the_stream_needs_the_api_key(auth_server):
     with connect(ws_url(auth_server), additional_headers={"Authorization": "Bearer sekret"}) as ws:
         ws.send(json.dumps({"type": "session.config", "response_format": "pcm"}))
         assert json.loads(ws.recv(timeout=10))["type"] == "session.started"
+
+
+def read_until_close(ws: ClientConnection) -> list[str | dict]:
+    """Every message until the server closes the socket: "binary" for a frame, else the
+    JSON event."""
+    messages: list[str | dict] = []
+    while True:
+        try:
+            message = ws.recv(timeout=30)
+        except ConnectionClosed:
+            return messages
+        messages.append("binary" if isinstance(message, bytes) else json.loads(message))
+
+
+def test_nothing_follows_the_error_event_of_a_session_sending_audio(tone_server, monkeypatch):
+    """A 413 while segments' audio is being sent: the error event is the last message
+    before the close. The server's sends are written one at a time, in order, and the
+    error's write ends only once the audio sender's next send waits behind it (or the
+    sender has ended): the sender, still running until the close, had its frames written
+    between the error and the close."""
+    monkeypatch.setattr(speech_stream, "MAX_AHEAD_CHARS", 1000)
+    original_send = WebSocket.send
+    writes: dict[str, object] = {}
+
+    async def send(self, message):
+        if message["type"] == "websocket.send" and message.get("bytes") is not None:
+            writes["audio_sender"] = asyncio.current_task()
+        writes["queued"] += 1
+        async with writes["lock"]:
+            writes["queued"] -= 1
+            await original_send(self, message)
+            if message.get("text") and json.loads(message["text"])["type"] == "error":
+                await wait_until_async(
+                    lambda: writes["queued"] or writes["audio_sender"].done(), what="the audio sender's next send"
+                )
+
+    monkeypatch.setattr(WebSocket, "send", send)
+    for _ in range(3):
+        writes.update(queued=0, lock=asyncio.Lock(), audio_sender=None)
+        with session(tone_server) as ws:
+            send_text(ws, *[f"{'x' * 150}. " for _ in range(MAX_PENDING_SEGMENTS + 1)])
+            while not isinstance(ws.recv(timeout=10), bytes):
+                pass  # the first segment's audio is being sent, the next ones are admitted
+            send_text(ws, "y " * 2000)
+            messages = read_until_close(ws)
+        errors = [i for i, m in enumerate(messages) if isinstance(m, dict) and m["type"] == "error"]
+        assert errors == [len(messages) - 1], messages[errors[0] if errors else -3 :][:5]
+        assert messages[-1]["error"]["code"] == 413 and messages[-1]["error"]["param"] == "text"
+        wait_idle(tone_server, timeout=5)
+        tone_server.assert_no_request_state()
