@@ -201,7 +201,10 @@ def flash_varlen_usable(
     return True
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether Triton is installed (looked up once: a fact of the installation; the vocoder's
+    SnakeBeta asks on every call, and a path search costs ~24 us)."""
     return importlib.util.find_spec("triton") is not None
 
 

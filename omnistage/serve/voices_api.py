@@ -17,6 +17,7 @@ voice never fails later for its audio.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING, Literal
 
 from fastapi import APIRouter, Form, Request, UploadFile
@@ -129,14 +130,14 @@ def _check_form_fields(form: FormData) -> None:
     Raises:
         RequestValidationError: an unknown or repeated part (``param`` its name).
     """
-    names = [key for key, _ in form.multi_items()]
-    for key in names:
+    counts = Counter(key for key, _ in form.multi_items())
+    for key, count in counts.items():
         if key not in _UPLOAD_FIELDS:
             raise RequestValidationError(
                 f"unknown field {key!r} (an upload takes {', '.join(_UPLOAD_FIELDS)})", param=key
             )
-        if names.count(key) > 1:
-            raise RequestValidationError(f"{key} is sent {names.count(key)} times; send it once", param=key)
+        if count > 1:
+            raise RequestValidationError(f"{key} is sent {count} times; send it once", param=key)
 
 
 def _check_name(name: str, builtin: tuple[str, ...]) -> str:
