@@ -4,7 +4,7 @@
 The decoder has the real dimensions (114.3 M parameters) and random weights, built in
 memory; it runs through :class:`StreamingDecoderArena` (64 state slots) exactly as the
 vocoder stage calls it. Measures one chunk decode (median and p90 in ms, host-synchronized)
-for 1, 8 and 64 concurrent streams at chunk sizes 1 and 8 frames, eager vs CUDA graphs,
+for 1, 8 and 64 concurrent streams (``--streams``) at chunk sizes 1 and 8 frames, eager vs CUDA graphs,
 the first 1-frame chunk of a fresh stream at concurrency 1 (slot allocation included), and
 opening one stream with an unseen 3 s reference as left context (38 frames: eager; graph
 replays of 32 + 6 frames, the Qwen3-TTS vocoder's; replays of chunks of at most 8 frames).
@@ -16,7 +16,7 @@ key ``op_shapes``). Prints a table and writes JSON (default
 benchmarks/results/vocoder_gpu.json).
 About a minute on an H200.
 
-Usage: python benchmarks/vocoder_gpu.py [--dtype bfloat16|float32] [--op-shapes 12 [--op-shapes-streams 128]] [--output PATH]
+Usage: python benchmarks/vocoder_gpu.py [--streams 1 8 64] [--dtype bfloat16|float32] [--op-shapes 12 [--op-shapes-streams 128]] [--output PATH]
        python benchmarks/vocoder_gpu.py --device cpu --size tiny --iters 3 --output /tmp/v.json  (smoke test)
 """
 
@@ -139,6 +139,8 @@ def main() -> None:
     parser.add_argument("--size", default="0.6b", choices=["tiny", "0.6b"])
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--streams", type=int, nargs="+", default=list(CONCURRENCY),
+                        help="concurrent streams of the chunk rows (and the graphs' batch buckets)")  # fmt: skip
     parser.add_argument("--op-shapes", type=int, default=0, metavar="N", help="the N costliest conv ops by input shapes")
     parser.add_argument("--op-shapes-streams", type=int, default=128,
                         help="streams of the --op-shapes decode (cuDNN picks kernels by batch)")  # fmt: skip
@@ -151,9 +153,9 @@ def main() -> None:
     modes = ["eager", "graphs"] if device.type == "cuda" else ["eager"]
     rows, firsts, contexts = [], {}, {}
     for mode in modes:
-        arena = StreamingDecoderArena(decoder, num_slots=max(CONCURRENCY))
+        arena = StreamingDecoderArena(decoder, num_slots=max(args.streams))
         if mode == "graphs":
-            capture = partial(arena.capture_graphs, CONCURRENCY, DEFAULT_GRAPH_CHUNK_LENGTHS, DEFAULT_GRAPH_CONTEXT_LENGTHS)
+            capture = partial(arena.capture_graphs, args.streams, DEFAULT_GRAPH_CHUNK_LENGTHS, DEFAULT_GRAPH_CONTEXT_LENGTHS)
             capture_ms = timed(device, capture)
             print(f"captured {len(arena._graphs)} graphs in {capture_ms:.0f} ms")
         firsts[mode] = summary(first_chunk_ms(arena, args.iters))
@@ -162,7 +164,7 @@ def main() -> None:
             short = StreamingDecoderArena(decoder, num_slots=1)
             short.capture_graphs((1,), DEFAULT_GRAPH_CHUNK_LENGTHS)
             contexts["graphs, chunks <= 8"] = summary(context_open_ms(short, args.iters))
-        for streams in CONCURRENCY:
+        for streams in args.streams:
             for frames in CHUNKS:
                 stats = summary(chunk_times(arena, streams, frames, args.iters))
                 audio_s = streams * frames * FRAME_S

@@ -38,8 +38,19 @@ from omnistage.engine.paged_attention import triton_available
 # constants (qwen_tts 12 Hz tokenizer, transformers' Qwen3-Omni code2wav).
 SNAKE_EPS = 1e-9
 CONVNEXT_NORM_EPS = 1e-6
-#: Input dtypes :class:`SnakeBeta` runs through the fused Triton kernel on CUDA.
-FUSED_SNAKE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: Input dtypes the Triton kernels (SnakeBeta, the residual add) take on CUDA.
+FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether the Triton kernels of :mod:`omnistage.engine.triton_vocoder` run for input
+    ``x``: on CUDA with Triton installed, for :data:`FUSED_DTYPES`, and only when no
+    gradient is needed (no autograd through them: the vocoders decode under inference
+    mode, their weights frozen)."""
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, *params)
+    )
+    return x.is_cuda and x.dtype in FUSED_DTYPES and not grads and triton_available()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,10 +114,16 @@ class CausalConv(_Stateful):
     """``nn.Conv1d`` (stride 1) fed with ``(k - 1) * dilation`` past samples on the left:
     zeros at the start, the previous chunk's tail afterwards.
 
+    A dilated conv runs as :func:`conv1d_by_phases` over its input right-padded to a
+    multiple of the dilation.
+
     ``zero_before = (samples, rate)`` (None by default) zeroes the input samples whose index
     in the stream, ``frame * rate + i`` at ``rate`` samples per frame, is below ``samples``:
     they are not signal (see :attr:`CarriedStateVocoder.leading_trim`), so the conv sees
-    there the zero padding it sees before the stream starts."""
+    there the zero padding it sees before the stream starts.
+
+    ``forward(x, carry, bias=False)`` leaves the conv's bias out, for a consumer that adds it
+    in its own pass (:class:`ResidualUnit`)."""
 
     def __init__(
         self, cin: int, cout: int, kernel: int, dilation: int = 1, groups: int = 1
@@ -119,16 +136,58 @@ class CausalConv(_Stateful):
     def state_shape(self) -> tuple[int, ...]:
         return (self.conv.in_channels, self.history)
 
-    def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, carry: Carry, bias: bool = True) -> torch.Tensor:
+        conv = self.conv
+        b = conv.bias if bias else None
         if self.history == 0:
-            return self.conv(x)
+            return F.conv1d(x, conv.weight, b, groups=conv.groups)
         if self.zero_before is not None:
             samples, rate = self.zero_before
             index = carry.positions[:, None] * rate + torch.arange(x.shape[-1], device=x.device)
             x = x * (index >= samples)[:, None].to(x.dtype)
-        x = torch.cat([carry.old[self.state_index], x], dim=-1)
-        carry.new[self.state_index] = x[..., -self.history :]
-        return self.conv(x)
+        past = carry.old[self.state_index]
+        d = conv.dilation[0]
+        if d == 1:
+            x = torch.cat([past, x], dim=-1)
+            carry.new[self.state_index] = x[..., -self.history :]
+            return F.conv1d(x, conv.weight, b, groups=conv.groups)
+        length = past.shape[-1] + x.shape[-1]
+        x = torch.cat([past, x, x.new_zeros(*x.shape[:-1], -length % d)], dim=-1)
+        carry.new[self.state_index] = x[..., length - self.history : length]
+        return conv1d_by_phases(x, conv.weight, b, d, conv.groups)[..., : length - self.history]
+
+
+def conv1d_by_phases(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int = 1
+) -> torch.Tensor:
+    """``F.conv1d(x, weight, bias, dilation=d, groups=groups)`` (no padding, stride 1) as the
+    undilated conv over the ``d`` phases of ``x``: ``x [B, C, L]`` (contiguous, ``L`` a
+    multiple of ``d``) viewed as ``[B, C, L / d, d]`` (sample ``q * d + p`` at ``(q, p)``)
+    and convolved by a 2-D conv of kernel ``(k, 1)``: output ``t = q * d + p`` reads inputs
+    ``t + d * j`` (``j < k``), at ``(q + j, p)``. The same sums, by views alone ->
+    ``[B, C_out, L - (k - 1) * d]`` in ``x``'s dtype.
+
+    Why: cuDNN's heuristics pick a slow generic kernel (``implicit_convolve_sgemm``) for
+    some dilated shapes of the Qwen3-TTS decoder and for none of its undilated ones. On the
+    H100 (torch 2.11, cuDNN 9.19; benchmarks/results/vocoder_convs.json): 384 channels at
+    dilation 9, 128 streams x 8 frames, 11.5 ms, against 1.0 ms at dilation 3 and 0.79 ms
+    by phases; 192 channels at dilations 3 and 9, 8 streams, 1.1 ms against 0.19 ms by
+    phases. Where cuDNN's own pick is good the phase form costs up to 0.1 ms more a conv
+    (96 channels, 8 streams: 0.25 against 0.14 ms).
+
+    Raises:
+        ValueError: ``x`` is not ``[B, C, L]`` with ``L`` a multiple of ``dilation`` and at
+            least the kernel's span.
+    """
+    kernel = weight.shape[-1]
+    if x.dim() != 3 or x.shape[-1] % dilation or x.shape[-1] < (kernel - 1) * dilation + 1:
+        raise ValueError(
+            f"x must be [B, C, L] with L a multiple of the dilation {dilation} and at least "
+            f"{(kernel - 1) * dilation + 1}, got {tuple(x.shape)}"
+        )
+    phases = x.contiguous().view(*x.shape[:-1], -1, dilation)
+    y = F.conv2d(phases, weight[..., None], bias, groups=groups)
+    return y.flatten(-2)[..., : x.shape[-1] - (kernel - 1) * dilation]
 
 
 class CausalTransConv(_Stateful):
@@ -166,7 +225,9 @@ class CausalTransConv(_Stateful):
 
 class SnakeBeta(nn.Module):
     """``x + sin(x * e^alpha)^2 / (e^beta + 1e-9)`` per channel (BigVGAN's SnakeBeta with
-    log-scale parameters, as the checkpoint stores them). ``[B, C, L]`` -> same.
+    log-scale parameters, as the checkpoint stores them). ``[B, C, L]`` -> same;
+    ``forward(x, bias)`` with a ``[C]`` bias takes ``x + bias`` as its input (a preceding
+    conv's bias, folded into this pass).
 
     On CUDA with Triton installed, for fp32, bf16 and fp16 and without gradients (no
     autograd through it: the vocoders decode under inference mode, their weights frozen), it
@@ -179,12 +240,13 @@ class SnakeBeta(nn.Module):
         self.alpha = nn.Parameter(torch.zeros(channels))
         self.beta = nn.Parameter(torch.zeros(channels))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        grads = torch.is_grad_enabled() and any(t.requires_grad for t in (x, self.alpha, self.beta))
-        if x.is_cuda and x.dtype in FUSED_SNAKE_DTYPES and not grads and triton_available():
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if _fused(x, self.alpha, self.beta, bias):
             from omnistage.engine.triton_vocoder import snake_beta_triton
 
-            return snake_beta_triton(x, self.alpha, self.beta, SNAKE_EPS)
+            return snake_beta_triton(x, self.alpha, self.beta, SNAKE_EPS, bias)
+        if bias is not None:
+            x = x + bias[None, :, None]
         alpha = self.alpha.exp()[None, :, None]
         beta = self.beta.exp()[None, :, None]
         return x + torch.sin(x * alpha).pow(2) / (beta + SNAKE_EPS)
@@ -372,7 +434,20 @@ class ResidualUnit(nn.Module):
         self.conv2 = CausalConv(dim, dim, 1)
 
     def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        return x + self.conv2(self.act2(self.conv1(self.act1(x), carry)), carry)
+        """``x + conv2(act2(conv1(act1(x))))``, each conv's bias added by the pass after it
+        (``act2``, the residual add) instead of by PyTorch, which adds a conv's bias after
+        cuDNN's kernel in a broadcast pass of its own: at 128 streams x 8 frames on the H100
+        those passes were 9.3 ms of the Qwen3-TTS decoder's 40.2 ms of convs (its
+        96-channel 1x1 conv: 0.90 ms with the bias, 0.29 ms without;
+        benchmarks/results/vocoder_convs.json)."""
+        h = self.act2(self.conv1(self.act1(x), carry, bias=False), self.conv1.conv.bias)
+        y = self.conv2(h, carry, bias=False)
+        bias = self.conv2.conv.bias
+        if _fused(x, y, bias):
+            from omnistage.engine.triton_vocoder import residual_add_triton
+
+            return residual_add_triton(x, y, bias)
+        return x + (y + bias[None, :, None])
 
 
 class VocoderBlock(nn.Module):

@@ -1,5 +1,6 @@
 """Triton kernels of the causal vocoder's layers (CUDA only; imported lazily by
-:mod:`omnistage.engine.causal_vocoder`).
+:mod:`omnistage.engine.causal_vocoder`): SnakeBeta, and a residual unit's skip connection
+with its conv's bias (:func:`residual_add_triton`).
 
 :func:`snake_beta_triton`: ``y = x + sin(x * e^alpha)^2 / (e^beta + eps)`` per channel
 (SnakeBeta of BigVGAN, Lee et al. 2023, arXiv:2206.04658, with log-scale parameters; the
@@ -23,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from omnistage.engine.causal_vocoder import FUSED_SNAKE_DTYPES
+from omnistage.engine.causal_vocoder import FUSED_DTYPES
 
 MAX_BLOCK = 1024  # samples per program
 
@@ -31,6 +32,7 @@ MAX_BLOCK = 1024  # samples per program
 @triton.jit
 def _snake_beta_kernel(
     x_ptr,
+    bias_ptr,
     alpha_ptr,
     beta_ptr,
     out_ptr,
@@ -40,6 +42,7 @@ def _snake_beta_kernel(
     stride_c,
     stride_l,
     eps,
+    HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # one (batch, channel) row of [B, C, L]
@@ -49,6 +52,8 @@ def _snake_beta_kernel(
     x = tl.load(x_ptr + batch * stride_b + channel * stride_c + offsets * stride_l, mask=inside).to(
         tl.float32
     )
+    if HAS_BIAS:  # the preceding conv's bias, folded in (x is then its output without bias)
+        x += tl.load(bias_ptr + channel).to(tl.float32)
     alpha = tl.exp(tl.load(alpha_ptr + channel).to(tl.float32))
     inverse = 1.0 / (tl.exp(tl.load(beta_ptr + channel).to(tl.float32)) + eps)
     wave = libdevice.sin(x * alpha)  # the accurate sine: |x * alpha| is not kept small
@@ -59,37 +64,120 @@ def _snake_beta_kernel(
     )
 
 
-def snake_beta_triton(
-    x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, eps: float
-) -> torch.Tensor:
-    """SnakeBeta of ``x [B, C, L]`` (any strides; CUDA; fp32, bf16 or fp16) with log-scale
-    ``alpha``, ``beta`` ``[C]`` (on ``x``'s device) -> a contiguous ``[B, C, L]`` of ``x``'s
-    dtype, computed in fp32. No autograd: the caller uses it without gradients.
-
-    Raises:
-        ValueError: ``x`` is not 3-D or of another dtype, or ``alpha`` / ``beta`` are not
-            ``[C]`` on ``x``'s device.
-    """
+def _check(x: torch.Tensor, name: str, **channel_params: torch.Tensor | None) -> None:
+    """Raise the kernels' ValueError unless ``x`` is ``[B, C, L]`` of a fused dtype and every
+    given parameter is ``[C]`` on ``x``'s device."""
     channels = x.shape[1] if x.dim() == 3 else -1
+    given = {k: p for k, p in channel_params.items() if p is not None}
     if (
         x.dim() != 3
-        or x.dtype not in FUSED_SNAKE_DTYPES
-        or any(p.shape != (channels,) or p.device != x.device for p in (alpha, beta))
+        or x.dtype not in FUSED_DTYPES
+        or any(p.shape != (channels,) or p.device != x.device for p in given.values())
     ):
+        params = ", ".join(f"{k} {tuple(p.shape)} on {p.device}" for k, p in given.items())
         raise ValueError(
-            f"SnakeBeta needs x [B, C, L] of {FUSED_SNAKE_DTYPES} and alpha, beta [C] on its device; got "
-            f"x {tuple(x.shape)} {x.dtype} on {x.device}, alpha {tuple(alpha.shape)} on "
-            f"{alpha.device}, beta {tuple(beta.shape)} on {beta.device}"
+            f"{name} needs x [B, C, L] of {FUSED_DTYPES} and {', '.join(given)} [C] on its "
+            f"device; got x {tuple(x.shape)} {x.dtype} on {x.device}, {params}"
         )
-    batch, _, length = x.shape
+
+
+def _grid(x: torch.Tensor) -> tuple[int, tuple[int, int]]:
+    """The block (samples per program) and grid ``(rows, blocks per row)`` over ``x [B, C, L]``."""
+    batch, channels, length = x.shape
+    block = min(MAX_BLOCK, triton.next_power_of_2(length))
+    return block, (batch * channels, triton.cdiv(length, block))
+
+
+def snake_beta_triton(
+    x: torch.Tensor,
+    alpha: torch.Tensor,
+    beta: torch.Tensor,
+    eps: float,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """SnakeBeta of ``x [B, C, L]`` (+ ``bias [C]`` per channel first, when given: a preceding
+    conv's bias folded in; any strides; CUDA; fp32, bf16 or fp16) with log-scale ``alpha``,
+    ``beta`` ``[C]`` (on ``x``'s device) -> a contiguous ``[B, C, L]`` of ``x``'s dtype,
+    computed in fp32. No autograd: the caller uses it without gradients.
+
+    Raises:
+        ValueError: ``x`` is not 3-D or of another dtype, or ``alpha`` / ``beta`` / ``bias``
+            are not ``[C]`` on ``x``'s device.
+    """
+    _check(x, "SnakeBeta", alpha=alpha, beta=beta, bias=bias)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    block = min(MAX_BLOCK, triton.next_power_of_2(length))
-    grid = (batch * channels, triton.cdiv(length, block))
+    block, grid = _grid(x)
     with torch.cuda.device(x.device):
         _snake_beta_kernel[grid](
-            x, alpha.contiguous(), beta.contiguous(), out, channels, length, *x.stride(), eps,
-            BLOCK=block,
+            x, alpha if bias is None else bias.contiguous(), alpha.contiguous(), beta.contiguous(),
+            out, x.shape[1], x.shape[2], *x.stride(), eps, HAS_BIAS=bias is not None, BLOCK=block,
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _residual_kernel(
+    residual_ptr,
+    y_ptr,
+    bias_ptr,
+    out_ptr,
+    channels,
+    length,
+    r_stride_b,
+    r_stride_c,
+    r_stride_l,
+    y_stride_b,
+    y_stride_c,
+    y_stride_l,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # one (batch, channel) row of [B, C, L]
+    offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < length
+    batch, channel = row // channels, row % channels
+    r = tl.load(
+        residual_ptr + batch * r_stride_b + channel * r_stride_c + offsets * r_stride_l, mask=inside
+    ).to(tl.float32)
+    y = tl.load(y_ptr + batch * y_stride_b + channel * y_stride_c + offsets * y_stride_l, mask=inside)
+    b = tl.load(bias_ptr + channel).to(tl.float32)
+    tl.store(
+        out_ptr + row * length + offsets,
+        (r + (y.to(tl.float32) + b)).to(out_ptr.dtype.element_ty),
+        mask=inside,
+    )
+
+
+def residual_add_triton(
+    residual: torch.Tensor, y: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
+    """``residual + (y + bias)`` per channel, for ``residual``, ``y [B, C, L]`` (any strides;
+    CUDA; one fused dtype) and ``bias [C]``: a residual unit's skip connection with its last
+    conv's bias folded in (``y`` is that conv's output without bias), one read of each and
+    one write, in fp32 -> a contiguous ``[B, C, L]`` of ``residual``'s dtype. Without the
+    fold these are two passes: PyTorch's broadcast bias add after the conv (0.61 ms after
+    the Qwen3-TTS decoder's 96-channel 1x1 conv at 128 streams x 8 frames on the H100,
+    whose own kernel took 0.29 ms: benchmarks/results/vocoder_convs.json) and the residual
+    add.
+
+    Raises:
+        ValueError: the tensors are not 3-D of one shape and fused dtype, or ``bias`` is not
+            ``[C]`` on their device.
+    """
+    _check(residual, "residual add", bias=bias)
+    if y.shape != residual.shape or y.dtype != residual.dtype or y.device != residual.device:
+        raise ValueError(
+            f"residual add needs y like the residual {tuple(residual.shape)} {residual.dtype} "
+            f"on {residual.device}; got {tuple(y.shape)} {y.dtype} on {y.device}"
+        )
+    out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+    if out.numel() == 0:
+        return out
+    block, grid = _grid(residual)
+    with torch.cuda.device(residual.device):
+        _residual_kernel[grid](
+            residual, y, bias.contiguous(), out, residual.shape[1], residual.shape[2],
+            *residual.stride(), *y.stride(), BLOCK=block,
         )  # fmt: skip
     return out

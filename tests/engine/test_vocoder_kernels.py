@@ -1,10 +1,11 @@
-"""The vocoder's Triton SnakeBeta (omnistage.engine.triton_vocoder, used by
-omnistage.engine.causal_vocoder) against its formula."""
+"""The vocoder's Triton kernels (omnistage.engine.triton_vocoder, used by
+omnistage.engine.causal_vocoder) against their formulas: SnakeBeta (with a folded conv bias)
+and the residual add with a folded conv bias."""
 
 import pytest
 import torch
 
-from omnistage.engine.causal_vocoder import SNAKE_EPS, SnakeBeta
+from omnistage.engine.causal_vocoder import SNAKE_EPS, ResidualUnit, SnakeBeta
 from omnistage.engine.paged_attention import triton_available
 
 needs_triton = pytest.mark.skipif(
@@ -36,15 +37,18 @@ def test_fused_snake_beta_equals_the_formula_on_strided_input(dtype, tolerance) 
 
     generator = torch.Generator().manual_seed(0)
     alpha, beta = (p.to("cuda", dtype) for p in _parameters(6, generator))
+    bias_c = torch.randn(6, generator=generator).to("cuda", dtype)
     for length in (1, 37, 1024, 1500, 4100):
         wide = (torch.randn(3, 6, length + 9, generator=generator) * 4).to("cuda", dtype)
         channels_last = (torch.randn(3, length, 6, generator=generator) * 4).to("cuda", dtype)
         for x in (wide[..., 4 : 4 + length], channels_last.transpose(1, 2)):
-            out = snake_beta_triton(x, alpha, beta, SNAKE_EPS)
-            assert out.is_contiguous() and out.shape == x.shape and out.dtype == dtype
-            expected = _snake_reference(x, alpha, beta)
-            scale = expected.abs().max().item()
-            assert (out.double() - expected).abs().max().item() <= tolerance * scale, (length, x.stride())
+            for bias in (None, bias_c):
+                out = snake_beta_triton(x, alpha, beta, SNAKE_EPS, bias)
+                assert out.is_contiguous() and out.shape == x.shape and out.dtype == dtype
+                shifted = x if bias is None else x.double() + bias.double()[None, :, None]
+                expected = _snake_reference(shifted, alpha, beta)
+                scale = expected.abs().max().item()
+                assert (out.double() - expected).abs().max().item() <= tolerance * scale, (length, x.stride())
 
 
 @pytest.mark.gpu
@@ -84,3 +88,71 @@ def test_the_kernel_rejects_bad_shapes_dtypes_and_devices() -> None:
     ):
         with pytest.raises(ValueError, match="SnakeBeta needs"):
             snake_beta_triton(*bad, SNAKE_EPS)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_fused_residual_add_equals_the_formula_on_strided_input(dtype, tolerance) -> None:
+    """``residual + (y + bias)`` over a slice and a transposed view, lengths around the
+    block: contiguous output of the residual's dtype, equal to the sum in fp64 (rounded
+    once)."""
+    from omnistage.engine.triton_vocoder import residual_add_triton
+
+    generator = torch.Generator().manual_seed(2)
+    bias = torch.randn(6, generator=generator).to("cuda", dtype)
+    for length in (1, 37, 1024, 4100):
+        wide = torch.randn(3, 6, length + 9, generator=generator).to("cuda", dtype)
+        channels_last = torch.randn(3, length, 6, generator=generator).to("cuda", dtype)
+        for residual, y in ((wide[..., 4 : 4 + length], channels_last.transpose(1, 2)),
+                            (channels_last.transpose(1, 2), wide[..., :length])):  # fmt: skip
+            out = residual_add_triton(residual, y, bias)
+            assert out.is_contiguous() and out.shape == residual.shape and out.dtype == dtype
+            expected = residual.double() + y.double() + bias.double()[None, :, None]
+            scale = expected.abs().max().item()
+            assert (out.double() - expected).abs().max().item() <= tolerance * scale, (length, residual.stride())
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_a_residual_unit_decodes_the_same_with_the_kernels_as_with_pytorch() -> None:
+    """A residual unit on CUDA under inference mode (both kernels, biases folded) equals the
+    same unit run by PyTorch's ops with gradients on, in fp32 (cuDNN's TF32 off: its inputs
+    rounded to 10 mantissa bits would turn the paths' 1e-7 differences into 1e-4)."""
+    torch.manual_seed(3)
+    unit = ResidualUnit(8, 9).cuda()
+    with torch.no_grad():
+        for p in unit.parameters():
+            p.normal_(0, 0.3)
+    from omnistage.engine.causal_vocoder import Carry
+
+    x = torch.randn(2, 8, 100, device="cuda")
+    state = [torch.randn(2, 8, unit.conv1.history, device="cuda")]
+    unit.conv1.state_index = 0
+
+    def run() -> torch.Tensor:
+        return unit(x, Carry(state, torch.zeros(2, dtype=torch.int64, device="cuda")))
+
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        with torch.inference_mode():
+            fused = run()
+        eager = run()
+    assert eager.requires_grad
+    assert (eager.detach() - fused).abs().max().item() <= 1e-5 * eager.abs().max().item()
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_residual_kernel_rejects_bad_shapes_dtypes_and_devices() -> None:
+    from omnistage.engine.triton_vocoder import residual_add_triton
+
+    x, bias = torch.zeros(2, 3, 8, device="cuda"), torch.zeros(3, device="cuda")
+    for bad in (
+        (x[0], x[0], bias),  # not [B, C, L]
+        (x, x[..., :4], bias),  # y not like the residual
+        (x, x.half(), bias),  # y of another dtype
+        (x, x, bias[:2]),  # bias not [C]
+        (x, x, bias.cpu()),  # bias on another device
+    ):
+        with pytest.raises(ValueError, match="residual add needs"):
+            residual_add_triton(*bad)

@@ -1,0 +1,66 @@
+"""The causal vocoder's layers (omnistage.engine.causal_vocoder) against PyTorch's own ops:
+dilated convs by phases, chunked causal convs, and residual units with their conv biases
+folded into the following pass."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from omnistage.engine.causal_vocoder import Carry, CausalConv, ResidualUnit, conv1d_by_phases
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("dilation", [1, 2, 3, 9])
+def test_a_conv_by_phases_equals_the_dilated_conv(dilation: int, groups: int) -> None:
+    generator = torch.Generator().manual_seed(dilation * 10 + groups)
+    weight = torch.randn(6, 4 // groups, 7, generator=generator, dtype=torch.float64)
+    bias = torch.randn(6, generator=generator, dtype=torch.float64)
+    for periods in (7, 8, 40):
+        x = torch.randn(3, 4, periods * dilation, generator=generator, dtype=torch.float64)
+        for b in (bias, None):
+            expected = F.conv1d(x, weight, b, dilation=dilation, groups=groups)
+            got = conv1d_by_phases(x, weight, b, dilation, groups)
+            assert got.shape == expected.shape
+            torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_conv_by_phases_refuses_a_length_off_the_dilation_or_shorter_than_the_kernel() -> None:
+    weight = torch.zeros(2, 2, 7)
+    for x in (torch.zeros(1, 2, 64), torch.zeros(1, 2, 45), torch.zeros(2, 63)):
+        with pytest.raises(ValueError, match="multiple of the dilation 9"):
+            conv1d_by_phases(x, weight, None, 9)
+
+
+@pytest.mark.parametrize("dilation", [1, 3, 9])
+def test_a_dilated_causal_conv_in_chunks_equals_the_conv_over_zero_padded_input(dilation: int) -> None:
+    """Chunks of any length (the phase form pads each to its own multiple of the dilation)
+    concatenate to the conv of the whole signal after ``(k - 1) * dilation`` zeros."""
+    torch.manual_seed(dilation)
+    conv = CausalConv(4, 5, 7, dilation=dilation).double()
+    conv.state_index = 0
+    signal = torch.randn(2, 4, 61, dtype=torch.float64)
+    expected = conv.conv(F.pad(signal, (conv.history, 0)))
+    state = [torch.zeros(2, 4, conv.history, dtype=torch.float64)]
+    pieces, start = [], 0
+    for n in (1, 5, 9, 17, 29):
+        carry = Carry(state, torch.full((2,), start))
+        pieces.append(conv(signal[..., start : start + n], carry))
+        state, start = [carry.new[0]], start + n
+    torch.testing.assert_close(torch.cat(pieces, dim=-1), expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_residual_unit_with_folded_biases_equals_the_unit_with_biased_convs() -> None:
+    """``x + conv2(act2(conv1(act1(x))))`` with each conv's bias in the conv (PyTorch's
+    modules called as they are) equals the unit, whose passes after the convs add them."""
+    torch.manual_seed(0)
+    unit = ResidualUnit(6, 3).double()
+    with torch.no_grad():
+        for p in unit.parameters():
+            p.normal_(0, 0.5)
+    unit.conv1.state_index = 0
+    x = torch.randn(2, 6, 50, dtype=torch.float64)
+    past = torch.randn(2, 6, unit.conv1.history, dtype=torch.float64)
+    h = unit.act2(unit.conv1.conv(torch.cat([past, unit.act1(x)], dim=-1)))
+    expected = x + unit.conv2.conv(h)
+    got = unit(x, Carry([past], torch.zeros(2, dtype=torch.int64)))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
