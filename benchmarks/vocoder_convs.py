@@ -9,7 +9,9 @@ eager decode of ``S`` streams x ``--frames`` frames (per ``--streams`` value) th
 conv is then timed alone (CUDA events, median of ``--iters`` after 3 warm calls) as
 PyTorch runs it (``F.conv1d`` / ``F.conv_transpose1d``) with its bias (``bias_ms``) and
 without (``no_bias_ms``: the difference is PyTorch's broadcast bias add after cuDNN's
-kernel); a dilated conv also as :func:`~omnistage.engine.causal_vocoder.conv1d_by_phases`
+kernel), and without bias as a 2-D conv over ``[B, C, 1, L]`` in channels-last layout, input
+and weight converted beforehand (``channels_last_ms``: cuDNN's NHWC kernels without the
+NCHW/NHWC transposes it adds around them for ``[B, C, L]``); a dilated conv also as :func:`~omnistage.engine.causal_vocoder.conv1d_by_phases`
 without bias (``phases_ms``, its input right-padded to a multiple of the dilation). Prints a
 table per stream count and the sums; writes JSON (default
 benchmarks/results/vocoder_convs.json).
@@ -85,6 +87,15 @@ def conv(m: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     return F.conv1d(x, m.weight, bias, m.stride, m.padding, m.dilation, m.groups)
 
 
+def conv_channels_last(m: nn.Module, x4: torch.Tensor, w4: torch.Tensor) -> torch.Tensor:
+    """``m``'s conv without bias as a 2-D conv over ``[B, C, 1, L]`` in channels-last layout
+    (``x4``, ``w4`` converted beforehand): cuDNN's NHWC kernels without its transposes."""
+    stride, dilation = (1, m.stride[0]), (1, m.dilation[0])
+    if isinstance(m, nn.ConvTranspose1d):
+        return F.conv_transpose2d(x4, w4, None, stride, 0, 0, m.groups, dilation)
+    return F.conv2d(x4, w4, None, stride, 0, dilation, m.groups)
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -105,21 +116,24 @@ def main() -> None:
             row = {"conv": name, "input": list(shape), "weight": list(m.weight.shape), "dilation": m.dilation[0],
                    "bias_ms": cuda_ms(partial(conv, m, x, m.bias), args.iters),
                    "no_bias_ms": cuda_ms(partial(conv, m, x, None), args.iters)}  # fmt: skip
+            last = torch.channels_last
+            x4, w4 = x[:, :, None].contiguous(memory_format=last), m.weight[:, :, None].contiguous(memory_format=last)
+            row["channels_last_ms"] = cuda_ms(partial(conv_channels_last, m, x4, w4), args.iters)
             d = m.dilation[0]
             if d > 1:
                 padded = F.pad(x, (0, -shape[-1] % d))
                 row["phases_ms"] = cuda_ms(partial(conv1d_by_phases, padded, m.weight, None, d, m.groups), args.iters)
             rows.append(row)
-        sums = {k: sum(r[k] for r in rows) for k in ("bias_ms", "no_bias_ms")}
+        sums = {k: sum(r[k] for r in rows) for k in ("bias_ms", "no_bias_ms", "channels_last_ms")}
         dilated = [r for r in rows if "phases_ms" in r]
         sums |= {"dilated_no_bias_ms": sum(r["no_bias_ms"] for r in dilated),
                  "dilated_phases_ms": sum(r["phases_ms"] for r in dilated)}  # fmt: skip
         levels.append({"streams": streams, "frames": args.frames, "convs": rows, "sums": sums})
-        print(f"\n{streams} streams x {args.frames} frames: ms per conv (bias, no bias, phases)")
+        print(f"\n{streams} streams x {args.frames} frames: ms per conv (bias, no bias, channels-last, phases)")
         for r in rows:
             phases = f"{r['phases_ms']:8.3f}" if "phases_ms" in r else " " * 8
             print(f"{r['conv'][-34:]:34} {str(r['input']):20} d={r['dilation']} {r['bias_ms']:8.3f} "
-                  f"{r['no_bias_ms']:8.3f} {phases}")  # fmt: skip
+                  f"{r['no_bias_ms']:8.3f} {r['channels_last_ms']:8.3f} {phases}")  # fmt: skip
         print("sums: " + ", ".join(f"{k} {v:.2f}" for k, v in sums.items()))
     result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
               "cudnn": torch.backends.cudnn.version(), "dtype": args.dtype, "levels": levels}  # fmt: skip

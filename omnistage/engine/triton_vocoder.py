@@ -33,35 +33,50 @@ MAX_BLOCK = 1024  # samples per program
 def _snake_beta_kernel(
     x_ptr,
     bias_ptr,
+    past_ptr,
     alpha_ptr,
     beta_ptr,
     out_ptr,
     channels,
     length,
+    history,
+    out_length,
     stride_b,
     stride_c,
     stride_l,
+    past_stride_b,
+    past_stride_c,
+    past_stride_l,
     eps,
     HAS_BIAS: tl.constexpr,
+    HAS_PAST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # one (batch, channel) row of [B, C, L]
+    # one (batch, channel) row of the output [B, C, history + length + zeros]: the past's
+    # samples, then SnakeBeta of x's, then zeros
+    row = tl.program_id(0).to(tl.int64)
     offsets = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = offsets < length
+    inside = offsets < out_length
     batch, channel = row // channels, row % channels
-    x = tl.load(x_ptr + batch * stride_b + channel * stride_c + offsets * stride_l, mask=inside).to(
-        tl.float32
-    )
+    at = offsets - history  # the sample of x
+    in_x = inside & (at >= 0) & (at < length)
+    x = tl.load(x_ptr + batch * stride_b + channel * stride_c + at * stride_l, mask=in_x, other=0.0)
+    x = x.to(tl.float32)
     if HAS_BIAS:  # the preceding conv's bias, folded in (x is then its output without bias)
         x += tl.load(bias_ptr + channel).to(tl.float32)
     alpha = tl.exp(tl.load(alpha_ptr + channel).to(tl.float32))
     inverse = 1.0 / (tl.exp(tl.load(beta_ptr + channel).to(tl.float32)) + eps)
     wave = libdevice.sin(x * alpha)  # the accurate sine: |x * alpha| is not kept small
-    tl.store(
-        out_ptr + row * length + offsets,
-        (x + wave * wave * inverse).to(out_ptr.dtype.element_ty),
-        mask=inside,
-    )
+    y = tl.where(in_x, x + wave * wave * inverse, 0.0)
+    if HAS_PAST:
+        in_past = inside & (offsets < history)
+        past = tl.load(
+            past_ptr + batch * past_stride_b + channel * past_stride_c + offsets * past_stride_l,
+            mask=in_past,
+            other=0.0,
+        )
+        y = tl.where(in_past, past.to(tl.float32), y)
+    tl.store(out_ptr + row * out_length + offsets, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def _check(x: torch.Tensor, name: str, **channel_params: torch.Tensor | None) -> None:
@@ -94,25 +109,41 @@ def snake_beta_triton(
     beta: torch.Tensor,
     eps: float,
     bias: torch.Tensor | None = None,
+    past: torch.Tensor | None = None,
+    zeros: int = 0,
 ) -> torch.Tensor:
     """SnakeBeta of ``x [B, C, L]`` (+ ``bias [C]`` per channel first, when given: a preceding
     conv's bias folded in; any strides; CUDA; fp32, bf16 or fp16) with log-scale ``alpha``,
-    ``beta`` ``[C]`` (on ``x``'s device) -> a contiguous ``[B, C, L]`` of ``x``'s dtype,
-    computed in fp32. No autograd: the caller uses it without gradients.
+    ``beta`` ``[C]`` (on ``x``'s device), computed in fp32 -> a contiguous tensor of ``x``'s
+    dtype: ``[B, C, L]``, or with ``past [B, C, H]`` (any strides, ``x``'s dtype) and
+    ``zeros``, ``cat([past, snake(x), zeros])`` ``[B, C, H + L + zeros]``: a causal conv's
+    input with its carried history (and right padding) in the same pass, instead of a
+    concatenation's copy after it. No autograd: the caller uses it without gradients.
 
     Raises:
-        ValueError: ``x`` is not 3-D or of another dtype, or ``alpha`` / ``beta`` / ``bias``
-            are not ``[C]`` on ``x``'s device.
+        ValueError: ``x`` is not 3-D or of another dtype, ``alpha`` / ``beta`` / ``bias`` are
+            not ``[C]`` on ``x``'s device, ``past`` is not ``[B, C, H]`` like ``x``, or
+            ``zeros < 0``.
     """
     _check(x, "SnakeBeta", alpha=alpha, beta=beta, bias=bias)
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if zeros < 0 or past is not None and (
+        past.dim() != 3 or past.shape[:2] != x.shape[:2] or past.dtype != x.dtype or past.device != x.device
+    ):
+        raise ValueError(
+            f"SnakeBeta needs past [B, C, H] like x {tuple(x.shape)} {x.dtype} and zeros >= 0; got "
+            f"{None if past is None else (tuple(past.shape), past.dtype, past.device)}, {zeros}"
+        )
+    history = 0 if past is None else past.shape[-1]
+    out = x.new_empty(*x.shape[:2], history + x.shape[-1] + zeros)
     if out.numel() == 0:
         return out
-    block, grid = _grid(x)
+    block, grid = _grid(out)
     with torch.cuda.device(x.device):
         _snake_beta_kernel[grid](
-            x, alpha if bias is None else bias.contiguous(), alpha.contiguous(), beta.contiguous(),
-            out, x.shape[1], x.shape[2], *x.stride(), eps, HAS_BIAS=bias is not None, BLOCK=block,
+            x, alpha if bias is None else bias.contiguous(), x if past is None else past,
+            alpha.contiguous(), beta.contiguous(), out, x.shape[1], x.shape[2], history,
+            out.shape[2], *x.stride(), *(x if past is None else past).stride(), eps,
+            HAS_BIAS=bias is not None, HAS_PAST=past is not None, BLOCK=block,
         )  # fmt: skip
     return out
 

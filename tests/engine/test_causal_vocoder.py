@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.engine.causal_vocoder import Carry, CausalConv, ResidualUnit, conv1d_by_phases
+from omnistage.engine.causal_vocoder import (
+    Carry,
+    CausalConv,
+    CausalTransConv,
+    ResidualUnit,
+    SnakeBeta,
+    conv1d_by_phases,
+)
 
 
 @pytest.mark.parametrize("groups", [1, 2])
@@ -64,3 +71,26 @@ def test_a_residual_unit_with_folded_biases_equals_the_unit_with_biased_convs() 
     expected = x + unit.conv2.conv(h)
     got = unit(x, Carry([past], torch.zeros(2, dtype=torch.int64)))
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dilation", [1, 9])
+def test_a_causal_conv_with_an_activation_is_the_conv_of_the_activated_input(dilation: int) -> None:
+    """``conv(x, carry, activation=snake)`` (the activation writing the conv's input with
+    its history) equals ``conv(snake(x), carry)``, output and carried state alike; so does a
+    transposed conv's."""
+    torch.manual_seed(dilation)
+    snake = SnakeBeta(4).double()
+    with torch.no_grad():
+        snake.alpha.normal_(0, 0.5)
+        snake.beta.normal_(0, 0.5)
+    conv = CausalConv(4, 5, 7, dilation=dilation).double()
+    trans = CausalTransConv(4, 3, 10, 5).double()
+    x = torch.randn(2, 4, 23, dtype=torch.float64)
+    for module in (conv, trans):
+        module.state_index = 0
+        past = torch.randn(2, 4, module.history, dtype=torch.float64)
+        fused, plain = (Carry([past], torch.zeros(2, dtype=torch.int64)) for _ in range(2))
+        got = module(x, fused, activation=snake)
+        expected = module(snake(x), plain)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(fused.new[0], plain.new[0], rtol=0, atol=0)

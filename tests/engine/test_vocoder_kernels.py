@@ -53,6 +53,36 @@ def test_fused_snake_beta_equals_the_formula_on_strided_input(dtype, tolerance) 
 
 @pytest.mark.gpu
 @needs_triton
+def test_fused_snake_beta_writes_a_causal_convs_input_with_its_history() -> None:
+    """With ``past`` (a strided view, as the carried state is) and ``zeros``, the output is
+    ``cat([past, snake(x + bias), zeros])``: the past copied exactly, the zeros exact, the
+    middle as the formula; the module's PyTorch path gives the same."""
+    from omnistage.engine.triton_vocoder import snake_beta_triton
+
+    generator = torch.Generator().manual_seed(4)
+    alpha, beta = (p.cuda() for p in _parameters(6, generator))
+    bias = torch.randn(6, generator=generator).cuda()
+    snake = SnakeBeta(6).cuda()
+    with torch.no_grad():
+        snake.alpha.copy_(alpha)
+        snake.beta.copy_(beta)
+    for length, history, zeros in ((1, 6, 0), (37, 54, 5), (1500, 18, 2), (4100, 1, 0)):
+        x = (torch.randn(3, 6, length + 3, generator=generator) * 4).cuda()[..., 2 : 2 + length]
+        past = torch.randn(3, history, 6, generator=generator).cuda().transpose(1, 2)
+        out = snake_beta_triton(x, alpha, beta, SNAKE_EPS, bias, past, zeros)
+        assert out.is_contiguous() and out.shape == (3, 6, history + length + zeros)
+        assert torch.equal(out[..., :history], past)
+        assert not out[..., history + length :].any()
+        expected = _snake_reference(x.double() + bias.double()[None, :, None], alpha, beta)
+        middle = out[..., history : history + length].double()
+        assert (middle - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
+        eager = snake.cpu()(x.cpu(), bias.cpu(), past.cpu(), zeros)
+        snake.cuda()
+        assert (eager.cuda() - out).abs().max().item() <= 1e-5 * expected.abs().max().item()
+
+
+@pytest.mark.gpu
+@needs_triton
 def test_the_module_takes_the_kernel_without_gradients_and_pytorch_with_them() -> None:
     """Under inference mode (how the vocoders decode) SnakeBeta's output is the kernel's,
     bit for bit; with gradients it stays differentiable (PyTorch's ops), and both agree."""
@@ -88,6 +118,9 @@ def test_the_kernel_rejects_bad_shapes_dtypes_and_devices() -> None:
     ):
         with pytest.raises(ValueError, match="SnakeBeta needs"):
             snake_beta_triton(*bad, SNAKE_EPS)
+    for past, zeros in ((x[:1], 0), (x[..., :2].half(), 0), (x[0], 0), (x, -1)):  # batch, dtype, rank; zeros
+        with pytest.raises(ValueError, match="SnakeBeta needs past"):
+            snake_beta_triton(x, alpha, alpha, SNAKE_EPS, None, past, zeros)
 
 
 @pytest.mark.gpu
