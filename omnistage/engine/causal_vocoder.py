@@ -122,7 +122,7 @@ class CausalConv(_Stateful):
     they are not signal (see :attr:`CarriedStateVocoder.leading_trim`), so the conv sees
     there the zero padding it sees before the stream starts.
 
-    ``forward(x, carry, bias=False)`` leaves the conv's bias out, for a consumer that adds it
+    ``forward(x, carry, add_bias=False)`` leaves the conv's bias out, for a consumer that adds it
     in its own pass (:class:`ResidualUnit`); ``forward(x, carry, activation=snake)`` is the
     conv of ``snake(x)``, the activation writing the conv's input with its history (one pass
     over the samples instead of two; the Qwen3-TTS decoder's graph replay at 128 streams x 8
@@ -144,27 +144,27 @@ class CausalConv(_Stateful):
         self,
         x: torch.Tensor,
         carry: Carry,
-        bias: bool = True,
+        add_bias: bool = True,
         activation: SnakeBeta | None = None,
     ) -> torch.Tensor:
         conv = self.conv
-        b = conv.bias if bias else None
+        b = conv.bias if add_bias else None
         if self.history == 0:
             x = x if activation is None else activation(x)
             return F.conv1d(x, conv.weight, b, groups=conv.groups)
-        if self.zero_before is not None:
-            samples, rate = self.zero_before
-            index = carry.positions[:, None] * rate + torch.arange(x.shape[-1], device=x.device)
-            x = x if activation is None else activation(x)
-            x, activation = x * (index >= samples)[:, None].to(x.dtype), None
         past = carry.old[self.state_index]
+        n = x.shape[-1]
         d = conv.dilation[0]
-        length = past.shape[-1] + x.shape[-1]
+        length = past.shape[-1] + n
         pad = -length % d  # the phase form's right padding (none undilated)
         if activation is None:
             x = _with_history(past, x, pad)
         else:
             x = activation(x, past=past, zeros=pad)
+        if self.zero_before is not None:  # on the new samples, in place, before the state
+            samples, rate = self.zero_before
+            index = carry.positions[:, None] * rate + torch.arange(n, device=x.device)
+            x[..., self.history : length].mul_((index >= samples)[:, None].to(x.dtype))
         carry.new[self.state_index] = x[..., length - self.history : length]
         if d == 1:
             return F.conv1d(x, conv.weight, b, groups=conv.groups)
@@ -184,33 +184,36 @@ def conv1d_by_phases(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int = 1
 ) -> torch.Tensor:
     """``F.conv1d(x, weight, bias, dilation=d, groups=groups)`` (no padding, stride 1) as the
-    undilated conv over the ``d`` phases of ``x``: ``x [B, C, L]`` (contiguous, ``L`` a
-    multiple of ``d``) viewed as ``[B, C, L / d, d]`` (sample ``q * d + p`` at ``(q, p)``)
-    and convolved by a 2-D conv of kernel ``(k, 1)``: output ``t = q * d + p`` reads inputs
-    ``t + d * j`` (``j < k``), at ``(q + j, p)``. The same sums, by views alone ->
-    ``[B, C_out, L - (k - 1) * d]`` in ``x``'s dtype.
+    undilated conv over the ``d`` phases of ``x``: ``x [B, C, L]`` (``L`` a multiple of
+    ``d``; copied first unless contiguous) viewed as ``[B, C, L / d, d]`` (sample ``q * d +
+    p`` at ``(q, p)``) and convolved by a 2-D conv of kernel ``(k, 1)``: output ``t = q * d
+    + p`` reads inputs ``t + d * j`` (``j < k``), at ``(q + j, p)``. The same sums; the
+    input and output reshapes are views -> ``[B, C_out, L - (k - 1) * d]`` in ``x``'s
+    dtype.
 
     Why: cuDNN's heuristics pick a slow generic kernel (``implicit_convolve_sgemm``) for
     some dilated shapes of the Qwen3-TTS decoder and for none of its undilated ones. On the
     H100 (torch 2.11, cuDNN 9.19; benchmarks/results/vocoder_convs.json): 384 channels at
     dilation 9, 128 streams x 8 frames, 11.5 ms, against 1.0 ms at dilation 3 and 0.79 ms
     by phases; 192 channels at dilations 3 and 9, 8 streams, 1.1 ms against 0.19 ms by
-    phases. Where cuDNN's own pick is good the phase form costs up to 0.1 ms more a conv
-    (96 channels, 8 streams: 0.25 against 0.14 ms).
+    phases. Where cuDNN's own pick is good the phase form costs up to 0.3 ms more a conv
+    (96 channels, 128 streams: 1.91 against 1.59 ms); over the decoder's eight dilated
+    convs it takes 20.2 -> 9.7 ms at 128 streams, 2.9 -> 1.4 ms at 8, 0.52 -> 0.61 ms at 1.
 
     Raises:
-        ValueError: ``x`` is not ``[B, C, L]`` with ``L`` a multiple of ``dilation`` and at
-            least the kernel's span.
+        ValueError: ``dilation < 1``, or ``x`` is not ``[B, C, L]`` with ``L`` a multiple of
+            ``dilation`` and at least the kernel's span.
     """
     kernel = weight.shape[-1]
+    if dilation < 1:
+        raise ValueError(f"dilation must be >= 1, got {dilation}")
     if x.dim() != 3 or x.shape[-1] % dilation or x.shape[-1] < (kernel - 1) * dilation + 1:
         raise ValueError(
             f"x must be [B, C, L] with L a multiple of the dilation {dilation} and at least "
             f"{(kernel - 1) * dilation + 1}, got {tuple(x.shape)}"
         )
     phases = x.contiguous().view(*x.shape[:-1], -1, dilation)
-    y = F.conv2d(phases, weight[..., None], bias, groups=groups)
-    return y.flatten(-2)[..., : x.shape[-1] - (kernel - 1) * dilation]
+    return F.conv2d(phases, weight[..., None], bias, groups=groups).flatten(-2)
 
 
 class CausalTransConv(_Stateful):
@@ -277,7 +280,7 @@ class SnakeBeta(nn.Module):
         past: torch.Tensor | None = None,
         zeros: int = 0,
     ) -> torch.Tensor:
-        if _fused(x, self.alpha, self.beta, bias):
+        if _fused(x, self.alpha, self.beta, bias, past):
             from omnistage.engine.triton_vocoder import snake_beta_triton
 
             return snake_beta_triton(x, self.alpha, self.beta, SNAKE_EPS, bias, past, zeros)
@@ -476,11 +479,12 @@ class ResidualUnit(nn.Module):
         """``x + conv2(act2(conv1(act1(x))))``, each conv's bias added by the pass after it
         (``act2``, the residual add) instead of by PyTorch, which adds a conv's bias after
         cuDNN's kernel in a broadcast pass of its own: at 128 streams x 8 frames on the H100
-        those passes were 9.3 ms of the Qwen3-TTS decoder's 40.2 ms of convs (its
+        the residual units' were 7.9 ms of the Qwen3-TTS decoder's 40.2 ms of convs (its
         96-channel 1x1 conv: 0.90 ms with the bias, 0.29 ms without;
-        benchmarks/results/vocoder_convs.json)."""
-        h = self.act2(self.conv1(x, carry, bias=False, activation=self.act1), self.conv1.conv.bias)
-        y = self.conv2(h, carry, bias=False)
+        benchmarks/results/vocoder_convs.json). In fp32 the PyTorch path computes the same
+        sums; in bf16 it rounds after each op where the kernels round once."""
+        h = self.act2(self.conv1(x, carry, add_bias=False, activation=self.act1), self.conv1.conv.bias)
+        y = self.conv2(h, carry, add_bias=False)
         bias = self.conv2.conv.bias
         if _fused(x, y, bias):
             from omnistage.engine.triton_vocoder import residual_add_triton
@@ -600,7 +604,7 @@ class CarriedStateVocoder(nn.Module):
         h = self.latents(codes, carry)
         for transconv, convnext in self.upsample:
             h = convnext(transconv(h, carry), carry)
-        *body, activation, output_conv = self.decoder
+        *body, activation, output_conv = self.decoder  # _build_vocoder's order
         for layer in body:
             h = layer(h, carry)
         h = output_conv(h, carry, activation=activation)

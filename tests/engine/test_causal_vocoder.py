@@ -31,11 +31,16 @@ def test_a_conv_by_phases_equals_the_dilated_conv(dilation: int, groups: int) ->
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_a_conv_by_phases_refuses_a_length_off_the_dilation_or_shorter_than_the_kernel() -> None:
-    weight = torch.zeros(2, 2, 7)
-    for x in (torch.zeros(1, 2, 64), torch.zeros(1, 2, 45), torch.zeros(2, 63)):
-        with pytest.raises(ValueError, match="multiple of the dilation 9"):
-            conv1d_by_phases(x, weight, None, 9)
+@pytest.mark.parametrize(
+    ("shape", "dilation", "message"),
+    [((1, 2, 64), 9, r"got \(1, 2, 64\)"),  # not a multiple of the dilation
+     ((1, 2, 45), 9, r"at least 55, got \(1, 2, 45\)"),  # shorter than the kernel's span
+     ((2, 63), 9, r"got \(2, 63\)"),  # not [B, C, L]
+     ((1, 2, 63), 0, "dilation must be >= 1, got 0")],
+)
+def test_a_conv_by_phases_refuses_bad_input(shape, dilation, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        conv1d_by_phases(torch.zeros(shape), torch.zeros(2, 2, 7), None, dilation)
 
 
 @pytest.mark.parametrize("dilation", [1, 3, 9])
@@ -94,3 +99,29 @@ def test_a_causal_conv_with_an_activation_is_the_conv_of_the_activated_input(dil
         expected = module(snake(x), plain)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(fused.new[0], plain.new[0], rtol=0, atol=0)
+
+
+def test_zero_before_masks_the_activated_samples_of_a_stream_in_progress() -> None:
+    """code2wav's ``zero_before`` with an activation: the samples whose stream index is
+    below ``samples`` are zero in the conv's input (and in the carried state), the past is
+    untouched, for streams at different positions."""
+    torch.manual_seed(5)
+    snake = SnakeBeta(3).double()
+    with torch.no_grad():
+        snake.alpha.normal_(0, 0.5)
+    conv = CausalConv(3, 2, 7, dilation=3).double()
+    conv.state_index, conv.zero_before = 0, (30, 4)  # 30 samples at 4 per frame
+    positions = torch.tensor([5, 9])  # stream indices from 20 and from 36
+    x = torch.randn(2, 3, 16, dtype=torch.float64)
+    past = torch.randn(2, 3, conv.history, dtype=torch.float64)
+    carry = Carry([past], positions)
+    index = positions[:, None] * 4 + torch.arange(16)
+    activated = snake(x) * (index >= 30)[:, None]
+    full = torch.cat([past, activated], dim=-1)
+    expected = F.conv1d(full, conv.conv.weight, conv.conv.bias, dilation=3)
+    torch.testing.assert_close(conv(x, carry, activation=snake), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(carry.new[0], full[..., -conv.history :], rtol=0, atol=0)
+    # the state is the last 18 samples: 2 of the past, then the 16 new; stream 0's new ones
+    # are indices 20..35, the first ten zeroed; stream 1's (36..51) none
+    state = carry.new[0]
+    assert not state[0, :, 2:12].any() and state[0, :, 12:].all() and state[1].all()
