@@ -96,9 +96,10 @@ def _check(x: torch.Tensor, name: str, **channel_params: torch.Tensor | None) ->
         )
 
 
-def _grid(x: torch.Tensor) -> tuple[int, tuple[int, int]]:
-    """The block (samples per program) and grid ``(rows, blocks per row)`` over ``x [B, C, L]``."""
-    batch, channels, length = x.shape
+def _grid(out: torch.Tensor) -> tuple[int, tuple[int, int]]:
+    """The block (samples per program) and grid ``(rows, blocks per row)`` of a kernel that
+    writes ``out [B, C, L]``, one program per block of a row."""
+    batch, channels, length = out.shape
     block = min(MAX_BLOCK, triton.next_power_of_2(length))
     return block, (batch * channels, triton.cdiv(length, block))
 
