@@ -36,10 +36,9 @@ from pathlib import Path
 from unittest import mock
 
 import torch
-import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omnistage.engine import model_runner
+from omnistage.engine import layers, model_runner
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.model_runner import ARModelSpec, StepSampling
 from omnistage.engine.sampler import SamplingParams
@@ -152,9 +151,11 @@ def label_components(engine: AREngine, counter: KernelCounter, stack: contextlib
         targets += [(batch, "select", label), (batch, "record", label)]
     for owner, name, label in targets:
         stack.enter_context(mock.patch.object(owner, name, counter.labelled(getattr(owner, name), label)))
-    # one kernel on CUDA, several ops on the CPU: fused RMSNorm (aten::_fused_rms_norm, torch
-    # >= 2.8) and the Triton paged decode (the CPU runs the gather-based reference)
-    stack.enter_context(mock.patch.object(F, "rms_norm", counter.one_kernel(F.rms_norm, "rms_norm (fused)")))
+    # one kernel on CUDA, several ops on the CPU: the layers' Triton kernels (RMSNorm with its
+    # weight and residual add, q/k norms with RoPE, SwiGLU) and the Triton paged decode (the
+    # CPU runs the gather-based reference)
+    for name in ("rms_norm", "qk_norm_rope", "swiglu"):
+        stack.enter_context(mock.patch.object(layers, name, counter.one_kernel(getattr(layers, name), f"{name} (Triton)")))
     attn = runner.attn
     stack.enter_context(mock.patch.object(
         attn, "decode_attention", counter.one_kernel(attn.decode_attention, "paged_decode (Triton)")))

@@ -32,25 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.engine.paged_attention import triton_available
+from omnistage.engine.paged_attention import triton_runs
 
 # SnakeBeta's division guard and ConvNeXt's LayerNorm epsilon: the reference decoders'
 # constants (qwen_tts 12 Hz tokenizer, transformers' Qwen3-Omni code2wav).
 SNAKE_EPS = 1e-9
 CONVNEXT_NORM_EPS = 1e-6
-#: Input dtypes the Triton kernels (SnakeBeta, the residual add) take on CUDA.
-FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fused(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
-    """Whether the Triton kernels of :mod:`omnistage.engine.triton_vocoder` run for input
-    ``x``: on CUDA with Triton installed, for :data:`FUSED_DTYPES`, and only when no
-    gradient is needed (no autograd through them: the vocoders decode under inference
-    mode, their weights frozen)."""
-    grads = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (x, *params)
-    )
-    return x.is_cuda and x.dtype in FUSED_DTYPES and not grads and triton_available()
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +267,7 @@ class SnakeBeta(nn.Module):
         past: torch.Tensor | None = None,
         zeros: int = 0,
     ) -> torch.Tensor:
-        if _fused(x, self.alpha, self.beta, bias, past):
+        if triton_runs(x, self.alpha, self.beta, bias, past):
             from omnistage.engine.triton_vocoder import snake_beta_triton
 
             return snake_beta_triton(x, self.alpha, self.beta, SNAKE_EPS, bias, past, zeros)
@@ -486,7 +473,7 @@ class ResidualUnit(nn.Module):
         h = self.act2(self.conv1(x, carry, add_bias=False, activation=self.act1), self.conv1.conv.bias)
         y = self.conv2(h, carry, add_bias=False)
         bias = self.conv2.conv.bias
-        if _fused(x, y, bias):
+        if triton_runs(x, y, bias):
             from omnistage.engine.triton_vocoder import residual_add_triton
 
             return residual_add_triton(x, y, bias)

@@ -23,6 +23,7 @@ from torch import nn
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
 from omnistage.engine.model_runner import SampleFn
+from omnistage.engine.paged_attention import triton_runs
 
 __all__ = [
     "MLP",
@@ -39,6 +40,9 @@ __all__ = [
     "fuse_linears",
     "fuse_projections",
     "greedy_sample",
+    "qk_norm_rope",
+    "rms_norm",
+    "swiglu",
 ]
 
 
@@ -76,9 +80,81 @@ def greedy_sample(group_index: int, logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _same_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    return all(t is None or t.dtype == x.dtype for t in others)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * rms_norm(s), s)`` over the last dim, with ``s = x + delta`` (a residual
+    add; ``s = x`` without ``delta``).
+
+    The norm computes in fp32 and casts back; the weight multiplies after the cast (the
+    reference's order, which matters in bf16). On CUDA, for ``[N, H]`` rows of one dtype,
+    one Triton kernel (:func:`~omnistage.engine.triton_layers.rms_norm_triton`) does it all,
+    rounding where these ops do; else PyTorch: ``F.rms_norm`` without a weight computes in
+    fp32 (opmath) and casts back, the same ops as the reference on the CPU (bit-identical).
+
+    Args:
+        x, delta: ``[..., H]``.
+        weight: ``[H]``.
+        eps: added to the mean square (the checkpoint's ``rms_norm_eps``).
+    """
+    if (
+        x.dim() == 2
+        and x.stride(-1) == 1
+        and _same_dtype(x, weight, delta)
+        and triton_runs(x, weight, delta)
+    ):
+        from omnistage.engine.triton_layers import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, delta)
+    summed = x if delta is None else x + delta
+    return weight * F.rms_norm(summed, (summed.shape[-1],), eps=eps), summed
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    eps: float,
+    heads: int,
+) -> torch.Tensor:
+    """The first ``heads`` heads of ``qkv [N, heads_total, D]`` (q, then k) normalized per
+    head (RMSNorm times ``weight [heads_total, D]``, a row per head) and rotated by
+    :func:`apply_rope`; the heads after them are unspecified in the result (take v from
+    ``qkv``).
+
+    On CUDA one Triton kernel writes the result into ``qkv``'s own q/k heads and returns
+    ``qkv`` (:func:`~omnistage.engine.triton_layers.qk_norm_rope_triton_`; its v heads are
+    untouched); else PyTorch over all heads into a new tensor (the v heads normalized and
+    rotated too: fewer kernels than slicing).
+    """
+    if _same_dtype(qkv, weight, cos, signed_sin) and triton_runs(qkv, weight):
+        from omnistage.engine.triton_layers import qk_norm_rope_triton_
+
+        qk_norm_rope_triton_(qkv, weight, cos, signed_sin, eps, heads)
+        return qkv
+    normed = weight * F.rms_norm(qkv, (qkv.shape[-1],), eps=eps)
+    return apply_rope(normed, cos, signed_sin)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[..., 2 I]`` -> ``[..., I]``
+    (SwiGLU, Shazeer 2020). On CUDA for ``[N, 2 I]`` rows one Triton kernel
+    (:func:`~omnistage.engine.triton_layers.swiglu_triton`), else PyTorch."""
+    if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and triton_runs(gate_up):
+        from omnistage.engine.triton_layers import swiglu_triton
+
+        return swiglu_triton(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
-    """RMS normalization over the last dim, computed in fp32; the weight multiplies after the
-    cast back to the input dtype (the reference's order, which matters in bf16)."""
+    """RMS normalization over the last dim with a weight (:func:`rms_norm`)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -86,9 +162,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # F.rms_norm without a weight computes in fp32 (opmath) and casts back: the same ops
-        # as the reference on the CPU (bit-identical), one fused kernel on CUDA instead of 7
-        return self.weight * F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+    def add_and_norm(
+        self, x: torch.Tensor, delta: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and this norm: ``(norm(x + delta), x + delta)`` (one kernel on
+        CUDA, see :func:`rms_norm`)."""
+        return rms_norm(x, self.weight, self.eps, delta)
 
 
 class RotaryEmbedding(nn.Module):
@@ -186,8 +267,7 @@ class Attention(nn.Module):
             v = self.v_proj(x).view(n, hkv, self.head_dim)
         else:
             qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(n, hq + 2 * hkv, self.head_dim)
-            normed = self.qkv_norm_weight * F.rms_norm(qkv, (self.head_dim,), eps=self.q_norm.eps)
-            qk = apply_rope(normed, cos, sin)
+            qk = qk_norm_rope(qkv, self.qkv_norm_weight, cos, sin, self.q_norm.eps, hq + hkv)
             q, k, v = qk[:, :hq], qk[:, hq : hq + hkv], qkv[:, hq + hkv :]
         out = attn(self.layer_index, q, k, v)
         return self.o_proj(out.reshape(n, hq * self.head_dim))
@@ -211,8 +291,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(swiglu(F.linear(x, self.gate_up_weight)))
 
 
 def fuse_projections(module: nn.Module) -> None:
@@ -252,8 +331,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        )
+        return x + self.mlp(h)
 
 
 class Decoder(nn.Module):

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.engine.layers import swiglu
+
 __all__ = ["MoEImpl", "SparseMoE", "combine_experts", "route"]
 
 MoEImpl = Literal["auto", "grouped", "loop"]
@@ -150,15 +152,14 @@ class SparseMoE(nn.Module):
             # sync), which would break CUDA-graph capture
             counts = torch.zeros(self.num_experts, dtype=torch.int64, device=x.device)
             offsets = counts.index_add_(0, flat, torch.ones_like(flat)).cumsum(0).to(torch.int32)
-            gate, up = F.grouped_mm(x[tokens], self.expert_gate_up, offs=offsets).chunk(2, dim=-1)
-            y = F.grouped_mm(F.silu(gate) * up, self.expert_down, offs=offsets)
+            gate_up = F.grouped_mm(x[tokens], self.expert_gate_up, offs=offsets)
+            y = F.grouped_mm(swiglu(gate_up), self.expert_down, offs=offsets)
         else:
             y = x.new_empty(order.shape[0], x.shape[1])
             start = 0
             for e, count in enumerate(torch.bincount(flat, minlength=self.num_experts).tolist()):
                 if count:
                     rows = slice(start, start + count)
-                    gate, up = (x[tokens[rows]] @ self.expert_gate_up[e]).chunk(2, dim=-1)
-                    y[rows] = (F.silu(gate) * up) @ self.expert_down[e]
+                    y[rows] = swiglu(x[tokens[rows]] @ self.expert_gate_up[e]) @ self.expert_down[e]
                     start += count
         return combine_experts(y, order, weights)

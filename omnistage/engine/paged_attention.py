@@ -208,6 +208,23 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+#: Input dtypes the elementwise Triton kernels (:mod:`omnistage.engine.triton_layers`,
+#: :mod:`omnistage.engine.triton_vocoder`) take on CUDA.
+TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def triton_runs(x: torch.Tensor, *params: torch.Tensor | None) -> bool:
+    """Whether the elementwise Triton kernels run for input ``x``: on CUDA with Triton
+    installed, for :data:`TRITON_DTYPES`, and only when no gradient is needed for ``x`` or
+    any given tensor of ``params`` (no autograd through them: models decode under inference
+    mode, their weights frozen). Otherwise callers run their PyTorch form, which is also the
+    CPU's."""
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, *params)
+    )
+    return x.is_cuda and x.dtype in TRITON_DTYPES and not grads and triton_available()
+
+
 def decode_attention_for(device: torch.device, use_triton: bool | None = None) -> DecodeAttention:
     """The decode attention for ``device``: the Triton kernel on CUDA when Triton is
     installed (``use_triton=None``), else the PyTorch reference.

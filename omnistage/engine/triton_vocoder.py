@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from omnistage.engine.causal_vocoder import FUSED_DTYPES
+from omnistage.engine.paged_attention import TRITON_DTYPES
 
 MAX_BLOCK = 1024  # samples per program
 
@@ -86,12 +86,12 @@ def _check(x: torch.Tensor, name: str, **channel_params: torch.Tensor | None) ->
     given = {k: p for k, p in channel_params.items() if p is not None}
     if (
         x.dim() != 3
-        or x.dtype not in FUSED_DTYPES
+        or x.dtype not in TRITON_DTYPES
         or any(p.shape != (channels,) or p.device != x.device for p in given.values())
     ):
         params = ", ".join(f"{k} {tuple(p.shape)} on {p.device}" for k, p in given.items())
         raise ValueError(
-            f"{name} needs x [B, C, L] of {FUSED_DTYPES} and {', '.join(given)} [C] on its "
+            f"{name} needs x [B, C, L] of {TRITON_DTYPES} and {', '.join(given)} [C] on its "
             f"device; got x {tuple(x.shape)} {x.dtype} on {x.device}, {params}"
         )
 

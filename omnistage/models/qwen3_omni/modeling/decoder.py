@@ -101,8 +101,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        )
+        return x + self.mlp(h)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,232 @@
+"""Triton kernels of the Qwen3 decoder layers (CUDA only; imported lazily by
+:mod:`omnistage.engine.layers`): RMSNorm with its weight (optionally after a residual add),
+the per-head q/k RMSNorm with rotary position embedding, and SwiGLU's ``silu(gate) * up``.
+
+An AR decode step is bound by its number of kernels, not by bytes: at the Qwen3-TTS 0.6B
+sizes one frame is ~2,700 launches of ~2-4 us each inside its CUDA graph
+(``benchmarks/step_kernels.py``; ``benchmarks/results/gpu_share_phases.json``: 12.4 ms at
+batch 128 on an H100). In PyTorch's form one layer launches 21 kernels; these kernels bring
+it to 12: RMSNorm and its weight 2 -> 1, the residual add with the next RMSNorm 3 -> 1, the
+q/k norms with RoPE 6 -> 1 (``rms_norm``, the weight, ``x * cos``, ``roll``, ``* sin``,
+``+``), SwiGLU 2 -> 1.
+
+Each kernel rounds where PyTorch's ops round, so a bf16 result matches the eager form's but
+for reductions' order and the fp32 ``rsqrt``/``exp`` approximations: every intermediate
+that PyTorch writes in the input dtype is rounded to it here too (the RMSNorm output before
+its weight, the weight product, each RoPE product, the residual sum, ``silu`` before the
+product), all arithmetic in fp32 (PyTorch's opmath for bf16/fp16). Shapes are static, so the
+kernels can be captured in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from omnistage.engine.paged_attention import TRITON_DTYPES
+
+SWIGLU_BLOCK = 1024  # columns per program
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    delta_ptr,
+    weight_ptr,
+    out_ptr,
+    sum_ptr,
+    stride_x,
+    stride_delta,
+    stride_out,
+    stride_sum,
+    cols,
+    eps,
+    HAS_DELTA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # one row: [x + delta ->] RMSNorm -> * weight
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    inside = offsets < cols
+    x = tl.load(x_ptr + row * stride_x + offsets, mask=inside, other=0.0)
+    if HAS_DELTA:  # the residual sum, rounded to the input dtype as PyTorch's add writes it
+        delta = tl.load(delta_ptr + row * stride_delta + offsets, mask=inside, other=0.0)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * stride_sum + offsets, x, mask=inside)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / cols + eps)
+    normed = (xf * rstd).to(x.dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offsets, (normed * weight).to(x.dtype), mask=inside)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr,
+    weight_ptr,
+    cos_ptr,
+    sin_ptr,
+    stride_token,
+    stride_head,
+    stride_cos,
+    stride_sin,
+    eps,
+    HALF: tl.constexpr,
+):
+    # one (token, head) row of D = 2 HALF, in place: RMSNorm -> * weight -> rotate-half RoPE
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, HALF)
+    row = qkv_ptr + token * stride_token + head * stride_head
+    x1 = tl.load(row + dims)
+    x2 = tl.load(row + HALF + dims)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    rstd = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
+    w1 = tl.load(weight_ptr + head * 2 * HALF + dims).to(tl.float32)
+    w2 = tl.load(weight_ptr + head * 2 * HALF + HALF + dims).to(tl.float32)
+    n1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
+    n2 = ((f2 * rstd).to(x1.dtype).to(tl.float32) * w2).to(x1.dtype).to(tl.float32)
+    c1 = tl.load(cos_ptr + token * stride_cos + dims).to(tl.float32)
+    c2 = tl.load(cos_ptr + token * stride_cos + HALF + dims).to(tl.float32)
+    s1 = tl.load(sin_ptr + token * stride_sin + dims).to(tl.float32)  # -sin
+    s2 = tl.load(sin_ptr + token * stride_sin + HALF + dims).to(tl.float32)  # +sin
+    # x * cos + roll(x, HALF) * signed_sin, each product rounded as PyTorch writes it
+    o1 = (n1 * c1).to(x1.dtype).to(tl.float32) + (n2 * s1).to(x1.dtype).to(tl.float32)
+    o2 = (n2 * c2).to(x1.dtype).to(tl.float32) + (n1 * s2).to(x1.dtype).to(tl.float32)
+    tl.store(row + dims, o1.to(x1.dtype))
+    tl.store(row + HALF + dims, o2.to(x1.dtype))
+
+
+@triton.jit
+def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_out, cols, BLOCK: tl.constexpr):
+    # silu(gate) * up for one block of a row of [gate | up]
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = offsets < cols
+    gate = tl.load(x_ptr + row * stride_x + offsets, mask=inside, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + cols + offsets, mask=inside, other=0.0).to(tl.float32)
+    g = gate.to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offsets, (silu * up).to(gate.dtype), mask=inside)
+
+
+def _check_rows(name: str, x: torch.Tensor, **others: torch.Tensor) -> None:
+    """Raise ValueError unless ``x`` is of :data:`TRITON_DTYPES` with unit inner stride on
+    CUDA and every other tensor shares its dtype and device."""
+    bad = [k for k, t in others.items() if t.dtype != x.dtype or t.device != x.device]
+    if x.stride(-1) != 1 or x.dtype not in TRITON_DTYPES or not x.is_cuda or bad:
+        described = ", ".join(f"{k} {t.dtype} on {t.device}" for k, t in others.items())
+        raise ValueError(
+            f"{name} needs x of {TRITON_DTYPES} with unit inner stride on CUDA and "
+            f"{', '.join(others) or 'nothing else'} of its dtype and device; got x stride "
+            f"{x.stride()} {x.dtype} on {x.device}{', ' if others else ''}{described}"
+        )
+
+
+def rms_norm_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight * rms_norm(s)`` with ``s = x + delta`` (``s = x`` without ``delta``).
+
+    Args:
+        x, delta: ``[N, H]`` (unit inner stride; rows may be strided), one dtype.
+        weight: ``[H]``, the same dtype.
+        eps: added to the mean square (the checkpoint's ``rms_norm_eps``).
+
+    Returns:
+        ``(normed, s)``, both ``[N, H]`` contiguous in ``x``'s dtype (``s`` is ``x`` itself
+        without ``delta``).
+
+    Raises:
+        ValueError: other shapes, dtypes or devices.
+    """
+    _check_rows("rms_norm_triton", x, weight=weight, **({} if delta is None else {"delta": delta}))
+    if (
+        x.dim() != 2
+        or weight.shape != x.shape[1:]
+        or weight.stride(-1) != 1
+        or (delta is not None and delta.shape != x.shape)
+    ):
+        raise ValueError(f"rms_norm_triton: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
+                         f"delta {None if delta is None else tuple(delta.shape)}")
+    if delta is not None and delta.stride(-1) != 1:
+        delta = delta.contiguous()
+    rows, cols = x.shape
+    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    summed = x if delta is None else torch.empty_like(out)
+    if rows == 0:
+        return out, summed
+    _rms_norm_kernel[(rows,)](
+        x, x if delta is None else delta, weight, out, summed,
+        x.stride(0), 0 if delta is None else delta.stride(0), out.stride(0), summed.stride(0),
+        cols, eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(cols),
+    )  # fmt: skip
+    return out, summed
+
+
+def qk_norm_rope_triton_(
+    qkv: torch.Tensor,
+    weight: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    eps: float,
+    heads: int,
+) -> None:
+    """In place on the first ``heads`` heads of ``qkv``: per-head RMSNorm times
+    ``weight[h]``, then rotate-half RoPE (``x * cos + roll(x, D/2) * signed_sin``, the form
+    of :func:`omnistage.engine.layers.apply_rope`). The other heads (v) are left as they are.
+
+    Args:
+        qkv: ``[N, heads_total, D]`` (``D`` a power of two >= 2; unit inner stride).
+        weight: ``[heads, D]`` or more rows (the q heads' norm weight, then the k heads').
+        cos, signed_sin: ``[N, D]`` (unit inner stride), ``qkv``'s dtype.
+        eps: the norms' ``rms_norm_eps``.
+        heads: how many leading heads to normalize and rotate (q and k).
+
+    Raises:
+        ValueError: other shapes, dtypes or devices.
+    """
+    _check_rows("qk_norm_rope_triton_", qkv, weight=weight, cos=cos, signed_sin=signed_sin)
+    n, total, dim = qkv.shape if qkv.dim() == 3 else (0, 0, 0)
+    if (
+        dim < 2
+        or dim & (dim - 1)
+        or not 0 < heads <= total
+        or weight.shape[0] < heads
+        or weight.shape[1:] != (dim,)
+        or not weight.is_contiguous()
+        or any(t.shape != (n, dim) or t.stride(-1) != 1 for t in (cos, signed_sin))
+    ):
+        raise ValueError(
+            f"qk_norm_rope_triton_: qkv {tuple(qkv.shape)} stride {qkv.stride()}, heads {heads}, "
+            f"weight {tuple(weight.shape)}, cos {tuple(cos.shape)}, signed_sin {tuple(signed_sin.shape)}"
+        )
+    if n == 0:
+        return
+    _qk_norm_rope_kernel[(n, heads)](
+        qkv, weight, cos, signed_sin, qkv.stride(0), qkv.stride(1), cos.stride(0),
+        signed_sin.stride(0), eps, HALF=dim // 2,
+    )  # fmt: skip
+
+
+def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]``: ``[N, 2 I]`` (unit inner stride)
+    -> ``[N, I]`` contiguous, same dtype (SwiGLU, Shazeer 2020, as Qwen3's MLP computes it).
+
+    Raises:
+        ValueError: other shapes, dtypes or devices, or an odd width.
+    """
+    _check_rows("swiglu_triton", gate_up)
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"swiglu_triton needs [N, 2 I]; got {tuple(gate_up.shape)}")
+    rows, width = gate_up.shape
+    cols = width // 2
+    out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0 or cols == 0:
+        return out
+    block = min(SWIGLU_BLOCK, triton.next_power_of_2(cols))
+    _swiglu_kernel[(rows, triton.cdiv(cols, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block
+    )
+    return out
