@@ -165,10 +165,10 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)[0]
 
     def add_and_norm(
-        self, x: torch.Tensor, delta: torch.Tensor
+        self, x: torch.Tensor, delta: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A residual add and this norm: ``(norm(x + delta), x + delta)`` (one kernel on
-        CUDA, see :func:`rms_norm`)."""
+        CUDA, see :func:`rms_norm`); without ``delta``, ``(norm(x), x)``."""
         return rms_norm(x, self.weight, self.eps, delta)
 
 
@@ -321,20 +321,35 @@ def fuse_linears(linears: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Te
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, layer_index: int) -> None:
+    """One pre-RMSNorm layer: attention, then ``mlp`` (a SwiGLU :class:`MLP` of
+    ``intermediate_size`` unless given, e.g. a MoE block), each added to the residual
+    stream.
+
+    The stream is carried as ``(x, delta)``, its value ``x + delta``: a layer leaves its
+    feed-forward output's add to the next norm, so the add and the norm are one kernel on
+    CUDA (:meth:`RMSNorm.add_and_norm`); ``delta`` None is a stream of ``x`` alone.
+    """
+
+    def __init__(self, config: DecoderConfig, layer_index: int, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer_index)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size) if mlp is None else mlp
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        h, x = self.post_attention_layernorm.add_and_norm(
-            x, self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        )
-        return x + self.mlp(h)
+        self,
+        x: torch.Tensor,
+        delta: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream ``x + delta`` (``[N, H]`` each) through this layer -> ``(x, delta)``
+        after it (``delta`` is the feed-forward output, not yet added)."""
+        h, x = self.input_layernorm.add_and_norm(x, delta)
+        h, x = self.post_attention_layernorm.add_and_norm(x, self.self_attn(h, cos, sin, attn))
+        return x, self.mlp(h)
 
 
 class Decoder(nn.Module):
@@ -364,10 +379,10 @@ class Decoder(nn.Module):
         sequence) -> hidden ``[N, H]`` after the final norm. ``attn`` must be prepared for
         this forward by the caller."""
         cos, sin = self.rotary(positions, input_embeds.dtype)
-        x = input_embeds
+        x, delta = input_embeds, None
         for layer in self.layers:
-            x = layer(x, cos, sin, attn)
-        return self.norm(x)
+            x, delta = layer(x, delta, cos, sin, attn)
+        return self.norm.add_and_norm(x, delta)[0]
 
     def new_dense_cache(
         self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str

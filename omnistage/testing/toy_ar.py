@@ -102,7 +102,8 @@ class ToyTalker(nn.Module):
         cos, sin = self._rope(positions, input_embeds.dtype)
         x, states = input_embeds, {0: input_embeds}
         for i, layer in enumerate(self.backbone.layers, start=1):
-            x = layer(x, cos, sin, attn)
+            x, delta = layer(x, None, cos, sin, attn)
+            x = x + delta
             states[i] = x
             if additions is not None and i <= len(additions.embeds):
                 x = x.index_add(0, additions.rows, additions.embeds[i - 1].to(x.dtype))

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.attention import AttentionBackend
-from omnistage.engine.layers import MLP, Attention, DecoderConfig, RMSNorm
+from omnistage.engine.layers import MLP, DecoderConfig, DecoderLayer, RMSNorm
 from omnistage.engine.moe import SparseMoE
 from omnistage.engine.sequence import HiddenAdditions
 from omnistage.models.qwen3_omni.modeling.config import MoEDecoderConfig
@@ -88,25 +88,6 @@ def shared_expert_moe(config: MoEDecoderConfig, layer: int) -> nn.Module:
     return SharedExpertMoE(config)
 
 
-class DecoderLayer(nn.Module):
-    def __init__(
-        self, config: MoEDecoderConfig, layer: int, feed_forward: FeedForwardFactory
-    ) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(attention_config(config), layer)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = feed_forward(config, layer)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        h, x = self.post_attention_layernorm.add_and_norm(
-            x, self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        )
-        return x + self.mlp(h)
-
-
 @dataclass(frozen=True)
 class DecoderOutput:
     """``hidden [N, H]`` after the final norm; ``captured``: one ``[N, H]`` per requested
@@ -129,7 +110,8 @@ class MoEDecoder(nn.Module):
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, feed_forward) for i in range(config.num_layers)
+            DecoderLayer(attention_config(config), i, feed_forward(config, i))
+            for i in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = MRotaryEmbedding(config.head_dim, config.rope)
@@ -158,15 +140,19 @@ class MoEDecoder(nn.Module):
         if deepstack is not None and len(deepstack.embeds) > n_layers:
             raise ValueError(f"{len(deepstack.embeds)} deepstack levels for {n_layers} layers")
         cos, sin = self.rotary(positions, input_embeds.dtype)
-        x = input_embeds
+        x, delta = input_embeds, None  # the residual stream x + delta (see DecoderLayer)
         states = {0: x} if 0 in capture_layers else {}
         for index, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn)
-            if index + 1 in capture_layers and index + 1 < n_layers:
+            x, delta = layer(x, delta, cos, sin, attn)
+            captured = index + 1 in capture_layers and index + 1 < n_layers
+            stacked = deepstack is not None and index < len(deepstack.embeds)
+            if captured or stacked:
+                x, delta = x + delta, None
+            if captured:
                 states[index + 1] = x
-            if deepstack is not None and index < len(deepstack.embeds):
+            if stacked:
                 x = x.index_add(0, deepstack.rows, deepstack.embeds[index].to(x.dtype))
-        hidden = self.norm(x)
+        hidden = self.norm.add_and_norm(x, delta)[0]
         states[n_layers] = hidden
         return DecoderOutput(hidden=hidden, captured=tuple(states[i] for i in capture_layers))
 
