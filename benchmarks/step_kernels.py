@@ -38,7 +38,7 @@ from unittest import mock
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from omnistage.engine import layers, model_runner
+from omnistage.engine import layers, model_runner, moe
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.model_runner import ARModelSpec, StepSampling
 from omnistage.engine.sampler import SamplingParams
@@ -154,8 +154,8 @@ def label_components(engine: AREngine, counter: KernelCounter, stack: contextlib
     # one kernel on CUDA, several ops on the CPU: the layers' Triton kernels (RMSNorm with its
     # weight and residual add, q/k norms with RoPE, SwiGLU) and the Triton paged decode (the
     # CPU runs the gather-based reference)
-    for name in ("rms_norm", "qk_norm_rope", "swiglu"):
-        stack.enter_context(mock.patch.object(layers, name, counter.one_kernel(getattr(layers, name), f"{name} (Triton)")))
+    for owner, name in ((layers, "rms_norm"), (layers, "qk_norm_rope"), (layers, "swiglu"), (moe, "swiglu")):
+        stack.enter_context(mock.patch.object(owner, name, counter.one_kernel(getattr(owner, name), f"{name} (Triton)")))
     attn = runner.attn
     stack.enter_context(mock.patch.object(
         attn, "decode_attention", counter.one_kernel(attn.decode_attention, "paged_decode (Triton)")))

@@ -104,6 +104,9 @@ def rms_norm(
     if (
         x.dim() == 2
         and x.stride(-1) == 1
+        and weight.shape == x.shape[1:]
+        and weight.stride(-1) == 1
+        and (delta is None or delta.shape == x.shape)
         and _same_dtype(x, weight, delta)
         and triton_runs(x, weight, delta)
     ):
@@ -127,12 +130,26 @@ def qk_norm_rope(
     :func:`apply_rope`; the heads after them are unspecified in the result (take v from
     ``qkv``).
 
-    On CUDA one Triton kernel writes the result into ``qkv``'s own q/k heads and returns
+    On CUDA (``D`` a power of two, unit inner strides, one dtype) one Triton kernel writes
+    the result into ``qkv``'s own q/k heads and returns
     ``qkv`` (:func:`~omnistage.engine.triton_layers.qk_norm_rope_triton_`; its v heads are
     untouched); else PyTorch over all heads into a new tensor (the v heads normalized and
     rotated too: fewer kernels than slicing).
     """
-    if _same_dtype(qkv, weight, cos, signed_sin) and triton_runs(qkv, weight):
+    dim = qkv.shape[-1]
+    if (
+        qkv.dim() == 3
+        and dim >= 2
+        and dim & (dim - 1) == 0  # the kernel takes each half as one power-of-two block
+        and qkv.stride(-1) == 1
+        and 0 < heads <= qkv.shape[1]
+        and weight.is_contiguous()
+        and weight.shape[0] >= heads
+        and weight.shape[1:] == (dim,)
+        and all(t.shape == (qkv.shape[0], dim) and t.stride(-1) == 1 for t in (cos, signed_sin))
+        and _same_dtype(qkv, weight, cos, signed_sin)
+        and triton_runs(qkv, weight)
+    ):
         from omnistage.engine.triton_layers import qk_norm_rope_triton_
 
         qk_norm_rope_triton_(qkv, weight, cos, signed_sin, eps, heads)
@@ -221,8 +238,8 @@ class Attention(nn.Module):
     """GQA self-attention with per-head q/k RMSNorm and RoPE; the KV cache is the backend's.
 
     As loaded, q/k/v are three projections. After :meth:`fuse` they are one matmul and the
-    q and k norms plus RoPE run once over all heads: ~30 kernels fewer per layer, same
-    values (per-row ops; the v rows are normalized and rotated too, and thrown away)."""
+    q and k norms plus RoPE run once over the q and k heads (:func:`qk_norm_rope`): ~30
+    kernels fewer per layer, same values."""
 
     def __init__(self, config: DecoderConfig, layer_index: int) -> None:
         super().__init__()

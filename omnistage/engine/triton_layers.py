@@ -3,19 +3,23 @@
 the per-head q/k RMSNorm with rotary position embedding, and SwiGLU's ``silu(gate) * up``.
 
 An AR decode step is bound by its number of kernels, not by bytes: at the Qwen3-TTS 0.6B
-sizes one frame is ~2,700 launches of ~2-4 us each inside its CUDA graph
+sizes one frame was ~2,700 launches of ~2-4 us each inside its CUDA graph
 (``benchmarks/step_kernels.py``; ``benchmarks/results/gpu_share_phases.json``: 12.4 ms at
-batch 128 on an H100). In PyTorch's form one layer launches 21 kernels; these kernels bring
-it to 12: RMSNorm and its weight 2 -> 1, the residual add with the next RMSNorm 3 -> 1, the
-q/k norms with RoPE 6 -> 1 (``rms_norm``, the weight, ``x * cos``, ``roll``, ``* sin``,
-``+``), SwiGLU 2 -> 1.
+batch 128 on an H100). In PyTorch's form one layer launched 21 kernels; with these it
+launches 11 (:class:`~omnistage.engine.layers.DecoderLayer`): each RMSNorm with its weight
+and the residual add before it 3 -> 1 (twice), the q/k norms with RoPE 6 -> 1
+(``rms_norm``, the weight, ``x * cos``, ``roll``, ``* sin``, ``+``), SwiGLU 2 -> 1.
 
-Each kernel rounds where PyTorch's ops round, so a bf16 result matches the eager form's but
-for reductions' order and the fp32 ``rsqrt``/``exp`` approximations: every intermediate
-that PyTorch writes in the input dtype is rounded to it here too (the RMSNorm output before
-its weight, the weight product, each RoPE product, the residual sum, ``silu`` before the
-product), all arithmetic in fp32 (PyTorch's opmath for bf16/fp16). Shapes are static, so the
-kernels can be captured in CUDA graphs.
+In bf16 and fp16 each kernel rounds where PyTorch's ops round: every intermediate that
+PyTorch writes in the input dtype is rounded to it here too (the RMSNorm output before its
+weight, the weight product, each RoPE product, the residual sum, ``silu`` before the
+product), all arithmetic in fp32 (PyTorch's opmath), products and sums kept apart (no fused
+multiply-add), ``exp`` and the division IEEE-accurate. What differs is the order of the
+mean square's sum and the fp32 ``rsqrt``: a row's scale may differ from PyTorch's in its
+last fp32 bit, which flips the rounding of an element now and then (and, where RoPE's two
+products cancel, by more than one unit of that element; not of the row). In fp32 there is
+no intermediate rounding to match, and the results differ in the last bits the same way.
+Shapes are static, so the kernels can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from omnistage.engine.paged_attention import TRITON_DTYPES
 
@@ -107,7 +112,7 @@ def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_out, cols, BLOCK: tl.constex
     gate = tl.load(x_ptr + row * stride_x + offsets, mask=inside, other=0.0)
     up = tl.load(x_ptr + row * stride_x + cols + offsets, mask=inside, other=0.0).to(tl.float32)
     g = gate.to(tl.float32)
-    silu = (g / (1.0 + tl.exp(-g))).to(gate.dtype).to(tl.float32)
+    silu = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offsets, (silu * up).to(gate.dtype), mask=inside)
 
 
@@ -135,8 +140,8 @@ def rms_norm_triton(
         eps: added to the mean square (the checkpoint's ``rms_norm_eps``).
 
     Returns:
-        ``(normed, s)``, both ``[N, H]`` contiguous in ``x``'s dtype (``s`` is ``x`` itself
-        without ``delta``).
+        ``(normed, s)``, both ``[N, H]`` in ``x``'s dtype: ``normed`` contiguous, ``s`` a
+        new contiguous tensor with ``delta`` and ``x`` itself without.
 
     Raises:
         ValueError: other shapes, dtypes or devices.
@@ -161,6 +166,7 @@ def rms_norm_triton(
         x, x if delta is None else delta, weight, out, summed,
         x.stride(0), 0 if delta is None else delta.stride(0), out.stride(0), summed.stride(0),
         cols, eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(cols),
+        enable_fp_fusion=False,
     )  # fmt: skip
     return out, summed
 
@@ -206,7 +212,7 @@ def qk_norm_rope_triton_(
         return
     _qk_norm_rope_kernel[(n, heads)](
         qkv, weight, cos, signed_sin, qkv.stride(0), qkv.stride(1), cos.stride(0),
-        signed_sin.stride(0), eps, HALF=dim // 2,
+        signed_sin.stride(0), eps, HALF=dim // 2, enable_fp_fusion=False,
     )  # fmt: skip
 
 
@@ -227,6 +233,6 @@ def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(SWIGLU_BLOCK, triton.next_power_of_2(cols))
     _swiglu_kernel[(rows, triton.cdiv(cols, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block
+        gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block, enable_fp_fusion=False
     )
     return out
