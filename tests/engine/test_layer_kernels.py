@@ -6,7 +6,7 @@ either way.
 In bf16 and fp16 the kernels round where PyTorch's ops round, so nearly every element is the
 same bits; a rounding may flip where a row's fp32 scale differs in its last bit (the sum's
 order, ``rsqrt``), by a unit or two of the row's scale. In fp32 the results differ in their
-last bits."""
+last few bits."""
 
 import contextlib
 import copy
@@ -37,10 +37,12 @@ def _ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def assert_same_roundings(out: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | None = None) -> None:
     """``out`` equals ``expected`` (same dtype and shape) within two units in the last place
     of ``scale`` (default: each element's own magnitude) and, in bf16/fp16, bit for bit in
-    99% of the elements."""
+    99% of the elements; in fp32 within eight units (Triton's interpreter on the CPU gave
+    up to three against PyTorch's CPU ops)."""
     assert out.dtype == expected.dtype and out.shape == expected.shape
     diff = (out.float() - expected.float()).abs()
-    bound = 2 * _ulp(expected if scale is None else scale, expected.dtype)
+    units = 8 if expected.dtype == torch.float32 else 2
+    bound = units * _ulp(expected if scale is None else scale, expected.dtype)
     assert (diff <= bound).all(), (diff / bound).max().item()
     if expected.dtype != torch.float32:
         assert (out == expected).float().mean().item() >= 0.99
