@@ -41,8 +41,11 @@ __all__ = [
     "fuse_projections",
     "greedy_sample",
     "qk_norm_rope",
+    "qk_norm_rope_fits",
     "rms_norm",
+    "rms_norm_fits",
     "swiglu",
+    "swiglu_fits",
 ]
 
 
@@ -84,6 +87,51 @@ def _same_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     return all(t is None or t.dtype == x.dtype for t in others)
 
 
+def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
+    """Whether the shapes suit :func:`~omnistage.engine.triton_layers.rms_norm_triton`:
+    ``x [N, H]`` of unit inner stride, ``weight [H]`` of unit stride, ``delta`` (if given)
+    ``x``'s shape, all of one dtype."""
+    return (
+        x.dim() == 2
+        and x.stride(-1) == 1
+        and weight.shape == x.shape[1:]
+        and weight.stride(-1) == 1
+        and (delta is None or delta.shape == x.shape)
+        and _same_dtype(x, weight, delta)
+    )
+
+
+def qk_norm_rope_fits(
+    qkv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int
+) -> bool:
+    """Whether the shapes suit :func:`~omnistage.engine.triton_layers.qk_norm_rope_triton_`:
+    ``qkv [N, heads_total, D]`` of unit inner stride with ``D`` a power of two >= 2 (the
+    kernel takes each half as one block), ``0 < heads <= heads_total``, ``weight`` contiguous
+    ``[>= heads, D]``, ``cos`` and ``signed_sin`` ``[N, D]`` of unit inner stride, all of one
+    dtype."""
+    if qkv.dim() != 3:
+        return False
+    n, total, dim = qkv.shape
+    return (
+        dim >= 2
+        and dim & (dim - 1) == 0
+        and qkv.stride(-1) == 1
+        and 0 < heads <= total
+        and weight.is_contiguous()
+        and weight.dim() == 2
+        and weight.shape[0] >= heads
+        and weight.shape[1] == dim
+        and all(t.shape == (n, dim) and t.stride(-1) == 1 for t in (cos, signed_sin))
+        and _same_dtype(qkv, weight, cos, signed_sin)
+    )
+
+
+def swiglu_fits(gate_up: torch.Tensor) -> bool:
+    """Whether the shape suits :func:`~omnistage.engine.triton_layers.swiglu_triton`:
+    ``[N, 2 I]`` of unit inner stride."""
+    return gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] % 2 == 0
+
+
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,7 +139,7 @@ def rms_norm(
     add; ``s = x`` without ``delta``).
 
     The norm computes in fp32 and casts back; the weight multiplies after the cast (the
-    reference's order, which matters in bf16). On CUDA, for ``[N, H]`` rows of one dtype,
+    reference's order, which matters in bf16). On CUDA, for what :func:`rms_norm_fits`,
     one Triton kernel (:func:`~omnistage.engine.triton_layers.rms_norm_triton`) does it all,
     rounding where these ops do; else PyTorch: ``F.rms_norm`` without a weight computes in
     fp32 (opmath) and casts back, the same ops as the reference on the CPU (bit-identical).
@@ -101,15 +149,7 @@ def rms_norm(
         weight: ``[H]``.
         eps: added to the mean square (the checkpoint's ``rms_norm_eps``).
     """
-    if (
-        x.dim() == 2
-        and x.stride(-1) == 1
-        and weight.shape == x.shape[1:]
-        and weight.stride(-1) == 1
-        and (delta is None or delta.shape == x.shape)
-        and _same_dtype(x, weight, delta)
-        and triton_runs(x, weight, delta)
-    ):
+    if rms_norm_fits(x, weight, delta) and triton_runs(x, weight, delta):
         from omnistage.engine.triton_layers import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, delta)
@@ -130,26 +170,12 @@ def qk_norm_rope(
     :func:`apply_rope`; the heads after them are unspecified in the result (take v from
     ``qkv``).
 
-    On CUDA (``D`` a power of two, unit inner strides, one dtype) one Triton kernel writes
-    the result into ``qkv``'s own q/k heads and returns
+    On CUDA, for what :func:`qk_norm_rope_fits`, one Triton kernel writes the result into ``qkv``'s own q/k heads and returns
     ``qkv`` (:func:`~omnistage.engine.triton_layers.qk_norm_rope_triton_`; its v heads are
     untouched); else PyTorch over all heads into a new tensor (the v heads normalized and
     rotated too: fewer kernels than slicing).
     """
-    dim = qkv.shape[-1]
-    if (
-        qkv.dim() == 3
-        and dim >= 2
-        and dim & (dim - 1) == 0  # the kernel takes each half as one power-of-two block
-        and qkv.stride(-1) == 1
-        and 0 < heads <= qkv.shape[1]
-        and weight.is_contiguous()
-        and weight.shape[0] >= heads
-        and weight.shape[1:] == (dim,)
-        and all(t.shape == (qkv.shape[0], dim) and t.stride(-1) == 1 for t in (cos, signed_sin))
-        and _same_dtype(qkv, weight, cos, signed_sin)
-        and triton_runs(qkv, weight)
-    ):
+    if qk_norm_rope_fits(qkv, weight, cos, signed_sin, heads) and triton_runs(qkv, weight):
         from omnistage.engine.triton_layers import qk_norm_rope_triton_
 
         qk_norm_rope_triton_(qkv, weight, cos, signed_sin, eps, heads)
@@ -160,9 +186,9 @@ def qk_norm_rope(
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[..., 2 I]`` -> ``[..., I]``
-    (SwiGLU, Shazeer 2020). On CUDA for ``[N, 2 I]`` rows one Triton kernel
+    (SwiGLU, Shazeer 2020). On CUDA, for what :func:`swiglu_fits`, one Triton kernel
     (:func:`~omnistage.engine.triton_layers.swiglu_triton`), else PyTorch."""
-    if gate_up.dim() == 2 and gate_up.stride(-1) == 1 and triton_runs(gate_up):
+    if swiglu_fits(gate_up) and triton_runs(gate_up):
         from omnistage.engine.triton_layers import swiglu_triton
 
         return swiglu_triton(gate_up)

@@ -24,11 +24,14 @@ Shapes are static, so the kernels can be captured in CUDA graphs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from omnistage.engine.layers import qk_norm_rope_fits, rms_norm_fits, swiglu_fits
 from omnistage.engine.paged_attention import TRITON_DTYPES
 
 SWIGLU_BLOCK = 1024  # columns per program
@@ -116,17 +119,23 @@ def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_out, cols, BLOCK: tl.constex
     tl.store(out_ptr + row * stride_out + offsets, (silu * up).to(gate.dtype), mask=inside)
 
 
-def _check_rows(name: str, x: torch.Tensor, **others: torch.Tensor) -> None:
-    """Raise ValueError unless ``x`` is of :data:`TRITON_DTYPES` with unit inner stride on
-    CUDA and every other tensor shares its dtype and device."""
-    bad = [k for k, t in others.items() if t.dtype != x.dtype or t.device != x.device]
-    if x.stride(-1) != 1 or x.dtype not in TRITON_DTYPES or not x.is_cuda or bad:
-        described = ", ".join(f"{k} {t.dtype} on {t.device}" for k, t in others.items())
-        raise ValueError(
-            f"{name} needs x of {TRITON_DTYPES} with unit inner stride on CUDA and "
-            f"{', '.join(others) or 'nothing else'} of its dtype and device; got x stride "
-            f"{x.stride()} {x.dtype} on {x.device}{', ' if others else ''}{described}"
-        )
+def _refuse_unless(fits: bool, name: str, rule: Callable[..., bool], **given: torch.Tensor | int | None) -> None:
+    """Raise ValueError naming every given tensor's shape, stride, dtype and device (and
+    ``rule``, the predicate of the shapes) unless ``fits`` and every tensor is on CUDA in
+    :data:`TRITON_DTYPES`."""
+    tensors = [t for t in given.values() if isinstance(t, torch.Tensor)]
+    if fits and all(t.is_cuda and t.dtype in TRITON_DTYPES for t in tensors):
+        return
+    described = ", ".join(
+        f"{k} {tuple(t.shape)} stride {t.stride()} {t.dtype} on {t.device}"
+        if isinstance(t, torch.Tensor)
+        else f"{k} {t}"
+        for k, t in given.items()
+    )
+    raise ValueError(
+        f"{name} cannot take {described}: the shapes as {rule.__module__}.{rule.__name__} "
+        f"says, on CUDA in {TRITON_DTYPES}"
+    )
 
 
 def rms_norm_triton(
@@ -144,17 +153,12 @@ def rms_norm_triton(
         new contiguous tensor with ``delta`` and ``x`` itself without.
 
     Raises:
-        ValueError: other shapes, dtypes or devices.
+        ValueError: other shapes (:func:`~omnistage.engine.layers.rms_norm_fits`), dtypes or
+            devices.
     """
-    _check_rows("rms_norm_triton", x, weight=weight, **({} if delta is None else {"delta": delta}))
-    if (
-        x.dim() != 2
-        or weight.shape != x.shape[1:]
-        or weight.stride(-1) != 1
-        or (delta is not None and delta.shape != x.shape)
-    ):
-        raise ValueError(f"rms_norm_triton: x {tuple(x.shape)}, weight {tuple(weight.shape)}, "
-                         f"delta {None if delta is None else tuple(delta.shape)}")
+    _refuse_unless(
+        rms_norm_fits(x, weight, delta), "rms_norm_triton", rms_norm_fits, x=x, weight=weight, delta=delta
+    )
     if delta is not None and delta.stride(-1) != 1:
         delta = delta.contiguous()
     rows, cols = x.shape
@@ -191,23 +195,14 @@ def qk_norm_rope_triton_(
         heads: how many leading heads to normalize and rotate (q and k).
 
     Raises:
-        ValueError: other shapes, dtypes or devices.
+        ValueError: other shapes (:func:`~omnistage.engine.layers.qk_norm_rope_fits`), dtypes
+            or devices.
     """
-    _check_rows("qk_norm_rope_triton_", qkv, weight=weight, cos=cos, signed_sin=signed_sin)
-    n, total, dim = qkv.shape if qkv.dim() == 3 else (0, 0, 0)
-    if (
-        dim < 2
-        or dim & (dim - 1)
-        or not 0 < heads <= total
-        or weight.shape[0] < heads
-        or weight.shape[1:] != (dim,)
-        or not weight.is_contiguous()
-        or any(t.shape != (n, dim) or t.stride(-1) != 1 for t in (cos, signed_sin))
-    ):
-        raise ValueError(
-            f"qk_norm_rope_triton_: qkv {tuple(qkv.shape)} stride {qkv.stride()}, heads {heads}, "
-            f"weight {tuple(weight.shape)}, cos {tuple(cos.shape)}, signed_sin {tuple(signed_sin.shape)}"
-        )
+    _refuse_unless(
+        qk_norm_rope_fits(qkv, weight, cos, signed_sin, heads), "qk_norm_rope_triton_", qk_norm_rope_fits,
+        qkv=qkv, weight=weight, cos=cos, signed_sin=signed_sin, heads=heads,
+    )  # fmt: skip
+    n, _, dim = qkv.shape
     if n == 0:
         return
     _qk_norm_rope_kernel[(n, heads)](
@@ -221,11 +216,10 @@ def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
     -> ``[N, I]`` contiguous, same dtype (SwiGLU, Shazeer 2020, as Qwen3's MLP computes it).
 
     Raises:
-        ValueError: other shapes, dtypes or devices, or an odd width.
+        ValueError: other shapes (:func:`~omnistage.engine.layers.swiglu_fits`), dtypes or
+            devices.
     """
-    _check_rows("swiglu_triton", gate_up)
-    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
-        raise ValueError(f"swiglu_triton needs [N, 2 I]; got {tuple(gate_up.shape)}")
+    _refuse_unless(swiglu_fits(gate_up), "swiglu_triton", swiglu_fits, gate_up=gate_up)
     rows, width = gate_up.shape
     cols = width // 2
     out = torch.empty((rows, cols), dtype=gate_up.dtype, device=gate_up.device)
