@@ -4,11 +4,14 @@ interpreter on the CPU, against the PyTorch forms they replace: a check for a ma
 GPU (it runs the kernels' Python, not their compiled code, and none of it is timed).
 
 Needs Triton installed beside the CPU torch (``pip install --no-deps triton``; the
-interpreter needs no GPU). ``TRITON_INTERPRET=1`` is set before Triton is imported. Two
+interpreter needs no GPU). ``TRITON_INTERPRET=1`` is set before Triton is imported. Three
 stand-ins make the kernels runnable there: ``libdevice.exp`` (the interpreter has no
-libdevice) is ``tl.exp``, and the kernels' refusal of CPU tensors is lifted. The interpreter
-emulates bf16 by truncation, so bf16 is not checked; fp16 goes through the same rounding
-steps (numpy rounds fp16 to nearest even).
+libdevice) is ``tl.exp``, the wrappers' refusals are lifted (they refuse CPU tensors; the
+dispatch path still checks the ``layers.*_fits`` shapes), and their ``torch.cuda.device``
+guard is a no-op. The interpreter computes with
+numpy (correctly rounded division, ``rsqrt`` and ``exp``), not the GPU's instructions, so
+its differences are not the GPU's. It emulates bf16 by truncation, so bf16 is not checked;
+fp16 goes through the same rounding steps (numpy rounds fp16 to nearest even).
 
 Per kernel and dtype, ``max_ulps`` is the largest difference from PyTorch's result in units
 in the last place (of each element; of the row's largest magnitude for RoPE, whose two
@@ -24,6 +27,7 @@ Usage: python benchmarks/layer_kernels_interpret.py [--output PATH]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import types
@@ -44,6 +48,7 @@ from omnistage.engine.moe import SparseMoE  # noqa: E402
 
 kernels.libdevice = types.SimpleNamespace(exp=lambda x: tl.exp(x))
 kernels._refuse_unless = lambda *args, **kwargs: None
+torch.cuda.device = lambda device: contextlib.nullcontext()  # the wrappers' device guard
 
 
 def compare(out: torch.Tensor, expected: torch.Tensor, scale: torch.Tensor | None = None) -> dict:
@@ -60,7 +65,7 @@ def kernel_rows(dtype: torch.dtype, g: torch.Generator) -> list[dict]:
         x = (torch.randn(7, cols + 16, generator=g) * 3).to(dtype)[:, 8 : 8 + cols]  # strided rows
         delta = torch.randn(7, cols, generator=g).to(dtype)
         weight = (torch.rand(cols, generator=g) + 0.5).to(dtype)
-        normed, summed = kernels.rms_norm_triton(x, weight, 1e-6)
+        normed, _ = kernels.rms_norm_triton(x, weight, 1e-6)
         rows.append({"kernel": f"rms_norm H={cols}", **compare(normed, weight * F.rms_norm(x, (cols,), eps=1e-6))})
         normed, summed = kernels.rms_norm_triton(x, weight, 1e-6, delta)
         rows.append({"kernel": f"add + rms_norm H={cols}", "sum_exact": torch.equal(summed, x + delta),
@@ -84,7 +89,7 @@ def kernel_rows(dtype: torch.dtype, g: torch.Generator) -> list[dict]:
 
 
 def dispatched(num_layers: int) -> dict:
-    """A fp16 decoder of ``num_layers`` and a MoE block, kernels dispatched vs PyTorch's form."""
+    """A fp16 decoder of ``num_layers``, kernels dispatched vs PyTorch's form."""
     config = DecoderConfig(hidden_size=256, intermediate_size=768, num_layers=num_layers, num_heads=4, num_kv_heads=2,
                            head_dim=64, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=16, attention_bias=False)
     torch.manual_seed(0)

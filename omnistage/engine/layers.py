@@ -46,6 +46,7 @@ __all__ = [
     "rms_norm_fits",
     "swiglu",
     "swiglu_fits",
+    "MAX_FUSED_WIDTH",
 ]
 
 
@@ -83,16 +84,24 @@ def greedy_sample(group_index: int, logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+#: The widest row :func:`~omnistage.engine.triton_layers.rms_norm_triton` takes as one
+#: block (the decoders served here are 2,048 wide at most).
+MAX_FUSED_WIDTH = 1 << 16
+
+
 def _same_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
-    return all(t is None or t.dtype == x.dtype for t in others)
+    """Every given tensor of ``others`` in ``x``'s dtype and on its device."""
+    return all(t is None or (t.dtype == x.dtype and t.device == x.device) for t in others)
 
 
 def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | None = None) -> bool:
     """Whether the shapes suit :func:`~omnistage.engine.triton_layers.rms_norm_triton`:
-    ``x [N, H]`` of unit inner stride, ``weight [H]`` of unit stride, ``delta`` (if given)
-    ``x``'s shape, all of one dtype."""
+    ``x [N, H]`` of unit inner stride with ``0 < H <=`` :data:`MAX_FUSED_WIDTH` (a row is
+    one block), ``weight [H]`` of unit stride, ``delta`` (if given) ``x``'s shape, all of one
+    dtype and device."""
     return (
         x.dim() == 2
+        and 0 < x.shape[1] <= MAX_FUSED_WIDTH
         and x.stride(-1) == 1
         and weight.shape == x.shape[1:]
         and weight.stride(-1) == 1
@@ -105,10 +114,10 @@ def qk_norm_rope_fits(
     qkv: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, heads: int
 ) -> bool:
     """Whether the shapes suit :func:`~omnistage.engine.triton_layers.qk_norm_rope_triton_`:
-    ``qkv [N, heads_total, D]`` of unit inner stride with ``D`` a power of two >= 2 (the
-    kernel takes each half as one block), ``0 < heads <= heads_total``, ``weight`` contiguous
-    ``[>= heads, D]``, ``cos`` and ``signed_sin`` ``[N, D]`` of unit inner stride, all of one
-    dtype."""
+    ``qkv [N, heads_total, D]`` with ``D`` a power of two >= 2 (the kernel takes each half
+    as one block), unit inner stride and heads and tokens that do not overlap (it writes in
+    place), ``0 < heads <= heads_total``, ``weight [heads_total, D]`` contiguous, ``cos`` and
+    ``signed_sin`` ``[N, D]`` of unit inner stride, all of one dtype and device."""
     if qkv.dim() != 3:
         return False
     n, total, dim = qkv.shape
@@ -116,11 +125,11 @@ def qk_norm_rope_fits(
         dim >= 2
         and dim & (dim - 1) == 0
         and qkv.stride(-1) == 1
+        and qkv.stride(1) >= dim
+        and qkv.stride(0) >= total * qkv.stride(1)
         and 0 < heads <= total
         and weight.is_contiguous()
-        and weight.dim() == 2
-        and weight.shape[0] >= heads
-        and weight.shape[1] == dim
+        and weight.shape == (total, dim)
         and all(t.shape == (n, dim) and t.stride(-1) == 1 for t in (cos, signed_sin))
         and _same_dtype(qkv, weight, cos, signed_sin)
     )
@@ -139,8 +148,8 @@ def rms_norm(
     add; ``s = x`` without ``delta``).
 
     The norm computes in fp32 and casts back; the weight multiplies after the cast (the
-    reference's order, which matters in bf16). On CUDA, for what :func:`rms_norm_fits`,
-    one Triton kernel (:func:`~omnistage.engine.triton_layers.rms_norm_triton`) does it all,
+    reference's order, which matters in bf16). On CUDA, for inputs :func:`rms_norm_fits`
+    accepts, one Triton kernel (:func:`~omnistage.engine.triton_layers.rms_norm_triton`) does it all,
     rounding where these ops do; else PyTorch: ``F.rms_norm`` without a weight computes in
     fp32 (opmath) and casts back, the same ops as the reference on the CPU (bit-identical).
 
@@ -170,7 +179,8 @@ def qk_norm_rope(
     :func:`apply_rope`; the heads after them are unspecified in the result (take v from
     ``qkv``).
 
-    On CUDA, for what :func:`qk_norm_rope_fits`, one Triton kernel writes the result into ``qkv``'s own q/k heads and returns
+    On CUDA, for inputs :func:`qk_norm_rope_fits` accepts, one Triton kernel writes the
+    result into ``qkv``'s own q/k heads and returns
     ``qkv`` (:func:`~omnistage.engine.triton_layers.qk_norm_rope_triton_`; its v heads are
     untouched); else PyTorch over all heads into a new tensor (the v heads normalized and
     rotated too: fewer kernels than slicing).
@@ -186,7 +196,8 @@ def qk_norm_rope(
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[..., 2 I]`` -> ``[..., I]``
-    (SwiGLU, Shazeer 2020). On CUDA, for what :func:`swiglu_fits`, one Triton kernel
+    (SwiGLU, Shazeer 2020). On CUDA, for inputs :func:`swiglu_fits` accepts, one Triton
+    kernel
     (:func:`~omnistage.engine.triton_layers.swiglu_triton`), else PyTorch."""
     if swiglu_fits(gate_up) and triton_runs(gate_up):
         from omnistage.engine.triton_layers import swiglu_triton

@@ -78,11 +78,12 @@ def paged_decode_triton(
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables, context_lens = block_tables.contiguous(), context_lens.contiguous()
     out = torch.empty_like(q)
-    _paged_decode_kernel[(batch, num_kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, head_dim**-0.5,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64, PAGE=block_size,
-        HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-    )
+    with torch.cuda.device(q.device):  # Triton launches on the current device's stream
+        _paged_decode_kernel[(batch, num_kv_heads)](
+            q, k_cache, v_cache, block_tables, context_lens, out, head_dim**-0.5,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=64, PAGE=block_size,
+            HEAD_DIM=head_dim, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
     return out

@@ -2,24 +2,27 @@
 :mod:`omnistage.engine.layers`): RMSNorm with its weight (optionally after a residual add),
 the per-head q/k RMSNorm with rotary position embedding, and SwiGLU's ``silu(gate) * up``.
 
-An AR decode step is bound by its number of kernels, not by bytes: at the Qwen3-TTS 0.6B
-sizes one frame was ~2,700 launches of ~2-4 us each inside its CUDA graph
-(``benchmarks/step_kernels.py``; ``benchmarks/results/gpu_share_phases.json``: 12.4 ms at
-batch 128 on an H100). In PyTorch's form one layer launched 21 kernels; with these it
-launches 11 (:class:`~omnistage.engine.layers.DecoderLayer`): each RMSNorm with its weight
-and the residual add before it 3 -> 1 (twice), the q/k norms with RoPE 6 -> 1
-(``rms_norm``, the weight, ``x * cos``, ``roll``, ``* sin``, ``+``), SwiGLU 2 -> 1.
+An AR decode step is many small kernels: at the Qwen3-TTS 0.6B sizes one frame was 2,693
+launches and 12.35 ms of kernel time at batch 128 on an H100, 4.6 us a launch on average
+(``benchmarks/results/gpu_share_phases.json``). Of that, the elementwise, layer-norm and
+roll kernels that these replace were about 1,640 launches and 4.3 ms; paged decode, SDPA and
+the GEMMs about 6.6 ms. In PyTorch's form one layer launched 21 kernels; with these it
+launches 11 (:class:`~omnistage.engine.layers.DecoderLayer`; ``benchmarks/step_kernels.py``
+counts them): each RMSNorm with its weight and the residual add before it 3 -> 1 (twice),
+the q/k norms with RoPE 6 -> 1 (``rms_norm``, the weight, ``x * cos``, ``roll``,
+``* sin``, ``+``), SwiGLU 2 -> 1.
 
 In bf16 and fp16 each kernel rounds where PyTorch's ops round: every intermediate that
 PyTorch writes in the input dtype is rounded to it here too (the RMSNorm output before its
 weight, the weight product, each RoPE product, the residual sum, ``silu`` before the
 product), all arithmetic in fp32 (PyTorch's opmath), products and sums kept apart (no fused
-multiply-add), ``exp`` and the division IEEE-accurate. What differs is the order of the
-mean square's sum and the fp32 ``rsqrt``: a row's scale may differ from PyTorch's in its
-last fp32 bit, which flips the rounding of an element now and then (and, where RoPE's two
-products cancel, by more than one unit of that element; not of the row). In fp32 there is
-no intermediate rounding to match, and the results differ in the last bits the same way.
-Shapes are static, so the kernels can be captured in CUDA graphs.
+multiply-add), divisions correctly rounded, ``exp`` libdevice's ``expf`` (the function
+PyTorch's CUDA ``silu`` calls). What differs is the order of the mean square's sum and the
+fp32 ``rsqrt``: a row's scale may differ from PyTorch's in its last fp32 bit, which flips
+the rounding of an element now and then (and, where RoPE's two products cancel, by more than
+one unit of that element; not of the row). In fp32 there is no intermediate rounding to
+match, and the results differ in the last bits the same way. Shapes are static, so the
+kernels can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + delta.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + row * stride_sum + offsets, x, mask=inside)
     xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, 0) / cols + eps)
+    rstd = tl.math.rsqrt(tl.math.div_rn(tl.sum(xf * xf, 0), cols.to(tl.float32)) + eps)
     normed = (xf * rstd).to(x.dtype).to(tl.float32)
     weight = tl.load(weight_ptr + offsets, mask=inside, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offsets, (normed * weight).to(x.dtype), mask=inside)
@@ -90,7 +93,8 @@ def _qk_norm_rope_kernel(
     x1 = tl.load(row + dims)
     x2 = tl.load(row + HALF + dims)
     f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-    rstd = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) / (2 * HALF) + eps)
+    # times 1 / D: exact, D a power of two (the mean square as PyTorch divides it)
+    rstd = tl.math.rsqrt((tl.sum(f1 * f1, 0) + tl.sum(f2 * f2, 0)) * (1.0 / (2 * HALF)) + eps)
     w1 = tl.load(weight_ptr + head * 2 * HALF + dims).to(tl.float32)
     w2 = tl.load(weight_ptr + head * 2 * HALF + HALF + dims).to(tl.float32)
     n1 = ((f1 * rstd).to(x1.dtype).to(tl.float32) * w1).to(x1.dtype).to(tl.float32)
@@ -121,10 +125,11 @@ def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_out, cols, BLOCK: tl.constex
 
 def _refuse_unless(fits: bool, name: str, rule: Callable[..., bool], **given: torch.Tensor | int | None) -> None:
     """Raise ValueError naming every given tensor's shape, stride, dtype and device (and
-    ``rule``, the predicate of the shapes) unless ``fits`` and every tensor is on CUDA in
-    :data:`TRITON_DTYPES`."""
+    ``rule``, the predicate of the shapes) unless ``fits`` and every tensor is on one CUDA
+    device in :data:`TRITON_DTYPES`."""
     tensors = [t for t in given.values() if isinstance(t, torch.Tensor)]
-    if fits and all(t.is_cuda and t.dtype in TRITON_DTYPES for t in tensors):
+    device = tensors[0].device
+    if fits and all(t.is_cuda and t.device == device and t.dtype in TRITON_DTYPES for t in tensors):
         return
     described = ", ".join(
         f"{k} {tuple(t.shape)} stride {t.stride()} {t.dtype} on {t.device}"
@@ -134,7 +139,7 @@ def _refuse_unless(fits: bool, name: str, rule: Callable[..., bool], **given: to
     )
     raise ValueError(
         f"{name} cannot take {described}: the shapes as {rule.__module__}.{rule.__name__} "
-        f"says, on CUDA in {TRITON_DTYPES}"
+        f"says, on one CUDA device in {TRITON_DTYPES}"
     )
 
 
@@ -166,12 +171,13 @@ def rms_norm_triton(
     summed = x if delta is None else torch.empty_like(out)
     if rows == 0:
         return out, summed
-    _rms_norm_kernel[(rows,)](
-        x, x if delta is None else delta, weight, out, summed,
-        x.stride(0), 0 if delta is None else delta.stride(0), out.stride(0), summed.stride(0),
-        cols, eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(cols),
-        enable_fp_fusion=False,
-    )  # fmt: skip
+    with torch.cuda.device(x.device):  # Triton launches on the current device's stream
+        _rms_norm_kernel[(rows,)](
+            x, x if delta is None else delta, weight, out, summed,
+            x.stride(0), 0 if delta is None else delta.stride(0), out.stride(0), summed.stride(0),
+            cols, eps, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(cols),
+            enable_fp_fusion=False,
+        )  # fmt: skip
     return out, summed
 
 
@@ -189,7 +195,8 @@ def qk_norm_rope_triton_(
 
     Args:
         qkv: ``[N, heads_total, D]`` (``D`` a power of two >= 2; unit inner stride).
-        weight: ``[heads, D]`` or more rows (the q heads' norm weight, then the k heads').
+        weight: ``[heads_total, D]`` (the q heads' norm weight, then the k heads'; rows past
+            ``heads`` unread).
         cos, signed_sin: ``[N, D]`` (unit inner stride), ``qkv``'s dtype.
         eps: the norms' ``rms_norm_eps``.
         heads: how many leading heads to normalize and rotate (q and k).
@@ -205,10 +212,11 @@ def qk_norm_rope_triton_(
     n, _, dim = qkv.shape
     if n == 0:
         return
-    _qk_norm_rope_kernel[(n, heads)](
-        qkv, weight, cos, signed_sin, qkv.stride(0), qkv.stride(1), cos.stride(0),
-        signed_sin.stride(0), eps, HALF=dim // 2, enable_fp_fusion=False,
-    )  # fmt: skip
+    with torch.cuda.device(qkv.device):
+        _qk_norm_rope_kernel[(n, heads)](
+            qkv, weight, cos, signed_sin, qkv.stride(0), qkv.stride(1), cos.stride(0),
+            signed_sin.stride(0), eps, HALF=dim // 2, enable_fp_fusion=False,
+        )  # fmt: skip
 
 
 def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
@@ -226,7 +234,8 @@ def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
     if rows == 0 or cols == 0:
         return out
     block = min(SWIGLU_BLOCK, triton.next_power_of_2(cols))
-    _swiglu_kernel[(rows, triton.cdiv(cols, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block, enable_fp_fusion=False
-    )
+    with torch.cuda.device(gate_up.device):
+        _swiglu_kernel[(rows, triton.cdiv(cols, block))](
+            gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block, enable_fp_fusion=False
+        )
     return out

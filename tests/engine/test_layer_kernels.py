@@ -8,8 +8,10 @@ same bits; a rounding may flip where a row's fp32 scale differs in its last bit 
 order, ``rsqrt``), by a unit or two of the row's scale. In fp32 the results differ in their
 last few bits."""
 
+import collections
 import contextlib
 import copy
+from collections.abc import Iterator
 from unittest import mock
 
 import pytest
@@ -38,7 +40,7 @@ def assert_same_roundings(out: torch.Tensor, expected: torch.Tensor, scale: torc
     """``out`` equals ``expected`` (same dtype and shape) within two units in the last place
     of ``scale`` (default: each element's own magnitude) and, in bf16/fp16, bit for bit in
     99% of the elements; in fp32 within eight units (Triton's interpreter on the CPU gave
-    up to three against PyTorch's CPU ops)."""
+    up to three against PyTorch's CPU ops, with numpy's arithmetic: not yet seen on a GPU)."""
     assert out.dtype == expected.dtype and out.shape == expected.shape
     diff = (out.float() - expected.float()).abs()
     units = 8 if expected.dtype == torch.float32 else 2
@@ -120,12 +122,30 @@ def test_kernels_refuse_what_they_cannot_index() -> None:
         rms_norm_triton(x, torch.ones(64, device="cuda", dtype=torch.bfloat16), 1e-6)
     with pytest.raises(ValueError, match=r"x \(64, 4\) stride \(1, 64\)"):
         rms_norm_triton(x.t(), torch.ones(4, device="cuda"), 1e-6)
-    with pytest.raises(ValueError, match="heads 5"):
+    with pytest.raises(ValueError, match=r"qk_norm_rope_triton_ cannot take .*heads 5: .*qk_norm_rope_fits"):
         qk_norm_rope_triton_(x.view(4, 2, 32), torch.ones(2, 32, device="cuda"), x[:, :32], x[:, :32], 1e-6, 5)
     with pytest.raises(ValueError, match=r"gate_up \(4, 63\).*swiglu_fits"):
         swiglu_triton(x[:, :63].contiguous())
     with pytest.raises(ValueError, match="on cpu"):
         swiglu_triton(x.cpu())
+
+
+@contextlib.contextmanager
+def _spied() -> Iterator[collections.Counter]:
+    """Count the calls of each layer kernel's wrapper (they still run)."""
+    from omnistage.engine import triton_layers
+
+    calls: collections.Counter = collections.Counter()
+    with contextlib.ExitStack() as stack:
+        for name in ("rms_norm_triton", "qk_norm_rope_triton_", "swiglu_triton"):
+            kernel = getattr(triton_layers, name)
+
+            def counted(*args, _kernel=kernel, _name=name, **kwargs):
+                calls[_name] += 1
+                return _kernel(*args, **kwargs)
+
+            stack.enter_context(mock.patch.object(triton_layers, name, counted))
+        yield calls
 
 
 def _eager() -> contextlib.AbstractContextManager:
@@ -163,7 +183,11 @@ def test_a_decoder_with_the_kernels_matches_its_pytorch_form(num_layers) -> None
     with torch.inference_mode():
         exact = run(copy.deepcopy(decoder), torch.float32)
         bf16 = decoder.to(torch.bfloat16)
-        fused = run(bf16, torch.bfloat16)
+        with _spied() as calls:
+            fused = run(bf16, torch.bfloat16)
+        # per forward: 2 norms a layer and the final one; a q/k kernel and a SwiGLU a layer
+        assert calls == {"rms_norm_triton": 2 * (2 * num_layers + 1), "qk_norm_rope_triton_": 2 * num_layers,
+                         "swiglu_triton": 2 * num_layers}
         with _eager():
             eager = run(bf16, torch.bfloat16)
     assert (fused.float() - eager.float()).abs().max() < (eager.float() - exact).abs().max()
@@ -182,7 +206,9 @@ def test_moe_experts_swiglu_kernel_matches_pytorch() -> None:
         p.normal_(0, 0.05)
     x = torch.randn(50, 256, device="cuda", dtype=torch.bfloat16)
     with torch.inference_mode():
-        fused = moe(x)
+        with _spied() as calls:
+            fused = moe(x)
+        assert calls["swiglu_triton"] == 1
         with _eager():
             eager = moe(x)
     assert (fused == eager).float().mean().item() >= 0.95
@@ -221,3 +247,78 @@ def test_add_and_norm_is_the_residual_sum_and_its_norm() -> None:
     normed, summed = norm.add_and_norm(x, delta)
     assert torch.equal(summed, x + delta)
     assert torch.equal(normed, norm(x + delta))
+
+
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("case", "fits"),
+    [
+        ("rows", True),
+        ("fp32 weight", False),
+        ("broadcast delta", False),
+        ("3-D", False),
+        ("strided rows", False),
+        ("zero width", False),
+        ("strided weight", False),
+    ],
+)
+def test_rms_norm_fits_only_what_its_kernel_indexes(case, fits) -> None:
+    x, weight, delta = _bf16(4, 64), _bf16(64), None
+    if case == "fp32 weight":
+        weight = weight.float()
+    elif case == "broadcast delta":
+        delta = _bf16(1, 64)
+    elif case == "3-D":
+        x = _bf16(2, 4, 64)
+    elif case == "strided rows":
+        x = _bf16(64, 4).t()
+    elif case == "zero width":
+        x, weight = _bf16(4, 0), _bf16(0)
+    elif case == "strided weight":
+        weight = _bf16(128)[::2]
+    assert layers.rms_norm_fits(x, weight, delta) is fits
+
+
+@pytest.mark.parametrize(
+    ("case", "fits"),
+    [
+        ("q, k and v", True),
+        ("head dim 48", False),
+        ("weight of the q/k heads only", False),
+        ("1-D weight", False),
+        ("broadcast cos", False),
+        ("overlapping heads", False),
+        ("no heads", False),
+        ("more heads than qkv", False),
+    ],
+)
+def test_qk_norm_rope_fits_only_what_its_kernel_indexes(case, fits) -> None:
+    n, total, dim, heads = 5, 4, 64, 3
+    if case == "head dim 48":
+        dim = 48
+    qkv, weight, cos = _bf16(n, total, dim), _bf16(total, dim), _bf16(n, dim)
+    if case == "weight of the q/k heads only":
+        weight = _bf16(heads, dim)
+    elif case == "1-D weight":
+        weight = _bf16(dim)
+    elif case == "broadcast cos":
+        cos = _bf16(n, 1, dim)
+    elif case == "overlapping heads":
+        qkv = _bf16(n, 1, dim).expand(n, total, dim)
+    elif case == "no heads":
+        heads = 0
+    elif case == "more heads than qkv":
+        heads = total + 1
+    assert layers.qk_norm_rope_fits(qkv, weight, cos, _bf16(n, dim), heads) is fits
+
+
+@pytest.mark.parametrize(
+    ("gate_up", "fits"),
+    [(_bf16(4, 64), True), (_bf16(4, 63), False), (_bf16(64, 4).t(), False), (_bf16(64), False)],
+    ids=["rows", "odd width", "strided rows", "1-D"],
+)
+def test_swiglu_fits_only_what_its_kernel_indexes(gate_up, fits) -> None:
+    assert layers.swiglu_fits(gate_up) is fits
