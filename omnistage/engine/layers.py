@@ -40,13 +40,13 @@ __all__ = [
     "fuse_linears",
     "fuse_projections",
     "greedy_sample",
+    "MAX_FUSED_WIDTH",
     "qk_norm_rope",
     "qk_norm_rope_fits",
     "rms_norm",
     "rms_norm_fits",
     "swiglu",
     "swiglu_fits",
-    "MAX_FUSED_WIDTH",
 ]
 
 
@@ -89,7 +89,7 @@ def greedy_sample(group_index: int, logits: torch.Tensor) -> torch.Tensor:
 MAX_FUSED_WIDTH = 1 << 16
 
 
-def _same_dtype(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+def _one_dtype_and_device(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     """Every given tensor of ``others`` in ``x``'s dtype and on its device."""
     return all(t is None or (t.dtype == x.dtype and t.device == x.device) for t in others)
 
@@ -106,7 +106,7 @@ def rms_norm_fits(x: torch.Tensor, weight: torch.Tensor, delta: torch.Tensor | N
         and weight.shape == x.shape[1:]
         and weight.stride(-1) == 1
         and (delta is None or delta.shape == x.shape)
-        and _same_dtype(x, weight, delta)
+        and _one_dtype_and_device(x, weight, delta)
     )
 
 
@@ -131,7 +131,7 @@ def qk_norm_rope_fits(
         and weight.is_contiguous()
         and weight.shape == (total, dim)
         and all(t.shape == (n, dim) and t.stride(-1) == 1 for t in (cos, signed_sin))
-        and _same_dtype(qkv, weight, cos, signed_sin)
+        and _one_dtype_and_device(qkv, weight, cos, signed_sin)
     )
 
 
@@ -149,8 +149,9 @@ def rms_norm(
 
     The norm computes in fp32 and casts back; the weight multiplies after the cast (the
     reference's order, which matters in bf16). On CUDA, for inputs :func:`rms_norm_fits`
-    accepts, one Triton kernel (:func:`~omnistage.engine.triton_layers.rms_norm_triton`) does it all,
-    rounding where these ops do; else PyTorch: ``F.rms_norm`` without a weight computes in
+    accepts, one Triton kernel does it all
+    (:func:`~omnistage.engine.triton_layers.rms_norm_triton`), rounding where these ops do;
+    else PyTorch: ``F.rms_norm`` without a weight computes in
     fp32 (opmath) and casts back, the same ops as the reference on the CPU (bit-identical).
 
     Args:
@@ -180,8 +181,8 @@ def qk_norm_rope(
     ``qkv``).
 
     On CUDA, for inputs :func:`qk_norm_rope_fits` accepts, one Triton kernel writes the
-    result into ``qkv``'s own q/k heads and returns
-    ``qkv`` (:func:`~omnistage.engine.triton_layers.qk_norm_rope_triton_`; its v heads are
+    result into ``qkv``'s own q/k heads and returns ``qkv``
+    (:func:`~omnistage.engine.triton_layers.qk_norm_rope_triton_`; its v heads are
     untouched); else PyTorch over all heads into a new tensor (the v heads normalized and
     rotated too: fewer kernels than slicing).
     """
@@ -197,8 +198,7 @@ def qk_norm_rope(
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up = [gate | up]`` ``[..., 2 I]`` -> ``[..., I]``
     (SwiGLU, Shazeer 2020). On CUDA, for inputs :func:`swiglu_fits` accepts, one Triton
-    kernel
-    (:func:`~omnistage.engine.triton_layers.swiglu_triton`), else PyTorch."""
+    kernel (:func:`~omnistage.engine.triton_layers.swiglu_triton`); else PyTorch."""
     if swiglu_fits(gate_up) and triton_runs(gate_up):
         from omnistage.engine.triton_layers import swiglu_triton
 

@@ -125,11 +125,10 @@ def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_out, cols, BLOCK: tl.constex
 
 def _refuse_unless(fits: bool, name: str, rule: Callable[..., bool], **given: torch.Tensor | int | None) -> None:
     """Raise ValueError naming every given tensor's shape, stride, dtype and device (and
-    ``rule``, the predicate of the shapes) unless ``fits`` and every tensor is on one CUDA
-    device in :data:`TRITON_DTYPES`."""
+    ``rule``, the predicate of the shapes, which also asks for one dtype and device) unless
+    ``fits`` and every tensor is on CUDA in :data:`TRITON_DTYPES`."""
     tensors = [t for t in given.values() if isinstance(t, torch.Tensor)]
-    device = tensors[0].device
-    if fits and all(t.is_cuda and t.device == device and t.dtype in TRITON_DTYPES for t in tensors):
+    if fits and all(t.is_cuda and t.dtype in TRITON_DTYPES for t in tensors):
         return
     described = ", ".join(
         f"{k} {tuple(t.shape)} stride {t.stride()} {t.dtype} on {t.device}"
@@ -139,7 +138,7 @@ def _refuse_unless(fits: bool, name: str, rule: Callable[..., bool], **given: to
     )
     raise ValueError(
         f"{name} cannot take {described}: the shapes as {rule.__module__}.{rule.__name__} "
-        f"says, on one CUDA device in {TRITON_DTYPES}"
+        f"says, on CUDA in {TRITON_DTYPES}"
     )
 
 
@@ -149,8 +148,9 @@ def rms_norm_triton(
     """``weight * rms_norm(s)`` with ``s = x + delta`` (``s = x`` without ``delta``).
 
     Args:
-        x, delta: ``[N, H]`` (unit inner stride; rows may be strided), one dtype.
-        weight: ``[H]``, the same dtype.
+        x: ``[N, H]`` (unit inner stride; rows may be strided).
+        delta: ``[N, H]``, any strides (copied to unit inner stride when it has none).
+        weight: ``[H]``; all three of one dtype and device.
         eps: added to the mean square (the checkpoint's ``rms_norm_eps``).
 
     Returns:
