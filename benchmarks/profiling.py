@@ -20,14 +20,16 @@ class PySpyProfile:
     after ``delay_s`` it samples every thread that is running (not waiting) at 100 Hz for
     ``duration_s``, without pausing the process (``--nonblocking``), into collapsed stacks
     (``--format raw``: one ``frame;frame;... count`` line per distinct stack, the thread
-    first). ``stop()`` waits for it and returns where the samples went (:func:`stack_summary`)."""
+    first). With ``gil`` only the thread holding the GIL is sampled (``--gil``), so the
+    shares say who holds it. ``stop()`` waits for it and returns where the samples went
+    (:func:`stack_summary`)."""
 
-    def __init__(self, binary: str, pid: int, out: Path, delay_s: float, duration_s: float) -> None:
+    def __init__(self, binary: str, pid: int, out: Path, delay_s: float, duration_s: float, gil: bool = False) -> None:
         self.out, self.proc = out, None
         cmd = [
             binary, "record", "--pid", str(pid), "--rate", "100", "--duration", str(int(duration_s)),
             "--format", "raw", "--threads", "--subprocesses", "--nonblocking", "--output", str(out),
-        ]  # fmt: skip
+        ] + (["--gil"] if gil else [])  # fmt: skip
         self._timer = threading.Timer(delay_s, self._start, (cmd,))
         self._timer.start()
 

@@ -367,7 +367,7 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
             profile = None
             if args.py_spy and conc == max(args.concurrency):
                 raw = Path(args.out_dir) / f"py_spy_{size}{'_split' if args.split else ''}_c{conc}.txt"
-                profile = PySpyProfile(args.py_spy, proc.pid, raw, delay_s=3.0, duration_s=args.py_spy_s)
+                profile = PySpyProfile(args.py_spy, proc.pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
             out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
             level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc))  # noqa: B023 -- called at once
             record["levels"].append(level | sampler.stop() | (profile.stop() if profile else {}))
@@ -508,7 +508,11 @@ def print_compare(results: dict, frames: int) -> None:
                 )
         print(f"\n{r['size']}: mean TTFA by phase, ms (phase named by the mark that ends it)")
         for config in r.get("configs", []):
-            rows = [(f"c={lv['concurrency']}", lv.get("ttfa_phases_ms")) for lv in config["levels"] if "error" not in lv]
+            rows = []
+            for lv in config["levels"]:
+                if "error" not in lv:
+                    rows += [(f"c={lv['concurrency']}", lv.get("ttfa_phases_ms")),
+                             (f"c={lv['concurrency']} slow", lv.get("slowest_ttfa_phases_ms"))]
             if "varied_text_c1" in config and "error" not in config["varied_text_c1"]:
                 rows.append(("c=1 varied", config["varied_text_c1"].get("ttfa_phases_ms")))
             if "fresh_reference_ttfa_ms" in config:
@@ -637,6 +641,8 @@ def print_table(results: dict, frames: int) -> None:
             if "error" not in lv and lv.get("ttfa_phases_ms"):
                 load = f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s"
                 print(f"  {load:>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in lv["ttfa_phases_ms"].items()))
+                if slow := lv.get("slowest_ttfa_phases_ms"):
+                    print(f"  {'slowest 10%':>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in slow.items()))
         if "fresh_reference_ttfa_ms" in r:
             fresh = r["fresh_reference_ttfa_ms"]
             phases = "  ".join(f"{k} {v:.1f}" for k, v in fresh.get("phases_ms", {}).items())
@@ -718,6 +724,8 @@ def main() -> None:
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--py-spy", metavar="BIN", help="profile the server with this py-spy binary during the highest closed level (see PySpyProfile)")
     parser.add_argument("--py-spy-s", type=float, default=8.0, help="seconds the --py-spy profile samples")
+    parser.add_argument("--py-spy-delay-s", type=float, default=3.0, help="seconds into the level the --py-spy profile starts")
+    parser.add_argument("--py-spy-gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil)")
     parser.add_argument("--gpu-tests", action=argparse.BooleanOptionalAction, default=True, help="run the GPU-marked tests first")
     parser.add_argument("--gpu-tests-timeout-s", type=float, default=150.0)
     parser.add_argument("--device", default="cuda", help="cpu: a dry run of the whole script on a tiny checkpoint (--sizes tiny --no-peer)")

@@ -274,6 +274,8 @@ class LevelStats:
         ttfa_phases_ms: mean ms per TTFA phase over successful requests (module
             docstring), in timeline order; they sum to ``ttfa_ms.mean``. Empty when the
             server sent no timelines.
+        slowest_ttfa_phases_ms: the same means over the slowest tenth of the successful
+            requests by TTFA (at least one request): where the tail (p90-p99) waits.
     """
 
     concurrency: int
@@ -290,6 +292,14 @@ class LevelStats:
     errors: list[str]
     arrival_rate: float | None = None
     ttfa_phases_ms: dict[str, float] = field(default_factory=dict)
+    slowest_ttfa_phases_ms: dict[str, float] = field(default_factory=dict)
+
+
+def slowest_tenth(results: Sequence[SpeechResult]) -> list[SpeechResult]:
+    """The slowest ``ceil(n / 10)`` of ``results`` by TTFA (those without a TTFA left out),
+    slowest first."""
+    timed = sorted((r for r in results if r.ttfa_ms is not None), key=lambda r: r.ttfa_ms or 0.0, reverse=True)
+    return timed[: math.ceil(len(timed) / 10)]
 
 
 def mean_phases(results: Sequence[SpeechResult]) -> dict[str, float]:
@@ -334,6 +344,7 @@ def summarize_level(
         errors=errors,
         arrival_rate=arrival_rate,
         ttfa_phases_ms=mean_phases(ok),
+        slowest_ttfa_phases_ms=mean_phases(slowest_tenth(ok)),
     )
 
 
@@ -622,6 +633,9 @@ def _print_phases(report: SpeedReport, console: Console) -> None:
     for s in levels:
         cells = [_fmt(s.ttfa_phases_ms.get(name, 0.0)) for name in names]
         table.add_row(_load(s), *cells, _fmt(s.ttfa_ms.mean))
+        if s.slowest_ttfa_phases_ms:
+            slow = [s.slowest_ttfa_phases_ms.get(name, 0.0) for name in names]
+            table.add_row("  slowest 10%", *map(_fmt, slow), _fmt(sum(slow)))
     console.print(table)
 
 

@@ -478,6 +478,24 @@ def test_ttfa_phases_from_a_timeline_header_sum_to_the_ttfa():
     assert ttfa_phases("received=zero", 5.0) == ()
 
 
+def test_slowest_tenth_phases_average_the_tail_by_ttfa():
+    """20 requests whose TTFA is 10 * i ms, each split into an admission phase of i ms and
+    a prefill phase of the rest: the slowest tenth is the two slowest (i = 20, 19), so its
+    admission mean is 19.5 ms; a failure and a request without a TTFA are left out."""
+    results = [
+        SpeechResult(f"s{i}", True, latency_ms=100.0, ttfa_ms=10.0 * i, audio_s=1.0,
+                     ttfa_phases_ms=(("admitted", float(i)), ("engine.prefill", 9.0 * i)))
+        for i in range(1, 21)
+    ] + [_result(99, ok=False, error="boom")]
+    level = summarize_level(4, results, wall_s=1.0)
+    assert level.slowest_ttfa_phases_ms == pytest.approx({"admitted": 19.5, "engine.prefill": 175.5})
+    assert sum(level.slowest_ttfa_phases_ms.values()) == pytest.approx(195.0)
+    assert level.ttfa_phases_ms == pytest.approx({"admitted": 10.5, "engine.prefill": 94.5})
+    one = summarize_level(1, results[:1], wall_s=1.0)
+    assert one.slowest_ttfa_phases_ms == one.ttfa_phases_ms
+    assert summarize_level(1, [_result(1)], wall_s=1.0).slowest_ttfa_phases_ms == {}
+
+
 def _timed_server(arrivals: list[float]):
     """A fake endpoint that records arrival times and sends a timeline header."""
 
