@@ -258,6 +258,10 @@ def _exit_code(exc: SystemExit) -> int:
     return exc.code if isinstance(exc.code, int) else 1
 
 
+DEFAULT_SWITCH_INTERVAL_MS = 5.0
+"""``--gil-switch-interval-ms``'s default: CPython's own (``sys.getswitchinterval()`` is
+0.005 s unless changed)."""
+
 WS_MAX_BYTES = 4 * MAX_MESSAGE_CHARS
 """uvicorn's ``ws_max_size`` (bytes of one WebSocket message): a message the session takes
 has at most ``MAX_MESSAGE_CHARS`` characters, each at most 4 bytes of UTF-8, so none is
@@ -370,6 +374,17 @@ class ServeArgs:
         LoopImpl,
         typer.Option(help="uvicorn's event loop; auto: uvloop when installed, else asyncio's."),
     ] = LoopImpl.auto
+    gil_switch_interval_ms: Annotated[
+        float,
+        typer.Option(
+            help="Python's thread switch interval in ms (sys.setswitchinterval): how long a "
+            "thread waiting for the GIL lets the holder run before asking it to let go. "
+            "Requests pass between the server's threads (HTTP loop, stage workers, the "
+            "engine's and vocoder's loops), and each hand-off can wait this long under load.",
+            min=0.01,
+            max=100.0,
+        ),
+    ] = DEFAULT_SWITCH_INTERVAL_MS
     no_warmup: Annotated[
         bool, typer.Option("--no-warmup", help="Skip the warm-up request before reporting ready.")
     ] = False
@@ -405,6 +420,7 @@ def serve(ctx: typer.Context, *, model: ModelArgs, server: ServeArgs) -> None:
     _check_installed("--http", server.http.value)
     _check_installed("--loop", server.loop.value)
     settings = server.settings()
+    sys.setswitchinterval(server.gil_switch_interval_ms / 1000)
     console = Console(stderr=True)
     _configure_logging(console, server.log_level)
     try:

@@ -444,3 +444,21 @@ def test_a_choice_whose_package_is_missing_fails_at_start_naming_the_flag(
     monkeypatch.setitem(sys.modules, package, None)  # what an import sees when it is absent
     result = invoke("serve", "--model-path", "tone-test", "--port", str(free_port()), flag, package)
     assert_usage_error(result, f"{flag} {package}", f"the {package} package is not installed")
+
+
+def test_gil_switch_interval_is_set_before_the_server_runs(monkeypatch: pytest.MonkeyPatch):
+    """``--gil-switch-interval-ms 0.5`` is CPython's switch interval (0.0005 s) when the
+    server starts; the default keeps CPython's 5 ms; 0 is refused naming the flag."""
+    import omnistage.cli.serve as serve_module
+
+    seen: list[float] = []
+    monkeypatch.setattr(serve_module, "_run", lambda *args: seen.append(sys.getswitchinterval()))
+    original = sys.getswitchinterval()
+    try:
+        for given, expected in ((["--gil-switch-interval-ms", "0.5"], 0.0005), ([], 0.005)):
+            result = invoke("serve", "--model-path", "tone-test", "--port", str(free_port()), "--no-warmup", *given)
+            assert result.exit_code == 0, result.output
+            assert seen[-1] == pytest.approx(expected)
+    finally:
+        sys.setswitchinterval(original)
+    assert_usage_error(invoke("serve", "--model-path", "tone-test", "--gil-switch-interval-ms", "0"), "--gil-switch-interval-ms", "0")
