@@ -251,13 +251,14 @@ def with_server_cpu(server_pid: int, level_fn) -> dict:
 
 def bench_level(
     port: int, frames: int, ref: Path, out: Path, conc: int | None = None, rate: float | None = None,
-    n: int | None = None, texts: tuple[str, ...] = (TEXT,),
+    n: int | None = None, texts: tuple[str, ...] = (TEXT,), client_processes: int = 1,
 ) -> dict:
     """One ``omnistage bench speed`` level: closed loop at ``conc`` or open loop at ``rate``
     requests per second (``n`` requests); ``ref`` is a WAV under the server's allowed local
     media directory (a 3 s data URI is longer than one command-line argument may be). A
     level that fails is recorded (``{"concurrency"/"rate": ..., "error": ...}``), not raised,
-    so the levels after it still run. ``texts``: the target texts, cycled through."""
+    so the levels after it still run. ``texts``: the target texts, cycled through.
+    ``client_processes``: ``bench speed --client-processes`` of a closed level."""
     fields = {"ref_audio": str(ref), "ref_text": REF_TEXT, "max_new_tokens": frames, "min_new_tokens": frames, "language": "english"}
     cmd = [
         sys.executable, "-m", "omnistage.cli", "bench", "speed", "--base-url", f"http://127.0.0.1:{port}",
@@ -265,6 +266,7 @@ def bench_level(
     ]  # fmt: skip
     if rate is None:
         cmd += ["--concurrency", str(conc), "--num-requests", str(n or max(8, 2 * conc))]
+        cmd += ["--client-processes", str(client_processes)]
     else:
         cmd += ["--rate", f"{rate:.3f}", "--num-requests", str(n)]
     for key, value in fields.items():
@@ -369,7 +371,7 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
                 raw = Path(args.out_dir) / f"py_spy_{size}{'_split' if args.split else ''}_c{conc}.txt"
                 profile = PySpyProfile(args.py_spy, proc.pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
             out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
-            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc))  # noqa: B023 -- called at once
+            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=args.client_processes))  # noqa: B023 -- called at once
             record["levels"].append(level | sampler.stop() | (profile.stop() if profile else {}))
             save()
         saturation = max((lv["request_throughput"] for lv in record["levels"] if "error" not in lv), default=0.0)
@@ -467,7 +469,7 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
                 sampler = GpuSampler()
                 sampler.start()
                 out = Path(args.work_dir) / f"bench_{size}_{config['name']}_c{conc}.json"
-                level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc))  # noqa: B023 -- called at once
+                level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=args.client_processes))  # noqa: B023 -- called at once
                 config["levels"].append(level | sampler.stop())
             save()
     finally:
@@ -557,7 +559,7 @@ def second_server(
             sampler = GpuSampler()
             sampler.start()
             out = work / f"bench_{tag}_c{conc}.json"
-            level = with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc))  # noqa: B023 -- called at once
+            level = with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc, client_processes=args.client_processes))  # noqa: B023 -- called at once
             record["levels"].append(level | sampler.stop())
         if varied:
             record["varied_text_c1"] = varied_text_level(port + 1, proc.pid, args, ref, f"{tag}_varied")
@@ -725,6 +727,7 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="BIN", help="profile the server with this py-spy binary during the highest closed level (see PySpyProfile)")
     parser.add_argument("--py-spy-s", type=float, default=8.0, help="seconds the --py-spy profile samples")
     parser.add_argument("--py-spy-delay-s", type=float, default=3.0, help="seconds into the level the --py-spy profile starts")
+    parser.add_argument("--client-processes", type=int, default=1, help="bench speed --client-processes of the closed levels")
     parser.add_argument("--py-spy-gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil)")
     parser.add_argument("--gpu-tests", action=argparse.BooleanOptionalAction, default=True, help="run the GPU-marked tests first")
     parser.add_argument("--gpu-tests-timeout-s", type=float, default=150.0)

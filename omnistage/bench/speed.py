@@ -28,6 +28,14 @@ Metrics, per request:
   encoding, the network both ways, the client). Per level the mean of each phase is
   reported (a request without a mark counts 0 for it), so the phases sum to the mean TTFA.
 
+Client processes (``client_processes`` > 1, closed loops only): the level's requests are
+split over that many client processes, each with its own event loop, so a burst of
+arrivals is not queued behind one process's CPU. One process spends about 1 ms of CPU per
+streamed request (the development VM: building it, reading its chunks, decoding its pcm);
+at concurrency 128 the requests of a closed loop start and end together, and the last of a
+burst waits for the others' share of that in the ``client`` phase. Real clients are many
+processes on many machines.
+
 Per level: TTFA and latency p50/p90/p99 and mean (linear-interpolated percentiles over the
 successful requests), RTF mean and p50, audio throughput (seconds of audio per wall-clock
 second of the level), request throughput (successful requests per wall-clock second),
@@ -41,11 +49,14 @@ import dataclasses
 import io
 import json
 import math
+import multiprocessing
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -367,6 +378,9 @@ class SpeedOptions:
         warmup: unmeasured requests sent one by one before the first level.
         response_format: ``"pcm"`` (default) or ``"wav"`` (non-streaming only).
         show_progress: draw a rich progress bar.
+        client_processes: client processes a closed-loop level's requests are split over
+            (module docstring; 1: this process). Closed loops only: with ``rates`` it must
+            be 1.
     """
 
     target: SpeechTarget
@@ -378,6 +392,7 @@ class SpeedOptions:
     warmup: int = 1
     response_format: str = "pcm"
     show_progress: bool = True
+    client_processes: int = 1
 
     def __post_init__(self) -> None:
         if not (self.concurrencies or self.rates) or min(self.concurrencies, default=1) < 1:
@@ -392,6 +407,10 @@ class SpeedOptions:
             raise ValueError("warmup must be >= 0 and response_format 'pcm' or 'wav'")
         if self.stream and self.response_format != "pcm":
             raise ValueError("streaming is measured with response_format='pcm'")
+        if self.client_processes < 1 or (self.client_processes > 1 and self.rates):
+            raise ValueError(
+                f"client_processes must be >= 1, and 1 with open-loop rates; got {self.client_processes}"
+            )
 
 
 @dataclass(frozen=True)
@@ -412,8 +431,38 @@ class SpeedReport:
         return dataclasses.asdict(self)
 
 
-async def _run_level(
+async def _closed_loop(
     clients: ClientPool,
+    options: SpeedOptions,
+    samples: Sequence[BenchSample],
+    indices: Sequence[int],
+    concurrency: int,
+    on_done: Callable[[], object] = lambda: None,
+) -> list[SpeechResult]:
+    """The requests of sample ``indices`` (modulo the samples), ``concurrency`` in flight."""
+    jobs = iter(indices)
+    results: list[SpeechResult] = []
+
+    async def worker() -> None:
+        for index in jobs:  # one shared iterator: each index is taken by one worker
+            async with clients.client() as client:
+                results.append(
+                    await request_speech(
+                        client,
+                        options.target,
+                        samples[index % len(samples)],
+                        stream=options.stream,
+                        response_format=options.response_format,
+                    )
+                )
+            on_done()
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, len(indices)))))
+    return results
+
+
+async def _run_level(
+    clients: ClientPool | _ClientProcesses,
     options: SpeedOptions,
     samples: Sequence[BenchSample],
     concurrency: int,
@@ -421,27 +470,63 @@ async def _run_level(
 ) -> LevelStats:
     total = options.num_requests or max(len(samples), concurrency)
     task = progress.add_task(f"concurrency {concurrency}", total=total)
-    jobs = iter(range(total))
-    results: list[SpeechResult] = []
-
-    async def worker() -> None:
-        for index in jobs:  # one shared iterator: each index is taken by one worker
-            sample = samples[index % len(samples)]
-            async with clients.client() as client:
-                results.append(
-                    await request_speech(
-                        client,
-                        options.target,
-                        sample,
-                        stream=options.stream,
-                        response_format=options.response_format,
-                    )
-                )
-            progress.advance(task)
-
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(min(concurrency, total))))
+    if isinstance(clients, _ClientProcesses):
+        results = clients.closed_loop(range(total), concurrency)
+        progress.advance(task, total)
+    else:
+        results = await _closed_loop(clients, options, samples, range(total), concurrency, lambda: progress.advance(task))
     return summarize_level(concurrency, results, time.perf_counter() - start)
+
+
+class _ClientProcesses:
+    """``options.client_processes`` spawned client processes, each a :class:`ClientPool`
+    and an event loop of its own, started (imports done) before the first level.
+
+    A closed level's requests and concurrency are split as evenly as possible over ``m =
+    min(n, c, requests)`` of the ``n`` processes: process ``i`` takes the requests ``i, i +
+    m, i + 2m, ...`` with ``c // m`` (+1 for the first ``c % m``) of them in flight.
+
+    Raises:
+        RuntimeError: a client process exited (its exit code named).
+    """
+
+    def __init__(self, options: SpeedOptions, samples: Sequence[BenchSample]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._pipes: list[Connection] = []
+        self._processes: list[BaseProcess] = []
+        for _ in range(options.client_processes):
+            parent, child = context.Pipe()
+            process = context.Process(target=_client_process, args=(child, options, list(samples)), daemon=True)
+            process.start()
+            child.close()
+            self._pipes.append(parent)
+            self._processes.append(process)
+        for index in range(len(self._pipes)):
+            self._receive(index)  # "ready"
+
+    def closed_loop(self, indices: Sequence[int], concurrency: int) -> list[SpeechResult]:
+        m = min(len(self._pipes), concurrency, len(indices))
+        for i in range(m):
+            self._pipes[i].send((list(indices[i::m]), concurrency // m + (i < concurrency % m)))
+        return [result for i in range(m) for result in self._receive(i)]
+
+    def _receive(self, index: int) -> list[SpeechResult]:
+        try:
+            return self._pipes[index].recv()
+        except EOFError:
+            self._processes[index].join(timeout=5)
+            raise RuntimeError(
+                f"client process {index} exited (code {self._processes[index].exitcode})"
+            ) from None
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            pipe.close()  # the process sees EOF and returns
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
 
 
 async def _run_open_level(
@@ -529,6 +614,27 @@ class ClientPool:
         return client
 
 
+def _client_process(pipe: Connection, options: SpeedOptions, samples: list[BenchSample]) -> None:
+    """A client process of :class:`_ClientProcesses`: says it is ready, then runs each
+    ``(indices, concurrency)`` it is sent as a closed loop and sends the results back,
+    until the pipe closes."""
+
+    async def serve() -> None:
+        clients = ClientPool(options.target)
+        try:
+            pipe.send([])
+            while True:
+                try:
+                    indices, concurrency = pipe.recv()
+                except EOFError:
+                    return
+                pipe.send(await _closed_loop(clients, options, samples, indices, concurrency))
+        finally:
+            await clients.aclose()
+
+    asyncio.run(serve())
+
+
 async def run_speed(
     options: SpeedOptions,
     samples: Sequence[BenchSample],
@@ -536,12 +642,20 @@ async def run_speed(
 ) -> SpeedReport:
     """Run every concurrency level of ``options`` against ``samples`` (non-empty).
 
-    ``transport`` replaces httpx's network transport (tests pass an ``httpx.MockTransport``).
+    ``transport`` replaces httpx's network transport (tests pass an ``httpx.MockTransport``;
+    not with client processes, which have their own).
+
+    Raises:
+        ValueError: no samples, or a ``transport`` with ``options.client_processes`` > 1.
+        RuntimeError: a warm-up request failed, or a client process exited.
     """
     if not samples:
         raise ValueError("no samples to benchmark")
+    if transport is not None and options.client_processes > 1:
+        raise ValueError("client processes use the network: no transport with client_processes > 1")
     started = datetime.now(UTC).isoformat(timespec="seconds")
     clients = ClientPool(options.target, transport)
+    processes = _ClientProcesses(options, samples) if options.client_processes > 1 else None
     try:
         for index in range(options.warmup):
             async with clients.client() as client:
@@ -555,10 +669,12 @@ async def run_speed(
             if not warm.ok:
                 raise RuntimeError(f"warm-up request failed: {warm.error}")
         with Progress(disable=not options.show_progress) as progress:
-            levels = [await _run_level(clients, options, samples, c, progress) for c in options.concurrencies]
+            levels = [await _run_level(processes or clients, options, samples, c, progress) for c in options.concurrencies]
             levels += [await _run_open_level(clients, options, samples, rate, progress) for rate in options.rates]
     finally:
         await clients.aclose()
+        if processes is not None:
+            processes.close()
     return SpeedReport(
         base_url=options.target.base_url,
         model=options.target.model,

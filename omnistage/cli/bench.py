@@ -218,11 +218,22 @@ class SpeedArgs:
             help="Save a PNG chart here (needs matplotlib).", dir_okay=False, show_default=False
         ),
     ] = None
+    client_processes: Annotated[
+        int,
+        typer.Option(
+            help="Client processes a concurrency level's requests are split over (each its "
+            "own event loop), so a burst of requests is not queued behind one client's CPU; "
+            "concurrency levels only (not with --rate).",
+            min=1,
+        ),
+    ] = 1
 
     def options(self, target: SpeechTarget) -> SpeedOptions:
         """The run's options; exits with status 2 on flags that do not go together."""
         if self.stream and self.response_format is ResponseFormat.wav:
             fail("--response-format wav is measured with --no-stream only")
+        if self.client_processes > 1 and self.rate:
+            fail("--client-processes applies to --concurrency levels only, not with --rate")
         if self.plot is not None and importlib.util.find_spec("matplotlib") is None:
             fail("--plot needs matplotlib: pip install matplotlib")
         _check_writable(self.plot, "--plot")
@@ -235,6 +246,7 @@ class SpeedArgs:
             warmup=self.warmup,
             response_format=self.response_format.value,
             show_progress=sys.stdout.isatty(),
+            client_processes=self.client_processes,
         )
 
 

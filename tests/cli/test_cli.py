@@ -223,6 +223,8 @@ def test_bench_usage_errors_exit_2(tmp_path: Path):
     assert_usage_error(invoke(*base, "--extra", "input=hi"), "--extra input")
     assert_usage_error(invoke(*base, "--output", str(tmp_path / "nodir" / "o.json")), "--output")
     assert_usage_error(invoke(*base, "--response-format", "wav"), "--no-stream")
+    assert_usage_error(invoke(*base, "--client-processes", "2", "--rate", "1"), "--client-processes", "--rate")
+    assert_usage_error(invoke(*base, "--client-processes", "0"), "--client-processes")
     bad_list = tmp_path / "meta.lst"
     bad_list.write_text("only|three|fields\n")
     assert_usage_error(invoke(*base, "--meta-lst", str(bad_list)), "--meta-lst", "line 1")
