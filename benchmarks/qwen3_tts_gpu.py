@@ -57,6 +57,7 @@ import argparse
 import asyncio
 import base64
 import io
+import itertools
 import json
 import os
 import shlex
@@ -360,7 +361,7 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         ref = model_dir.parent / f"reference_{size}.wav"
         ref.write_bytes(reference_wav(7))
         record["levels"] = []
-        for conc in args.concurrency:
+        for conc, clients in itertools.product(args.concurrency, args.client_processes):
             if not budget.fits(level_cost_s(conc, args.frames) + args.reserve_s):
                 record["skipped"].append(f"concurrency {conc}")
                 continue
@@ -371,8 +372,8 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
                 raw = Path(args.out_dir) / f"py_spy_{size}{'_split' if args.split else ''}_c{conc}.txt"
                 profile = PySpyProfile(args.py_spy, proc.pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
             out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
-            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=args.client_processes))  # noqa: B023 -- called at once
-            record["levels"].append(level | sampler.stop() | (profile.stop() if profile else {}))
+            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=clients))  # noqa: B023 -- called at once
+            record["levels"].append(level | {"client_processes": clients} | sampler.stop() | (profile.stop() if profile else {}))
             save()
         saturation = max((lv["request_throughput"] for lv in record["levels"] if "error" not in lv), default=0.0)
         record["saturation_requests_per_s"] = saturation
@@ -469,7 +470,7 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
                 sampler = GpuSampler()
                 sampler.start()
                 out = Path(args.work_dir) / f"bench_{size}_{config['name']}_c{conc}.json"
-                level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=args.client_processes))  # noqa: B023 -- called at once
+                level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=args.client_processes[0]))  # noqa: B023 -- called at once
                 config["levels"].append(level | sampler.stop())
             save()
     finally:
@@ -559,7 +560,7 @@ def second_server(
             sampler = GpuSampler()
             sampler.start()
             out = work / f"bench_{tag}_c{conc}.json"
-            level = with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc, client_processes=args.client_processes))  # noqa: B023 -- called at once
+            level = with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc, client_processes=args.client_processes[0]))  # noqa: B023 -- called at once
             record["levels"].append(level | sampler.stop())
         if varied:
             record["varied_text_c1"] = varied_text_level(port + 1, proc.pid, args, ref, f"{tag}_varied")
@@ -620,7 +621,7 @@ def print_table(results: dict, frames: int) -> None:
             if "error" in lv:
                 load = f"c={lv['concurrency']}" if lv.get("rate") is None else f"{lv['rate']:.1f}/s"
             else:
-                load = f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s pk{lv['concurrency']}"
+                load = _load_name(lv) + ("" if lv.get("arrival_rate") is None else f" pk{lv['concurrency']}")
             if "error" in lv:
                 print(f"{r['size']:6} {load:>14} FAILED: {lv['error'][-200:]}")
                 continue
@@ -641,7 +642,7 @@ def print_table(results: dict, frames: int) -> None:
         print(f"\n{r['size']}: mean TTFA by phase, ms (phase named by the mark that ends it)")
         for lv in levels:
             if "error" not in lv and lv.get("ttfa_phases_ms"):
-                load = f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s"
+                load = _load_name(lv)
                 print(f"  {load:>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in lv["ttfa_phases_ms"].items()))
                 if slow := lv.get("slowest_ttfa_phases_ms"):
                     print(f"  {'slowest 10%':>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in slow.items()))
@@ -668,7 +669,10 @@ def print_table(results: dict, frames: int) -> None:
 
 
 def _load_name(lv: dict) -> str:
-    return f"c={lv['concurrency']}" if lv.get("arrival_rate") is None else f"{lv['arrival_rate']:.1f}/s"
+    if lv.get("arrival_rate") is not None:
+        return f"{lv['arrival_rate']:.1f}/s"
+    clients = lv.get("client_processes", 1)
+    return f"c={lv['concurrency']}" + (f" x{clients}" if clients > 1 else "")
 
 
 def print_prefix_comparison(r: dict) -> None:
@@ -727,7 +731,7 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="BIN", help="profile the server with this py-spy binary during the highest closed level (see PySpyProfile)")
     parser.add_argument("--py-spy-s", type=float, default=8.0, help="seconds the --py-spy profile samples")
     parser.add_argument("--py-spy-delay-s", type=float, default=3.0, help="seconds into the level the --py-spy profile starts")
-    parser.add_argument("--client-processes", type=int, default=1, help="bench speed --client-processes of the closed levels")
+    parser.add_argument("--client-processes", type=int, nargs="+", default=[1], help="bench speed --client-processes of the closed levels; several: each level once per value, in turn, against the same server (the other configurations and placements take the first)")
     parser.add_argument("--py-spy-gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil)")
     parser.add_argument("--gpu-tests", action=argparse.BooleanOptionalAction, default=True, help="run the GPU-marked tests first")
     parser.add_argument("--gpu-tests-timeout-s", type=float, default=150.0)
