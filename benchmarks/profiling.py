@@ -142,6 +142,42 @@ def mean_phases_between(before: dict[str, float], after: dict[str, float]) -> di
     return ranked | {"ttfa": round((after["ttfa_s"] - before["ttfa_s"]) / count * 1e3, 2)}
 
 
+def stage_batch_sums(base_url: str) -> dict[str, dict[str, float]]:
+    """Per stage the server's batch sums so far from ``GET /metrics``: ``"batches"``,
+    ``"seconds"`` (their summed wall time, ``omnistage_stage_batch_seconds``) and
+    ``"requests"`` (their summed sizes, ``omnistage_stage_batch_size``).
+
+    Raises:
+        httpx.HTTPError: the server did not answer.
+    """
+    response = httpx.get(f"{base_url}/metrics", timeout=30)
+    response.raise_for_status()
+    names = {"omnistage_stage_batch_seconds_count": "batches", "omnistage_stage_batch_seconds_sum": "seconds",
+             "omnistage_stage_batch_size_sum": "requests"}  # fmt: skip
+    sums: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name in names:
+                sums.setdefault(sample.labels["stage"], {})[names[sample.name]] = sample.value
+    return sums
+
+
+def stage_batches_between(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict]:
+    """Per stage that ran batches between two :func:`stage_batch_sums`: how many, their
+    mean wall ms and their mean size (requests)."""
+    out = {}
+    for stage, now in after.items():
+        then = before.get(stage, {})
+        batches = now.get("batches", 0.0) - then.get("batches", 0.0)
+        if batches > 0:
+            out[stage] = {
+                "batches": int(batches),
+                "mean_ms": round((now["seconds"] - then.get("seconds", 0.0)) / batches * 1e3, 2),
+                "mean_size": round((now["requests"] - then.get("requests", 0.0)) / batches, 1),
+            }
+    return out
+
+
 def kernel_table(fn, top: int, calls: int = 5) -> list[dict]:  # noqa: ANN001 -- any callable
     """The CUDA kernels ``fn()`` launches, from ``torch.profiler`` over ``calls`` calls after
     one warm call (device-synchronized): per kernel name its device ms and launches per call

@@ -27,7 +27,12 @@ cannot end it early):
 Every level records the server's CPU time per request and its CPU use (CPU seconds per
 wall second of the server process and its children, from ``/proc``: above 1 means more
 than one thread's worth of host work), and the server's TTFA decomposition (``X-Timeline``: admission,
-preprocessing, engine queue, prefill + first frame, first vocoder chunk, client). Then
+preprocessing, engine queue, prefill + first frame, first vocoder chunk, client), its mean
+and its slowest tenth's. The closed levels of the first step also record each stage's
+batches (``stage_batches``: count, mean wall ms, mean requests, from ``GET /metrics``
+before and after the level, the bench's warm-up requests included; the engine's batch is
+one step), and ``--client-processes 1 4`` runs each of them once per client-process count
+against the same server. Then
 ``benchmarks/peers_gpu.py`` measures faster-qwen3-tts streaming TTFA (chunk 1 is its
 smallest) on the first size's checkpoint, in the image's own transformers, and the ratio
 of our concurrency-1 TTFA p50 to it is reported.
@@ -71,7 +76,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import soundfile
-from profiling import PySpyProfile, print_profile
+from profiling import PySpyProfile, print_profile, stage_batch_sums, stage_batches_between
 
 from omnistage.bench import BenchSample, SpeechTarget
 from omnistage.bench.speed import SpeechResult, mean_phases, request_speech
@@ -372,7 +377,9 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
                 raw = Path(args.out_dir) / f"py_spy_{size}{'_split' if args.split else ''}_c{conc}.txt"
                 profile = PySpyProfile(args.py_spy, proc.pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
             out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
+            batches_before = stage_batch_sums(f"http://127.0.0.1:{port}")
             level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=clients))  # noqa: B023 -- called at once
+            level["stage_batches"] = stage_batches_between(batches_before, stage_batch_sums(f"http://127.0.0.1:{port}"))
             record["levels"].append(level | {"client_processes": clients} | sampler.stop() | (profile.stop() if profile else {}))
             save()
         saturation = max((lv["request_throughput"] for lv in record["levels"] if "error" not in lv), default=0.0)
@@ -646,6 +653,9 @@ def print_table(results: dict, frames: int) -> None:
                 print(f"  {load:>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in lv["ttfa_phases_ms"].items()))
                 if slow := lv.get("slowest_ttfa_phases_ms"):
                     print(f"  {'slowest 10%':>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in slow.items()))
+                if batches := lv.get("stage_batches"):
+                    print(f"  {'batches':>10}: " + "  ".join(
+                        f"{k} {b['batches']} x {b['mean_ms']:.1f} ms (mean {b['mean_size']:.0f} requests)" for k, b in batches.items()))
         if "fresh_reference_ttfa_ms" in r:
             fresh = r["fresh_reference_ttfa_ms"]
             phases = "  ".join(f"{k} {v:.1f}" for k, v in fresh.get("phases_ms", {}).items())

@@ -30,11 +30,10 @@ Metrics, per request:
 
 Client processes (``client_processes`` > 1, closed loops only): the level's requests are
 split over that many client processes, each with its own event loop, so a burst of
-arrivals is not queued behind one process's CPU. One process spends about 1 ms of CPU per
-streamed request (the development VM: building it, reading its chunks, decoding its pcm);
-at concurrency 128 the requests of a closed loop start and end together, and the last of a
-burst waits for the others' share of that in the ``client`` phase. Real clients are many
-processes on many machines.
+arrivals is not queued behind one process's CPU (about 1 ms per streamed request on the
+development VM: building it, reading its chunks, decoding its pcm). Real clients are many
+processes on many machines. At concurrency 128 against Qwen3-TTS on an H100, four
+processes left the ``client`` phase where one had it (benchmarks/README.md).
 
 Per level: TTFA and latency p50/p90/p99 and mean (linear-interpolated percentiles over the
 successful requests), RTF mean and p50, audio throughput (seconds of audio per wall-clock

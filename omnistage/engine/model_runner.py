@@ -105,7 +105,8 @@ class ARModelSpec:
     """What the engine needs to know about a model.
 
     Attributes:
-        num_layers, num_kv_heads, head_dim: backbone attention geometry (KV pool layout).
+        num_layers, num_heads, num_kv_heads, head_dim: backbone attention geometry (query
+            heads; the KV pool's layout).
         hidden_size: ``H``, width of input embeddings and hidden states.
         vocab_size: code-0 (token) vocabulary, the width of :meth:`ARModel.head_logits`.
         num_code_groups: ``G`` codes per frame (1 for a token LM).
@@ -124,6 +125,7 @@ class ARModelSpec:
     """
 
     num_layers: int
+    num_heads: int
     num_kv_heads: int
     head_dim: int
     hidden_size: int
@@ -206,6 +208,7 @@ class ModelRunner:
         spec = model.spec
         self.model, self.spec, self.cache = model, spec, cache
         self.attn = PagedAttention(cache, decode_attention)
+        self.attn.decide_fused(spec.num_heads)  # at start-up, not at a live prefill
         device, slots = spec.device, max_num_seqs + 1
         self.scratch_slot, self.scratch_row = max_num_seqs, num_step_rows
         self.last_codes = torch.zeros(slots, spec.num_code_groups, dtype=torch.int64, device=device)

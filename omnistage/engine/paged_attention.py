@@ -253,7 +253,14 @@ class PagedAttention:
             per sequence; None: decided by :func:`flash_varlen_usable` on the first prefill
             (from its shapes, dtype and device).
         fused_prefix_prefill: the same for a prefill over cached prefixes (instead of
-            :func:`prefix_prefill_attention`); None: decided on the first such prefill.
+            :func:`prefix_prefill_attention`); None: decided on the first prefill too, of
+            either form.
+
+    The engine decides both at start-up (:meth:`decide_fused`, from the model's heads):
+    its first eager prefill comes with live traffic (a prefill of a few tokens replays a
+    graph that does not come here), and in a served run on an H100 (benchmarks/README.md,
+    2026-12-07 third session) the first probe held the GIL for 0.4 s, importing
+    ``torch.nn.attention.varlen``.
     """
 
     def __init__(
@@ -304,11 +311,11 @@ class PagedAttention:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]
         k_cache.index_copy_(0, self._slots, k)
         v_cache.index_copy_(0, self._slots, v)
+        if self._seq_lens is not None:
+            self.decide_fused(q.shape[1])
         if self._seq_lens is not None and self._context is not None:
             return self._prefix_prefill(q, k_cache, v_cache, self._seq_lens, *self._context)
         if self._seq_lens is not None:
-            if self.fused_prefill is None:
-                self.fused_prefill = flash_varlen_usable(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[2])
             if self.fused_prefill and self._cu_seqlens is not None:
                 return flash_varlen_prefill(q, k, v, self._cu_seqlens[: len(self._seq_lens) + 1], max(self._seq_lens))
             return varlen_prefill_attention(q, k, v, self._seq_lens)
@@ -316,12 +323,21 @@ class PagedAttention:
             q, k_cache, v_cache, self._block_tables, self._context_lens, self.cache.block_size
         )
 
+    def decide_fused(self, num_heads: int) -> None:
+        """Decide both prefill forms where not decided yet (:func:`flash_varlen_usable`
+        with the pool's dtype, device, KV heads and head size, and ``num_heads`` query
+        heads; on a CPU pool both are False at once)."""
+        _, _, num_kv_heads, head_dim = self.cache.k.shape
+        geometry = (self.cache.k.device, self.cache.k.dtype, num_heads, num_kv_heads, head_dim)
+        if self.fused_prefill is None:
+            self.fused_prefill = flash_varlen_usable(*geometry)
+        if self.fused_prefix_prefill is None:
+            self.fused_prefix_prefill = flash_varlen_usable(*geometry, with_context=True)
+
     def _prefix_prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_lens: list[int],
         context_slots: torch.Tensor, context_lens: list[int],
     ) -> torch.Tensor:
-        if self.fused_prefix_prefill is None:
-            self.fused_prefix_prefill = flash_varlen_usable(q.device, q.dtype, q.shape[1], k_cache.shape[1], q.shape[2], with_context=True)
         if not (self.fused_prefix_prefill and self._cu_seqlens is not None):
             return prefix_prefill_attention(q, k_cache, v_cache, context_slots, seq_lens, context_lens)
         cu_q, cu_k = self._cu_seqlens[: len(seq_lens) + 1], self._cu_seqlens[len(seq_lens) + 1 :]

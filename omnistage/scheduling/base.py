@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -86,7 +87,8 @@ class Scheduler(ABC):
         self._outbox: StageOutbox | None = None
         self._inbox: queue.SimpleQueue[StageInput | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self.batch_observer: Callable[[int], None] | None = None  # e.g. a metrics histogram
+        # (batch size, wall seconds) of each batch run_batch ran, e.g. metrics histograms
+        self.batch_observer: Callable[[int, float], None] | None = None
         self.faults: FaultInjector | None = None  # OMNISTAGE_FAULTS (tests, soak runs)
 
     @property
@@ -162,10 +164,10 @@ class Scheduler(ABC):
 
     def run_batch(self, request_ids: Iterable[str], compute: Callable[[], None]) -> bool:
         """The batch boundary: run ``compute``; if it raises, fail every request of the
-        batch (releasing their state) and return False. Returns True on success."""
+        batch (releasing their state) and return False. Returns True on success. Either way
+        :attr:`batch_observer` gets the batch's size and wall seconds."""
         ids = list(request_ids)
-        if self.batch_observer is not None:
-            self.batch_observer(len(ids))
+        start, ok = time.perf_counter(), True
         try:
             if self.faults is not None:
                 self.faults.before_batch()
@@ -175,5 +177,7 @@ class Scheduler(ABC):
             for request_id in ids:
                 self.release(request_id)
                 self.outbox.fail(request_id, exc)
-            return False
-        return True
+            ok = False
+        if self.batch_observer is not None:
+            self.batch_observer(len(ids), time.perf_counter() - start)
+        return ok

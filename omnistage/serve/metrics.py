@@ -58,6 +58,11 @@ LATENCY_BUCKETS = (
 RTF_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 #: Batch-size buckets (requests per batch): 1 .. 256.
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+#: Batch wall-time buckets, seconds: 0.5 ms .. 5 s (an engine step is 5-30 ms on a GPU).
+BATCH_SECONDS_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.25, 0.5, 1.0, 5.0,
+)  # fmt: skip
 
 
 def _check_non_negative(name: str, value: float) -> None:
@@ -114,6 +119,12 @@ class ServerMetrics:
         self._batch = Histogram(
             "omnistage_stage_batch_size", "Requests per batch a stage computed.",
             ["stage"], buckets=BATCH_BUCKETS, registry=r,
+        )  # fmt: skip
+        self._batch_seconds = Histogram(
+            "omnistage_stage_batch_seconds",
+            "Wall seconds of one batch of a stage (an AR engine's: one step, launched and "
+            "waited for), failed batches included.",
+            ["stage"], buckets=BATCH_SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
 
     def request_started(self) -> None:
@@ -173,11 +184,18 @@ class ServerMetrics:
         _check_non_negative("n", n)
         self._stage_depth.labels(stage).set(n)
 
-    def observe_batch(self, stage: str, size: int) -> None:
-        """Record that ``stage`` computed a batch of ``size`` requests (>= 1)."""
+    def observe_batch(self, stage: str, size: int, seconds: float) -> None:
+        """Record that ``stage`` computed a batch of ``size`` requests (>= 1) in ``seconds``
+        of wall time (>= 0).
+
+        Raises:
+            ValueError: ``size`` < 1, or ``seconds`` negative or not finite (nothing recorded).
+        """
         if size < 1:
             raise ValueError(f"batch size must be >= 1, got {size}")
+        _check_non_negative("seconds", seconds)
         self._batch.labels(stage).observe(size)
+        self._batch_seconds.labels(stage).observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry and its content type."""

@@ -82,7 +82,7 @@ class ToyTalker(nn.Module):
         if self.predictor is not None:
             self.predictor.model.fuse_projections()
         self.spec = ARModelSpec(
-            c.num_layers, c.num_kv_heads, c.head_dim, c.hidden_size, c.vocab_size,
+            c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size, c.vocab_size,
             c.num_code_groups, c.code_vocab_size, dtype, torch.device(device), position_rows=3 if c.mrope else 1,
             hidden_layers=c.hidden_layers, hidden_addition_layers=c.hidden_addition_layers,
         )

@@ -238,6 +238,13 @@ def test_a_failing_step_fails_only_its_batch_and_frees_its_blocks(monkeypatch):
     assert_nothing_held(engine)
 
 
+def test_the_engine_decides_its_prefill_attention_forms_at_construction():
+    """Both prefill forms (whole prompts; over cached prefixes) are settled when the engine
+    is built, before any request: on a CPU, the per-sequence loops."""
+    attn = engine_for().runner.attn
+    assert (attn.fused_prefill, attn.fused_prefix_prefill) == (False, False)
+
+
 def test_a_request_on_an_idle_engine_is_prefilled_at_once():
     engine = engine_for(prefill_hold_ms=1000.0)
     engine.add_request("a", request(3, 5), now=0.0)

@@ -114,14 +114,29 @@ def test_paged_backend_prefill_then_decode_equals_the_dense_cache():
 
 def test_cpu_prefills_one_sequence_at_a_time():
     """The fused varlen kernel is CUDA-only; a CPU backend decides for the per-sequence
-    loop on its first prefill (the path the other tests pin)."""
+    loop on its first prefill (the path the other tests pin), for the prefix form too."""
     assert not flash_varlen_usable(torch.device("cpu"), torch.float32, 4, 2, 8)
     cache = PagedKVCache(num_blocks=4, num_layers=1, num_kv_heads=2, head_dim=8, block_size=16, dtype=torch.float32, device="cpu")
     attn = PagedAttention(cache, paged_decode_reference)
     attn.prepare_prefill(torch.arange(5), [2, 3])
     q, k, v = torch.randn(5, 4, 8), torch.randn(5, 2, 8), torch.randn(5, 2, 8)
     torch.testing.assert_close(attn(0, q, k, v), varlen_prefill_attention(q, k, v, [2, 3]))
-    assert attn.fused_prefill is False
+    assert attn.fused_prefill is False and attn.fused_prefix_prefill is False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_decide_fused_probes_both_prefill_forms_before_any_prefill():
+    """On CUDA, :meth:`PagedAttention.decide_fused` (the engine's start-up call) settles both
+    prefill forms from the pool's geometry and the query heads, before any prefill."""
+    hq, hkv, d = 16, 8, 128
+    cache = PagedKVCache(num_blocks=4, num_layers=1, num_kv_heads=hkv, head_dim=d, block_size=16,
+                         dtype=torch.bfloat16, device=torch.device("cuda"))
+    attn = PagedAttention(cache, paged_decode_reference)
+    attn.decide_fused(hq)
+    device = torch.device("cuda")
+    assert attn.fused_prefill is flash_varlen_usable(device, torch.bfloat16, hq, hkv, d)
+    assert attn.fused_prefix_prefill is flash_varlen_usable(device, torch.bfloat16, hq, hkv, d, with_context=True)
 
 
 @pytest.mark.gpu

@@ -38,6 +38,7 @@ def test_render_content_type_and_prefix():
         "omnistage_requests_queued",
         "omnistage_stage_queue_depth",
         "omnistage_stage_batch_size",
+        "omnistage_stage_batch_seconds",
     }
 
 
@@ -98,9 +99,9 @@ def test_queue_gauges_and_batches_per_stage():
     m.set_stage_queue_depth("talker", 5)
     m.set_stage_queue_depth("vocoder", 1)
     m.set_stage_queue_depth("talker", 2)
-    m.observe_batch("talker", 8)
-    m.observe_batch("talker", 3)
-    m.observe_batch("vocoder", 1)
+    m.observe_batch("talker", 8, 0.012)
+    m.observe_batch("talker", 3, 0.004)
+    m.observe_batch("vocoder", 1, 0.2)
     s = samples(m)
     assert s[("omnistage_requests_queued", ())] == 3
     assert s[("omnistage_stage_queue_depth", (("stage", "talker"),))] == 2
@@ -109,6 +110,10 @@ def test_queue_gauges_and_batches_per_stage():
     assert s[("omnistage_stage_batch_size_bucket", talker)] == 1
     assert s[("omnistage_stage_batch_size_sum", (("stage", "talker"),))] == 11
     assert s[("omnistage_stage_batch_size_count", (("stage", "vocoder"),))] == 1
+    assert s[("omnistage_stage_batch_seconds_sum", (("stage", "talker"),))] == pytest.approx(0.016)
+    assert s[("omnistage_stage_batch_seconds_bucket", (("le", "0.005"), ("stage", "talker")))] == 1
+    assert s[("omnistage_stage_batch_seconds_bucket", (("le", "0.015"), ("stage", "talker")))] == 2
+    assert s[("omnistage_stage_batch_seconds_count", (("stage", "vocoder"),))] == 1
 
 
 @pytest.mark.parametrize(
@@ -120,7 +125,9 @@ def test_queue_gauges_and_batches_per_stage():
         lambda m: m.request_finished(200, "stop", latency_s=1.0, audio_s=math.inf),
         lambda m: m.set_queued(-1),
         lambda m: m.set_stage_queue_depth("s", -1),
-        lambda m: m.observe_batch("s", 0),
+        lambda m: m.observe_batch("s", 0, 0.1),
+        lambda m: m.observe_batch("s", 1, -0.1),
+        lambda m: m.observe_batch("s", 1, math.nan),
     ],
 )
 def test_bad_observations_raise_and_record_nothing(call):

@@ -38,7 +38,7 @@ class ThinkerEngineModel:
         c = thinker.config.text
         weight = thinker.lm_head.weight
         self.spec = ARModelSpec(
-            num_layers=c.num_layers, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
+            num_layers=c.num_layers, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, hidden_size=c.hidden_size,
             vocab_size=c.vocab_size, num_code_groups=1, code_vocab_size=0, dtype=weight.dtype, device=weight.device,
             position_rows=3, hidden_layers=hidden_layers, hidden_addition_layers=thinker.config.deepstack_layers,
         )  # fmt: skip
@@ -97,7 +97,7 @@ class TalkerEngineModel:
         c = talker.config
         weight = talker.codec_head.weight
         self.spec = ARModelSpec(
-            num_layers=c.text.num_layers, num_kv_heads=c.text.num_kv_heads, head_dim=c.text.head_dim,
+            num_layers=c.text.num_layers, num_heads=c.text.num_heads, num_kv_heads=c.text.num_kv_heads, head_dim=c.text.head_dim,
             hidden_size=c.text.hidden_size, vocab_size=c.text.vocab_size, num_code_groups=c.num_code_groups,
             code_vocab_size=c.code_predictor.decoder.vocab_size, dtype=weight.dtype, device=weight.device,
             position_rows=3,

@@ -26,6 +26,7 @@ class Qwen3TTSEngineModel:
         weight = talker.codec_head.weight
         self.spec = ARModelSpec(
             num_layers=decoder.num_layers,
+            num_heads=decoder.num_heads,
             num_kv_heads=decoder.num_kv_heads,
             head_dim=decoder.head_dim,
             hidden_size=decoder.hidden_size,
