@@ -306,6 +306,15 @@ async def fresh_reference_ttfa(port: int, frames: int, count: int) -> list[Speec
 FRESH_COST_S = 8 * (0.3 + 125 * 0.01)  # eight sequential fresh-reference requests, about
 
 
+def scrape_batches(port: int) -> dict[str, dict[str, float]] | str:
+    """:func:`profiling.stage_batch_sums` of the server on ``port``, or why not (a level's
+    record keeps the error instead of the run stopping)."""
+    try:
+        return stage_batch_sums(f"http://127.0.0.1:{port}")
+    except httpx.HTTPError as exc:
+        return f"GET /metrics failed: {exc!r}"
+
+
 def fresh_reference_level(port: int, frames: int) -> dict:
     """TTFA of eight sequential requests with fresh references: p50, each, mean phases, and
     each phase's median (``phases_p50_ms``: the first request, on a new connection and cold
@@ -374,12 +383,17 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
             sampler.start()
             profile = None
             if args.py_spy and conc == max(args.concurrency):
-                raw = Path(args.out_dir) / f"py_spy_{size}{'_split' if args.split else ''}_c{conc}.txt"
+                raw = Path(args.out_dir) / f"py_spy_{size}{'_split' if args.split else ''}_c{conc}{f'_x{clients}' if clients > 1 else ''}.txt"
                 profile = PySpyProfile(args.py_spy, proc.pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
             out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
-            batches_before = stage_batch_sums(f"http://127.0.0.1:{port}")
+            batches_before = scrape_batches(port)
             level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=clients))  # noqa: B023 -- called at once
-            level["stage_batches"] = stage_batches_between(batches_before, stage_batch_sums(f"http://127.0.0.1:{port}"))
+            batches_after = scrape_batches(port)
+            level["stage_batches"] = (
+                stage_batches_between(batches_before, batches_after)
+                if isinstance(batches_before, dict) and isinstance(batches_after, dict)
+                else {"error": str(batches_before if isinstance(batches_before, str) else batches_after)}
+            )
             record["levels"].append(level | {"client_processes": clients} | sampler.stop() | (profile.stop() if profile else {}))
             save()
         saturation = max((lv["request_throughput"] for lv in record["levels"] if "error" not in lv), default=0.0)

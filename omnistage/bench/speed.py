@@ -57,7 +57,7 @@ from datetime import UTC, datetime
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 import numpy as np
@@ -84,6 +84,8 @@ __all__ = [
     "print_speed_report",
     "request_speech",
     "run_speed",
+    "slowest_tenth",
+    "split_closed_loop",
     "summarize_level",
     "ttfa_phases",
     "write_speed_json",
@@ -482,50 +484,85 @@ class _ClientProcesses:
     """``options.client_processes`` spawned client processes, each a :class:`ClientPool`
     and an event loop of its own, started (imports done) before the first level.
 
-    A closed level's requests and concurrency are split as evenly as possible over ``m =
-    min(n, c, requests)`` of the ``n`` processes: process ``i`` takes the requests ``i, i +
-    m, i + 2m, ...`` with ``c // m`` (+1 for the first ``c % m``) of them in flight.
+    A closed level is split by :func:`split_closed_loop`.
 
     Raises:
-        RuntimeError: a client process exited (its exit code named).
+        RuntimeError: a client process exited (its exit code named); the others are killed.
     """
 
     def __init__(self, options: SpeedOptions, samples: Sequence[BenchSample]) -> None:
         context = multiprocessing.get_context("spawn")
         self._pipes: list[Connection] = []
         self._processes: list[BaseProcess] = []
-        for _ in range(options.client_processes):
-            parent, child = context.Pipe()
-            process = context.Process(target=_client_process, args=(child, options, list(samples)), daemon=True)
-            process.start()
-            child.close()
-            self._pipes.append(parent)
-            self._processes.append(process)
-        for index in range(len(self._pipes)):
-            self._receive(index)  # "ready"
+        try:
+            for _ in range(options.client_processes):
+                parent, child = context.Pipe()
+                process = context.Process(target=_client_process, args=(child, options, list(samples)), daemon=True)
+                process.start()
+                child.close()
+                self._pipes.append(parent)
+                self._processes.append(process)
+            for index in range(len(self._pipes)):
+                self._receive(index)  # "ready"
+        except BaseException:
+            self.close(kill=True)
+            raise
 
     def closed_loop(self, indices: Sequence[int], concurrency: int) -> list[SpeechResult]:
-        m = min(len(self._pipes), concurrency, len(indices))
-        for i in range(m):
-            self._pipes[i].send((list(indices[i::m]), concurrency // m + (i < concurrency % m)))
-        return [result for i in range(m) for result in self._receive(i)]
+        parts = split_closed_loop(indices, concurrency, len(self._pipes))
+        for index, part in enumerate(parts):
+            try:
+                self._pipes[index].send(part)
+            except BrokenPipeError:
+                self._exited(index)
+        return [result for index in range(len(parts)) for result in self._receive(index)]
 
     def _receive(self, index: int) -> list[SpeechResult]:
         try:
             return self._pipes[index].recv()
         except EOFError:
-            self._processes[index].join(timeout=5)
-            raise RuntimeError(
-                f"client process {index} exited (code {self._processes[index].exitcode})"
-            ) from None
+            self._exited(index)
 
-    def close(self) -> None:
+    def _exited(self, index: int) -> NoReturn:
+        self._processes[index].join(timeout=5)
+        code = self._processes[index].exitcode
+        self.close(kill=True)
+        raise RuntimeError(f"client process {index} exited (code {code})")
+
+    def close(self, kill: bool = False) -> None:
+        """End the processes: closing their pipes ends them after their level; ``kill``
+        (an error's path) does not wait for that."""
         for pipe in self._pipes:
             pipe.close()  # the process sees EOF and returns
         for process in self._processes:
-            process.join(timeout=10)
+            if not kill:
+                process.join(timeout=10)
             if process.is_alive():
                 process.kill()
+                process.join(timeout=5)
+
+
+def split_closed_loop(indices: Sequence[int], concurrency: int, processes: int) -> list[tuple[list[int], int]]:
+    """A closed level of requests ``indices`` (non-empty) at ``concurrency`` (>= 1) split
+    over at most ``processes`` (>= 1) client processes: ``(their request indices, their
+    concurrency)`` for each of ``m = min(processes, c)`` of them, where ``c =
+    min(concurrency, len(indices))`` is what can be in flight.
+
+    The ``c`` is split as evenly as possible (``c // m``, +1 for the first ``c % m``) and
+    the requests in proportion to it: the level's ``c`` slots are numbered, each belongs
+    to one process, and request ``j`` goes to the owner of slot ``j mod c``. So every
+    process runs about ``len(indices) / c`` rounds and they end together; an even split
+    of the requests would leave the processes with fewer slots running alone at the end,
+    below ``c`` in flight.
+    """
+    c = min(concurrency, len(indices))
+    m = min(processes, c)
+    shares = [c // m + (i < c % m) for i in range(m)]
+    owner = [i for i, share in enumerate(shares) for _ in range(share)]
+    parts: list[list[int]] = [[] for _ in range(m)]
+    for j, index in enumerate(indices):
+        parts[owner[j % c]].append(index)
+    return list(zip(parts, shares, strict=True))
 
 
 async def _run_open_level(

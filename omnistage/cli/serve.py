@@ -377,10 +377,11 @@ class ServeArgs:
     gil_switch_interval_ms: Annotated[
         float,
         typer.Option(
-            help="Python's thread switch interval in ms (sys.setswitchinterval): how long a "
-            "thread waiting for the GIL lets the holder run before asking it to let go. "
-            "Requests pass between the server's threads (HTTP loop, stage workers, the "
-            "engine's and vocoder's loops), and each hand-off can wait this long under load.",
+            help="Python's thread switch interval in ms (sys.setswitchinterval) in the server "
+            "process: how long a thread waiting for the GIL lets the holder run before asking "
+            "it to let go. Requests pass between its threads (HTTP loop, and the stages placed "
+            "in it: their workers, an engine's or vocoder's loop), and each hand-off can wait "
+            "this long under load. Stages in processes of their own keep CPython's default.",
             min=0.01,
             max=100.0,
         ),

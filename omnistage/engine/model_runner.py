@@ -122,6 +122,9 @@ class ARModelSpec:
         hidden_addition_layers: how many first layers a request's
             :class:`~omnistage.engine.sequence.HiddenAdditions` may cover (0: the model
             takes none; else its ``forward`` / ``forward_with_hidden`` take ``additions``).
+
+    Raises:
+        ValueError: ``num_heads`` is not a positive multiple of ``num_kv_heads``.
     """
 
     num_layers: int
@@ -137,6 +140,12 @@ class ARModelSpec:
     position_rows: int = 1
     hidden_layers: tuple[int, ...] = ()
     hidden_addition_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if not (self.num_kv_heads >= 1 and self.num_heads >= 1 and self.num_heads % self.num_kv_heads == 0):
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a positive multiple of num_kv_heads ({self.num_kv_heads})"
+            )
 
 
 class ARModel(Protocol):

@@ -250,13 +250,12 @@ class PagedAttention:
         cache: the pool.
         decode_attention: from :func:`decode_attention_for`.
         fused_prefill: prefill with :func:`flash_varlen_prefill` instead of one SDPA call
-            per sequence; None: decided by :func:`flash_varlen_usable` on the first prefill
-            (from its shapes, dtype and device).
+            per sequence; None: decided by :meth:`decide_fused`, or else by the first
+            prefill (from its query heads).
         fused_prefix_prefill: the same for a prefill over cached prefixes (instead of
-            :func:`prefix_prefill_attention`); None: decided on the first prefill too, of
-            either form.
+            :func:`prefix_prefill_attention`), decided with it.
 
-    The engine decides both at start-up (:meth:`decide_fused`, from the model's heads):
+    The engine decides both when it is built (:meth:`decide_fused`, from the model's heads):
     its first eager prefill comes with live traffic (a prefill of a few tokens replays a
     graph that does not come here), and in a served run on an H100 (benchmarks/README.md,
     2026-12-07 third session) the first probe held the GIL for 0.4 s, importing

@@ -481,7 +481,7 @@ def test_ttfa_phases_from_a_timeline_header_sum_to_the_ttfa():
 def test_slowest_tenth_phases_average_the_tail_by_ttfa():
     """20 requests whose TTFA is 10 * i ms, each split into an admission phase of i ms and
     a prefill phase of the rest: the slowest tenth is the two slowest (i = 20, 19), so its
-    admission mean is 19.5 ms; a failure and a request without a TTFA are left out."""
+    admission mean is 19.5 ms; a failure is left out."""
     results = [
         SpeechResult(f"s{i}", True, latency_ms=100.0, ttfa_ms=10.0 * i, audio_s=1.0,
                      ttfa_phases_ms=(("admitted", float(i)), ("engine.prefill", 9.0 * i)))

@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from omnistage.bench.dataset import BenchSample
-from omnistage.bench.speed import SpeechTarget, SpeedOptions, run_speed
+from omnistage.bench.speed import SpeechTarget, SpeedOptions, run_speed, split_closed_loop
 from tests.serve.conftest import run_uvicorn
 
 CONCURRENCY = 4
@@ -93,3 +93,21 @@ def test_client_processes_are_refused_with_open_loop_rates_or_a_mock_transport()
     options = SpeedOptions(target, warmup=0, client_processes=2)
     with pytest.raises(ValueError, match="no transport"):
         asyncio.run(run_speed(options, [BenchSample("s", "x")], transport=object()))
+
+
+@pytest.mark.parametrize(
+    ("requests", "concurrency", "processes", "shares"),
+    [(12, 3, 2, [2, 1]), (256, 128, 4, [32] * 4), (256, 128, 3, [43, 43, 42]), (5, 2, 4, [1, 1]), (2, 8, 4, [1, 1]),
+     (7, 1, 3, [1])],
+)
+def test_a_closed_level_is_split_by_slots_and_its_requests_in_proportion(requests, concurrency, processes, shares):
+    """Each request goes to exactly one process; the concurrencies are as even as possible
+    and sum to what can be in flight; each process's requests are in proportion to its
+    concurrency (within one round), so no process runs alone at the end."""
+    parts = split_closed_loop(range(requests), concurrency, processes)
+    assert [share for _, share in parts] == shares
+    assert sorted(i for part, _ in parts for i in part) == list(range(requests))
+    rounds = requests / sum(shares)
+    for part, share in parts:
+        assert abs(len(part) - share * rounds) <= share
+
