@@ -326,6 +326,8 @@ class PagedAttention:
         """Decide both prefill forms where not decided yet (:func:`flash_varlen_usable`
         with the pool's dtype, device, KV heads and head size, and ``num_heads`` query
         heads; on a CPU pool both are False at once)."""
+        if self.fused_prefill is not None and self.fused_prefix_prefill is not None:
+            return  # the common case: every prefill layer asks
         _, _, num_kv_heads, head_dim = self.cache.k.shape
         geometry = (self.cache.k.device, self.cache.k.dtype, num_heads, num_kv_heads, head_dim)
         if self.fused_prefill is None:
