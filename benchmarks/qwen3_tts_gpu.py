@@ -8,7 +8,9 @@ reference, so after the first request the reference is a cache hit; a fixed targ
 every request exactly ``--frames`` frames: ``min_new_tokens = max_new_tokens``, so EOS
 cannot end it early):
 
-1. closed loop at each ``--concurrency`` level;
+1. closed loop at each ``--concurrency`` level (``--rounds`` times c requests, default 2:
+   a closed loop of equal requests arrives in bursts of c, and one level of two bursts
+   swung TTFA p99 at c=128 between 451 and 807 ms on an H100, benchmarks/README.md);
 2. open loop (Poisson arrivals) at ``--open-fraction`` (0.8) of the saturation rate, the
    best request throughput the closed levels reached;
 3. concurrency 1 with a different target text per request (``--texts`` of them): the
@@ -257,21 +259,22 @@ def with_server_cpu(server_pid: int, level_fn) -> dict:
 
 def bench_level(
     port: int, frames: int, ref: Path, out: Path, conc: int | None = None, rate: float | None = None,
-    n: int | None = None, texts: tuple[str, ...] = (TEXT,), client_processes: int = 1,
+    n: int | None = None, texts: tuple[str, ...] = (TEXT,), client_processes: int = 1, rounds: int = 2,
 ) -> dict:
     """One ``omnistage bench speed`` level: closed loop at ``conc`` or open loop at ``rate``
     requests per second (``n`` requests); ``ref`` is a WAV under the server's allowed local
     media directory (a 3 s data URI is longer than one command-line argument may be). A
     level that fails is recorded (``{"concurrency"/"rate": ..., "error": ...}``), not raised,
     so the levels after it still run. ``texts``: the target texts, cycled through.
-    ``client_processes``: ``bench speed --client-processes`` of a closed level."""
+    ``client_processes``: ``bench speed --client-processes`` of a closed level; ``rounds``:
+    its requests when ``n`` is not given, in multiples of ``conc`` (at least 8 requests)."""
     fields = {"ref_audio": str(ref), "ref_text": REF_TEXT, "max_new_tokens": frames, "min_new_tokens": frames, "language": "english"}
     cmd = [
         sys.executable, "-m", "omnistage.cli", "bench", "speed", "--base-url", f"http://127.0.0.1:{port}",
         "--warmup", "2", "--stream", "--output", str(out),
     ]  # fmt: skip
     if rate is None:
-        cmd += ["--concurrency", str(conc), "--num-requests", str(n or max(8, 2 * conc))]
+        cmd += ["--concurrency", str(conc), "--num-requests", str(n or max(8, rounds * conc))]
         cmd += ["--client-processes", str(client_processes)]
     else:
         cmd += ["--rate", f"{rate:.3f}", "--num-requests", str(n)]
@@ -340,10 +343,10 @@ class Budget:
         return self.left() > cost_s
 
 
-def level_cost_s(conc: int, frames: int) -> float:
-    """A rough upper bound of one closed level's wall time: two rounds of requests at the
-    issue's measured ~80 ms per frame at 128 streams, plus the bench client's start."""
-    return 10 + 2 * frames * 0.08 * max(1, conc / 64)
+def level_cost_s(conc: int, frames: int, rounds: int = 2) -> float:
+    """A rough upper bound of one closed level's wall time: ``rounds`` rounds of requests at
+    the issue's measured ~80 ms per frame at 128 streams, plus the bench client's start."""
+    return 10 + rounds * frames * 0.08 * max(1, conc / 64)
 
 
 def init_random(size: str, args: argparse.Namespace, record: dict) -> Path:
@@ -376,7 +379,7 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         ref.write_bytes(reference_wav(7))
         record["levels"] = []
         for conc, clients in itertools.product(args.concurrency, args.client_processes):
-            if not budget.fits(level_cost_s(conc, args.frames) + args.reserve_s):
+            if not budget.fits(level_cost_s(conc, args.frames, args.rounds) + args.reserve_s):
                 record["skipped"].append(f"concurrency {conc}")
                 continue
             sampler = GpuSampler()
@@ -387,7 +390,7 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
                 profile = PySpyProfile(args.py_spy, proc.pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
             out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
             batches_before = scrape_batches(port)
-            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=clients))  # noqa: B023 -- called at once
+            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=clients, rounds=args.rounds))  # noqa: B023 -- called at once
             batches_after = scrape_batches(port)
             level["stage_batches"] = (
                 stage_batches_between(batches_before, batches_after)
@@ -479,7 +482,7 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
             if "error" in config:
                 continue
             port, _, proc = servers[record["configs"].index(config)]
-            cost = {"closed": level_cost_s(conc, args.frames), "fresh": FRESH_COST_S, "varied": 2 * level_cost_s(1, args.frames)}[kind]
+            cost = {"closed": level_cost_s(conc, args.frames, args.rounds), "fresh": FRESH_COST_S, "varied": 2 * level_cost_s(1, args.frames)}[kind]
             if not budget.fits(cost + args.reserve_s):
                 record["skipped"].append(f"{config['name']} {kind} {conc}")
                 continue
@@ -491,7 +494,7 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
                 sampler = GpuSampler()
                 sampler.start()
                 out = Path(args.work_dir) / f"bench_{size}_{config['name']}_c{conc}.json"
-                level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=args.client_processes[0]))  # noqa: B023 -- called at once
+                level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=args.client_processes[0], rounds=args.rounds))  # noqa: B023 -- called at once
                 config["levels"].append(level | sampler.stop())
             save()
     finally:
@@ -581,7 +584,7 @@ def second_server(
             sampler = GpuSampler()
             sampler.start()
             out = work / f"bench_{tag}_c{conc}.json"
-            level = with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc, client_processes=args.client_processes[0]))  # noqa: B023 -- called at once
+            level = with_server_cpu(proc.pid, lambda: bench_level(port + 1, args.frames, ref, out, conc=conc, client_processes=args.client_processes[0], rounds=args.rounds))  # noqa: B023 -- called at once
             record["levels"].append(level | sampler.stop())
         if varied:
             record["varied_text_c1"] = varied_text_level(port + 1, proc.pid, args, ref, f"{tag}_varied")
@@ -755,6 +758,7 @@ def main() -> None:
     parser.add_argument("--py-spy", metavar="BIN", help="profile the server with this py-spy binary during the highest closed level (see PySpyProfile)")
     parser.add_argument("--py-spy-s", type=float, default=8.0, help="seconds the --py-spy profile samples")
     parser.add_argument("--py-spy-delay-s", type=float, default=3.0, help="seconds into the level the --py-spy profile starts")
+    parser.add_argument("--rounds", type=int, default=2, help="requests of a closed level in multiples of its concurrency (one round: one burst at a closed loop's start)")
     parser.add_argument("--client-processes", type=int, nargs="+", default=[1], help="bench speed --client-processes of the closed levels; several: each level once per value, in turn, against the same server (the other configurations and placements take the first)")
     parser.add_argument("--py-spy-gil", action="store_true", help="sample only the thread holding the GIL (py-spy --gil)")
     parser.add_argument("--gpu-tests", action=argparse.BooleanOptionalAction, default=True, help="run the GPU-marked tests first")
