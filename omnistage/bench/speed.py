@@ -692,6 +692,7 @@ async def run_speed(
     started = datetime.now(UTC).isoformat(timespec="seconds")
     clients = ClientPool(options.target, transport)
     processes = _ClientProcesses(options, samples) if options.client_processes > 1 else None
+    failed = True
     try:
         for index in range(options.warmup):
             async with clients.client() as client:
@@ -707,10 +708,11 @@ async def run_speed(
         with Progress(disable=not options.show_progress) as progress:
             levels = [await _run_level(processes or clients, options, samples, c, progress) for c in options.concurrencies]
             levels += [await _run_open_level(clients, options, samples, rate, progress) for rate in options.rates]
+        failed = False
     finally:
         await clients.aclose()
-        if processes is not None:
-            processes.close()
+        if processes is not None:  # an interrupted level's processes are killed, not awaited
+            processes.close(kill=failed)
     return SpeedReport(
         base_url=options.target.base_url,
         model=options.target.model,
