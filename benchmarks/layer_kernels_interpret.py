@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The decoder layers' Triton kernels (omnistage/engine/triton_layers.py) run by Triton's
 interpreter on the CPU, against the PyTorch forms they replace: a check for a machine with no
-GPU (it runs the kernels' Python, not their compiled code, and none of it is timed).
+GPU (it runs the kernels' Python, not their compiled code, and none of it is timed). The
+dense decode attention's units in the last place are of each output row's largest magnitude
+(a row is a weighted sum of value rows).
 
 Needs Triton installed beside the CPU torch (``pip install --no-deps triton``; the
 interpreter needs no GPU). ``TRITON_INTERPRET=1`` is set before Triton is imported. Three
@@ -43,6 +45,7 @@ import triton.language as tl  # noqa: E402
 
 from omnistage.engine import layers  # noqa: E402
 from omnistage.engine import triton_layers as kernels  # noqa: E402
+from omnistage.engine.attention import DenseKVCache  # noqa: E402
 from omnistage.engine.layers import Decoder, DecoderConfig, RotaryEmbedding, apply_rope  # noqa: E402
 from omnistage.engine.moe import SparseMoE  # noqa: E402
 
@@ -85,6 +88,19 @@ def kernel_rows(dtype: torch.dtype, g: torch.Generator) -> list[dict]:
         gate_up = (torch.randn(5, 2 * cols, generator=g) * 4).to(dtype)
         gate, up = gate_up.chunk(2, dim=-1)
         rows.append({"kernel": f"swiglu I={cols}", **compare(kernels.swiglu_triton(gate_up), F.silu(gate) * up)})
+    for position in (2, 15):  # the code predictor's cache: 17 positions, 16 q / 8 KV heads of 128
+        cache = DenseKVCache(1, 4, 17, 8, 128, dtype=dtype)
+        cache.k.normal_(generator=g)
+        cache.v.normal_(generator=g)
+        k_cache, v_cache = cache.k[0].clone(), cache.v[0].clone()
+        qkv = torch.randn(4, 32, 128, generator=g).to(dtype)
+        q, k, v = qkv[:, :16], qkv[:, 16:24], qkv[:, 24:]
+        cache.length = position
+        cache.prepare(1)
+        expected = cache(0, q, k, v)  # the CPU: two copies and SDPA
+        out = kernels.dense_decode_attention_triton(q, k, v, k_cache, v_cache, position)
+        rows.append({"kernel": f"dense decode pos={position}", "cache_exact": torch.equal(k_cache, cache.k[0])
+                     and torch.equal(v_cache, cache.v[0]), **compare(out, expected, expected.abs().amax(-1, keepdim=True))})
     return [{"dtype": str(dtype).removeprefix("torch."), **r} for r in rows]
 
 

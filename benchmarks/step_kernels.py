@@ -39,6 +39,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from omnistage.engine import layers, model_runner, moe
+from omnistage.engine.attention import DenseKVCache
 from omnistage.engine.engine import AREngine, EngineConfig
 from omnistage.engine.model_runner import ARModelSpec, StepSampling
 from omnistage.engine.sampler import SamplingParams
@@ -159,6 +160,15 @@ def label_components(engine: AREngine, counter: KernelCounter, stack: contextlib
     attn = runner.attn
     stack.enter_context(mock.patch.object(
         attn, "decode_attention", counter.one_kernel(attn.decode_attention, "paged_decode (Triton)")))
+    # a dense cache's one-token forward (the predictor's sub-steps after the first) is the
+    # dense decode kernel on CUDA: its two cache writes and SDPA
+    dense_call = DenseKVCache.__call__
+    dense_kernel = counter.one_kernel(dense_call, "dense_decode (Triton)")
+
+    def dense(cache: DenseKVCache, *args: object) -> torch.Tensor:
+        return (dense_kernel if cache._new == 1 else dense_call)(cache, *args)
+
+    stack.enter_context(mock.patch.object(DenseKVCache, "__call__", dense))
 
 
 def request(spec: ARModelSpec, seed: int) -> GenerationInput:

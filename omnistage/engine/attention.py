@@ -37,6 +37,16 @@ class DenseKVCache:
     ``n`` new tokens per sequence passes ``N = batch * n`` tokens, batch-major (sequence 0's
     ``n`` tokens first). Call :meth:`prepare` once per forward, before its first layer.
 
+    A forward of one token per sequence (the code predictor's 14 sub-steps after its first)
+    runs, on CUDA for what :func:`~omnistage.engine.layers.dense_decode_fits` accepts, as
+    one Triton kernel that writes ``k, v`` and attends
+    (:func:`~omnistage.engine.triton_layers.dense_decode_attention_triton`) instead of two
+    copies and an SDPA call. In a Qwen3-TTS frame at batch 128 on an H100
+    (``benchmarks/results/gpu_share_layers.json``, 1,647 launches and 8.9 ms of kernels)
+    those sub-steps' SDPA calls were 70 launches and 0.89 ms, and their cache writes 140 of
+    the frame's 150 copy kernels (0.35 ms for the 150). Everything else, and the CPU, runs
+    the PyTorch form below.
+
     Args:
         num_layers, batch, max_len, num_kv_heads, head_dim: buffer geometry.
         dtype, device: of the buffers (and of the q/k/v passed in).
@@ -77,6 +87,14 @@ class DenseKVCache:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, n, start = self.batch, self._new, self._start
         end = start + n
+        if n == 1:  # a decode token per sequence (the code predictor's sub-steps)
+            from omnistage.engine import layers  # it imports this module
+
+            k_cache, v_cache = self.k[layer], self.v[layer]
+            if layers.dense_decode_fits(q, k, v, k_cache, v_cache) and layers.triton_runs(q, k, v):
+                from omnistage.engine.triton_layers import dense_decode_attention_triton
+
+                return dense_decode_attention_triton(q, k, v, k_cache, v_cache, start)
         self.k[layer, :, start:end] = k.view(b, n, *k.shape[1:])
         self.v[layer, :, start:end] = v.view(b, n, *v.shape[1:])
         # [B, H, L, D] layout for SDPA

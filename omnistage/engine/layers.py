@@ -40,7 +40,9 @@ __all__ = [
     "fuse_linears",
     "fuse_projections",
     "greedy_sample",
+    "MAX_DENSE_DECODE_LEN",
     "MAX_FUSED_WIDTH",
+    "dense_decode_fits",
     "qk_norm_rope",
     "qk_norm_rope_fits",
     "rms_norm",
@@ -132,6 +134,37 @@ def qk_norm_rope_fits(
         and weight.shape == (total, dim)
         and all(t.shape == (n, dim) and t.stride(-1) == 1 for t in (cos, signed_sin))
         and _one_dtype_and_device(qkv, weight, cos, signed_sin)
+    )
+
+
+#: The longest dense cache (positions) that
+#: :func:`~omnistage.engine.triton_layers.dense_decode_attention_triton` attends over as one
+#: block (the code predictor's is ``G + 1 = 17``).
+MAX_DENSE_DECODE_LEN = 256
+
+
+def dense_decode_fits(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> bool:
+    """Whether the shapes suit :func:`~omnistage.engine.triton_layers.dense_decode_attention_triton`:
+    one new token per sequence, ``q [B, Hq, D]``, ``k`` and ``v [B, Hkv, D]``, one layer's
+    ``k_cache`` and ``v_cache [B, L, Hkv, D]`` with ``0 < L <=`` :data:`MAX_DENSE_DECODE_LEN`,
+    ``Hq`` a multiple of ``Hkv``, ``D`` a power of two >= 2, every tensor of unit inner
+    stride, all of one dtype and device."""
+    if q.dim() != 3 or k_cache.dim() != 4:
+        return False
+    b, hq, dim = q.shape
+    length, hkv = k_cache.shape[1], k_cache.shape[2]
+    return (
+        dim >= 2
+        and dim & (dim - 1) == 0
+        and hkv > 0
+        and hq % hkv == 0
+        and 0 < length <= MAX_DENSE_DECODE_LEN
+        and k.shape == v.shape == (b, hkv, dim)
+        and k_cache.shape == v_cache.shape == (b, length, hkv, dim)
+        and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))
+        and _one_dtype_and_device(q, k, v, k_cache, v_cache)
     )
 
 

@@ -1,6 +1,8 @@
 """Triton kernels of the Qwen3 decoder layers (CUDA only; imported lazily by
-:mod:`omnistage.engine.layers`): RMSNorm with its weight (optionally after a residual add),
-the per-head q/k RMSNorm with rotary position embedding, and SwiGLU's ``silu(gate) * up``.
+:mod:`omnistage.engine.layers` and :mod:`omnistage.engine.attention`): RMSNorm with its
+weight (optionally after a residual add), the per-head q/k RMSNorm with rotary position
+embedding, SwiGLU's ``silu(gate) * up``, and one decode token's attention over a dense KV
+cache with its write (the code predictor's sub-steps; its rounding is its own docstring's).
 
 An AR decode step is many small kernels: at the Qwen3-TTS 0.6B sizes one frame was 2,693
 launches and 12.35 ms of kernel time at batch 128 on an H100, 4.6 us a launch on average
@@ -34,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from omnistage.engine.layers import qk_norm_rope_fits, rms_norm_fits, swiglu_fits
+from omnistage.engine.layers import dense_decode_fits, qk_norm_rope_fits, rms_norm_fits, swiglu_fits
 from omnistage.engine.paged_attention import TRITON_DTYPES
 
 SWIGLU_BLOCK = 1024  # columns per program
@@ -121,6 +123,51 @@ def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_out, cols, BLOCK: tl.constex
     g = gate.to(tl.float32)
     silu = tl.math.div_rn(g, 1.0 + libdevice.exp(-g)).to(gate.dtype).to(tl.float32)
     tl.store(out_ptr + row * stride_out + offsets, (silu * up).to(gate.dtype), mask=inside)
+
+
+@triton.jit
+def _dense_decode_kernel(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    position, scale,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh,
+    stride_cb, stride_cl, stride_ch, stride_vcb, stride_vcl, stride_vch, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, D: tl.constexpr, BLOCK_L: tl.constexpr,
+):  # fmt: skip
+    # one program per (sequence, KV head): its GROUP query heads attend over positions
+    # 0..position, the new k/v (at position) written to the caches and used from registers
+    seq = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    dims = tl.arange(0, D)
+    slots = tl.arange(0, BLOCK_L)
+    heads = tl.arange(0, BLOCK_G)
+    k_new = tl.load(k_ptr + seq * stride_kb + head * stride_kh + dims)
+    v_new = tl.load(v_ptr + seq * stride_vb + head * stride_vh + dims)
+    tl.store(k_cache_ptr + seq * stride_cb + position * stride_cl + head * stride_ch + dims, k_new)
+    tl.store(v_cache_ptr + seq * stride_vcb + position * stride_vcl + head * stride_vch + dims, v_new)
+    past = (slots < position)[:, None]
+    keys = tl.load(
+        k_cache_ptr + seq * stride_cb + slots[:, None] * stride_cl + head * stride_ch + dims[None, :],
+        mask=past, other=0.0,
+    )
+    values = tl.load(
+        v_cache_ptr + seq * stride_vcb + slots[:, None] * stride_vcl + head * stride_vch + dims[None, :],
+        mask=past, other=0.0,
+    )
+    now = (slots == position)[:, None]
+    keys = tl.where(now, k_new[None, :], keys).to(tl.float32)
+    values = tl.where(now, v_new[None, :], values).to(tl.float32)
+    in_group = (heads < GROUP)[:, None]
+    q_heads = head * GROUP + heads  # query head i reads KV head i // GROUP (SDPA's enable_gqa)
+    q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :], mask=in_group, other=0.0)
+    scores = tl.sum(q.to(tl.float32)[:, None, :] * keys[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_L]
+    scores = tl.where((slots <= position)[None, :], scores, float("-inf"))
+    weights = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+    weights = weights / tl.sum(weights, axis=1)[:, None]
+    out = tl.sum(weights[:, :, None] * values[None, :, :], axis=1)  # [BLOCK_G, D]
+    tl.store(
+        out_ptr + seq * stride_ob + q_heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=in_group,
+    )
 
 
 def _refuse_unless(fits: bool, name: str, rule: Callable[..., bool], **given: torch.Tensor | int | None) -> None:
@@ -239,3 +286,57 @@ def swiglu_triton(gate_up: torch.Tensor) -> torch.Tensor:
             gate_up, out, gate_up.stride(0), out.stride(0), cols, BLOCK=block, enable_fp_fusion=False
         )
     return out
+
+
+def dense_decode_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    position: int,
+) -> torch.Tensor:
+    """One decode token per sequence over one layer's dense KV cache, in one kernel: ``k``
+    and ``v`` are written at ``position`` of ``k_cache`` and ``v_cache``, and each query
+    head attends over positions ``0..position`` of its KV head (scale ``1/sqrt(D)``, query
+    head ``i`` on KV head ``i // (Hq / Hkv)``), as
+    :class:`~omnistage.engine.attention.DenseKVCache` computes it with two copies and SDPA.
+
+    The scores, softmax and weighted sum are fp32; the output is rounded to the input dtype
+    once (SDPA's kernels round the softmax weights too, so bf16 results differ in the last
+    bits).
+
+    Args:
+        q: ``[B, Hq, D]``.
+        k, v: ``[B, Hkv, D]``, the new token's.
+        k_cache, v_cache: ``[B, L, Hkv, D]``, one layer's buffers (written at ``position``).
+        position: ``0 <= position < L``.
+
+    Returns:
+        ``[B, Hq, D]`` contiguous, ``q``'s dtype.
+
+    Raises:
+        ValueError: other shapes (:func:`~omnistage.engine.layers.dense_decode_fits`), a
+            position outside the cache, dtypes or devices.
+    """
+    fits = dense_decode_fits(q, k, v, k_cache, v_cache) and 0 <= position < k_cache.shape[1]
+    _refuse_unless(
+        fits, "dense_decode_attention_triton", dense_decode_fits,
+        q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, position=position,
+    )  # fmt: skip
+    batch, num_heads, dim = q.shape
+    length, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty((batch, num_heads, dim), dtype=q.dtype, device=q.device)
+    if batch == 0:
+        return out
+    group = num_heads // num_kv_heads
+    with torch.cuda.device(q.device):
+        _dense_decode_kernel[(batch, num_kv_heads)](
+            q, k, v, k_cache, v_cache, out, position, dim**-0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_G=triton.next_power_of_2(group), D=dim, BLOCK_L=triton.next_power_of_2(length),
+        )  # fmt: skip
+    return out
+
