@@ -118,7 +118,7 @@ def dispatched(num_layers: int) -> dict:
     embeds = torch.randn(2, 7, 256).half()
 
     def run() -> torch.Tensor:
-        cache = decoder.new_dense_cache(2, 8, torch.float16, "cpu")
+        cache = decoder.new_dense_cache(2, 8, torch.float16, "cpu", fused_decode=True)
         cache.prepare(7)
         prefill = decoder(embeds.reshape(14, 256), torch.arange(7).repeat(2), cache)
         cache.prepare(1)

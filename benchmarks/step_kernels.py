@@ -160,13 +160,13 @@ def label_components(engine: AREngine, counter: KernelCounter, stack: contextlib
     attn = runner.attn
     stack.enter_context(mock.patch.object(
         attn, "decode_attention", counter.one_kernel(attn.decode_attention, "paged_decode (Triton)")))
-    # a dense cache's one-token forward (the predictor's sub-steps after the first) is the
-    # dense decode kernel on CUDA: its two cache writes and SDPA
+    # a fused-decode dense cache's one-token forward (the predictor's sub-steps after the
+    # first) is the dense decode kernel on CUDA: its two cache writes and SDPA
     dense_call = DenseKVCache.__call__
     dense_kernel = counter.one_kernel(dense_call, "dense_decode (Triton)")
 
     def dense(cache: DenseKVCache, *args: object) -> torch.Tensor:
-        return (dense_kernel if cache._new == 1 else dense_call)(cache, *args)
+        return (dense_kernel if cache._new == 1 and cache.fused_decode else dense_call)(cache, *args)
 
     stack.enter_context(mock.patch.object(DenseKVCache, "__call__", dense))
 

@@ -37,9 +37,10 @@ class DenseKVCache:
     ``n`` new tokens per sequence passes ``N = batch * n`` tokens, batch-major (sequence 0's
     ``n`` tokens first). Call :meth:`prepare` once per forward, before its first layer.
 
-    A forward of one token per sequence (the code predictor's 14 sub-steps after its first)
-    runs, on CUDA for what :func:`~omnistage.engine.layers.dense_decode_fits` accepts, as
-    one Triton kernel that writes ``k, v`` and attends
+    With ``fused_decode`` (the code predictor's per-frame caches), a forward of one token
+    per sequence (its 14 sub-steps after the first) runs, on CUDA for what
+    :func:`~omnistage.engine.layers.dense_decode_fits` accepts, as one Triton kernel that
+    writes ``k, v`` and attends
     (:func:`~omnistage.engine.triton_layers.dense_decode_attention_triton`) instead of two
     copies and an SDPA call. In a Qwen3-TTS frame at batch 128 on an H100
     (``benchmarks/results/gpu_share_layers.json``, 1,647 launches and 8.9 ms of kernels)
@@ -50,6 +51,8 @@ class DenseKVCache:
     Args:
         num_layers, batch, max_len, num_kv_heads, head_dim: buffer geometry.
         dtype, device: of the buffers (and of the q/k/v passed in).
+        fused_decode: one-token forwards through the dense decode kernel where it fits
+            (off: always the PyTorch form, as the reference loops keep it).
 
     Raises:
         ValueError (from :meth:`prepare`): the forward would exceed ``max_len``.
@@ -64,7 +67,9 @@ class DenseKVCache:
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        fused_decode: bool = False,
     ) -> None:
+        self.fused_decode = fused_decode
         shape = (num_layers, batch, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -87,7 +92,7 @@ class DenseKVCache:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, n, start = self.batch, self._new, self._start
         end = start + n
-        if n == 1:  # a decode token per sequence (the code predictor's sub-steps)
+        if n == 1 and self.fused_decode:  # a decode token per sequence (the predictor's sub-steps)
             from omnistage.engine import layers  # it imports this module
 
             k_cache, v_cache = self.k[layer], self.v[layer]

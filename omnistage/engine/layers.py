@@ -41,6 +41,7 @@ __all__ = [
     "fuse_projections",
     "greedy_sample",
     "MAX_DENSE_DECODE_LEN",
+    "MAX_DENSE_DECODE_TILE",
     "MAX_FUSED_WIDTH",
     "dense_decode_fits",
     "qk_norm_rope",
@@ -140,7 +141,11 @@ def qk_norm_rope_fits(
 #: The longest dense cache (positions) that
 #: :func:`~omnistage.engine.triton_layers.dense_decode_attention_triton` attends over as one
 #: block (the code predictor's is ``G + 1 = 17``).
-MAX_DENSE_DECODE_LEN = 256
+MAX_DENSE_DECODE_LEN = 32
+#: The most elements of one program's ``[query heads of a group, positions, D]`` product
+#: (each a power of two): the predictor's 2 x 32 x 128 compiles to 167 registers without
+#: spills for sm_90, and 8 x 64 x 128 spills 33 KB (Triton 3.5's ``ptxas -v``).
+MAX_DENSE_DECODE_TILE = 2 * 32 * 128
 
 
 def dense_decode_fits(
@@ -149,23 +154,36 @@ def dense_decode_fits(
     """Whether the shapes suit :func:`~omnistage.engine.triton_layers.dense_decode_attention_triton`:
     one new token per sequence, ``q [B, Hq, D]``, ``k`` and ``v [B, Hkv, D]``, one layer's
     ``k_cache`` and ``v_cache [B, L, Hkv, D]`` with ``0 < L <=`` :data:`MAX_DENSE_DECODE_LEN`,
-    ``Hq`` a multiple of ``Hkv``, ``D`` a power of two >= 2, every tensor of unit inner
-    stride, all of one dtype and device."""
-    if q.dim() != 3 or k_cache.dim() != 4:
+    ``Hq`` a positive multiple of ``Hkv``, ``D`` a power of two >= 2, the tile within
+    :data:`MAX_DENSE_DECODE_TILE`, every tensor of unit inner stride, the caches two
+    buffers whose positions and heads do not overlap (the kernel writes them), all of one
+    dtype and device."""
+    if q.dim() != 3 or k_cache.dim() != 4 or v_cache.dim() != 4:
         return False
     b, hq, dim = q.shape
     length, hkv = k_cache.shape[1], k_cache.shape[2]
+    group = hq // hkv if hkv > 0 else 0
     return (
         dim >= 2
         and dim & (dim - 1) == 0
         and hkv > 0
+        and hq > 0
         and hq % hkv == 0
         and 0 < length <= MAX_DENSE_DECODE_LEN
+        and _next_power_of_2(group) * _next_power_of_2(length) * dim <= MAX_DENSE_DECODE_TILE
         and k.shape == v.shape == (b, hkv, dim)
         and k_cache.shape == v_cache.shape == (b, length, hkv, dim)
         and all(t.stride(-1) == 1 for t in (q, k, v, k_cache, v_cache))
+        and all(c.stride(2) >= dim and c.stride(1) >= hkv * c.stride(2) and c.stride(0) >= length * c.stride(1)
+                for c in (k_cache, v_cache))
+        and k_cache.data_ptr() != v_cache.data_ptr()
         and _one_dtype_and_device(q, k, v, k_cache, v_cache)
     )
+
+
+def _next_power_of_2(n: int) -> int:
+    """The least power of two >= ``n`` (>= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def swiglu_fits(gate_up: torch.Tensor) -> bool:
@@ -472,12 +490,13 @@ class Decoder(nn.Module):
         return self.norm.add_and_norm(x, delta)[0]
 
     def new_dense_cache(
-        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+        self, batch: int, max_len: int, dtype: torch.dtype, device: torch.device | str, fused_decode: bool = False
     ) -> DenseKVCache:
-        """A :class:`DenseKVCache` sized for this stack."""
+        """A :class:`DenseKVCache` sized for this stack (``fused_decode``: see there)."""
         c = self.config
         return DenseKVCache(
-            c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype=dtype, device=device
+            c.num_layers, batch, max_len, c.num_kv_heads, c.head_dim, dtype=dtype, device=device,
+            fused_decode=fused_decode,
         )
 
 
@@ -522,8 +541,8 @@ class CodePredictor(nn.Module):
 
     def new_cache(self, batch: int, dtype: torch.dtype, device: torch.device | str) -> DenseKVCache:
         """A per-frame :class:`DenseKVCache` for ``batch`` frames (``G + 1`` positions; only
-        ``G`` are used)."""
-        return self.model.new_dense_cache(batch, self.num_groups + 1, dtype, device)
+        ``G`` are used), its one-token forwards through the dense decode kernel on CUDA."""
+        return self.model.new_dense_cache(batch, self.num_groups + 1, dtype, device, fused_decode=True)
 
     def predict(
         self,

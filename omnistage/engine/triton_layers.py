@@ -125,7 +125,7 @@ def _swiglu_kernel(x_ptr, out_ptr, stride_x, stride_out, cols, BLOCK: tl.constex
     tl.store(out_ptr + row * stride_out + offsets, (silu * up).to(gate.dtype), mask=inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["position"])  # one compile for every position
 def _dense_decode_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     position, scale,
@@ -161,7 +161,7 @@ def _dense_decode_kernel(
     q = tl.load(q_ptr + seq * stride_qb + q_heads[:, None] * stride_qh + dims[None, :], mask=in_group, other=0.0)
     scores = tl.sum(q.to(tl.float32)[:, None, :] * keys[None, :, :], axis=2) * scale  # [BLOCK_G, BLOCK_L]
     scores = tl.where((slots <= position)[None, :], scores, float("-inf"))
-    weights = tl.exp(scores - tl.max(scores, axis=1)[:, None])
+    weights = libdevice.exp(scores - tl.max(scores, axis=1)[:, None])
     weights = weights / tl.sum(weights, axis=1)[:, None]
     out = tl.sum(weights[:, :, None] * values[None, :, :], axis=1)  # [BLOCK_G, D]
     tl.store(
@@ -339,4 +339,3 @@ def dense_decode_attention_triton(
             GROUP=group, BLOCK_G=triton.next_power_of_2(group), D=dim, BLOCK_L=triton.next_power_of_2(length),
         )  # fmt: skip
     return out
-

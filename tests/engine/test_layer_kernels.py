@@ -172,7 +172,7 @@ def test_a_decoder_with_the_kernels_matches_its_pytorch_form(num_layers) -> None
     def run(model: Decoder, dtype: torch.dtype) -> torch.Tensor:
         model.rotary.reset_buffers("cuda")
         model.fuse_projections()
-        cache = model.new_dense_cache(3, 10, dtype, "cuda")
+        cache = model.new_dense_cache(3, 10, dtype, "cuda", fused_decode=True)
         cache.prepare(9)
         x = embeds.to(dtype)
         prefill = model(x.reshape(27, 256), torch.arange(9, device="cuda").repeat(3), cache)
@@ -202,7 +202,8 @@ def test_a_decoder_with_the_kernels_matches_its_pytorch_form(num_layers) -> None
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("batch", "hq", "hkv", "dim", "length", "position"),
-                         [(128, 16, 8, 128, 17, 2), (1, 16, 8, 128, 17, 15), (5, 6, 2, 64, 9, 0), (3, 3, 3, 16, 5, 4)])
+                         [(128, 16, 8, 128, 17, 2), (1, 16, 8, 128, 17, 15), (2, 16, 8, 128, 32, 31),
+                          (5, 6, 2, 64, 9, 0), (3, 3, 3, 16, 5, 4)])
 def test_dense_decode_kernel_matches_the_dense_caches_pytorch_form(dtype, batch, hq, hkv, dim, length, position) -> None:
     """One decode token over a dense cache: the kernel writes k and v at ``position`` (and
     nothing else) and its attention is within a few units of the input dtype of the
@@ -366,6 +367,9 @@ def test_swiglu_fits_only_what_its_kernel_indexes(gate_up, fits) -> None:
         ("cache longer than a block", False),
         ("strided head dim", False),
         ("fp32 cache beside bf16 q", False),
+        ("one buffer for k and v", False),
+        ("a group of 8 heads (tile too large)", False),
+        ("no query heads", False),
     ],
 )
 def test_dense_decode_fits_only_what_its_kernel_indexes(case, fits) -> None:
@@ -376,6 +380,10 @@ def test_dense_decode_fits_only_what_its_kernel_indexes(case, fits) -> None:
         hq = 3
     elif case == "cache longer than a block":
         length = layers.MAX_DENSE_DECODE_LEN + 1
+    elif case == "a group of 8 heads (tile too large)":
+        hq, hkv, dim = 16, 2, 128
+    elif case == "no query heads":
+        hq = 0
     q, k, v = _bf16(b, hq, dim), _bf16(b, hkv, dim), _bf16(b, hkv, dim)
     k_cache, v_cache = _bf16(b, length, hkv, dim), _bf16(b, length, hkv, dim)
     if case == "cache of another batch":
@@ -384,5 +392,7 @@ def test_dense_decode_fits_only_what_its_kernel_indexes(case, fits) -> None:
         q = _bf16(b, hq, 2 * dim)[..., ::2]
     elif case == "fp32 cache beside bf16 q":
         v_cache = v_cache.float()
+    elif case == "one buffer for k and v":
+        v_cache = k_cache
     assert layers.dense_decode_fits(q, k, v, k_cache, v_cache) is fits
 
