@@ -92,7 +92,9 @@ class DenseKVCache:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, n, start = self.batch, self._new, self._start
         end = start + n
-        if n == 1 and self.fused_decode:  # a decode token per sequence (the predictor's sub-steps)
+        # a decode token per sequence (the predictor's sub-steps); the CPU (the engine's
+        # every sub-step there too) skips the shape checks
+        if n == 1 and self.fused_decode and q.is_cuda:
             from omnistage.engine import layers  # it imports this module
 
             k_cache, v_cache = self.k[layer], self.v[layer]
