@@ -143,9 +143,11 @@ def mean_phases_between(before: dict[str, float], after: dict[str, float]) -> di
 
 
 def stage_batch_sums(base_url: str) -> dict[str, dict[str, float]]:
-    """Per stage the server's batch sums so far from ``GET /metrics``: ``"batches"``,
-    ``"seconds"`` (their summed wall time, ``omnistage_stage_batch_seconds``) and
-    ``"requests"`` (their summed sizes, ``omnistage_stage_batch_size``).
+    """Per stage and batch kind the server's batch sums so far from ``GET /metrics``:
+    ``"batches"``, ``"seconds"`` (their summed wall time, ``omnistage_stage_batch_seconds``)
+    and ``"requests"`` (their summed sizes, ``omnistage_stage_batch_size``), keyed by the
+    stage's name, or ``stage.kind`` for kinds other than ``batch`` (an AR engine's
+    ``tts_engine.prefill``, ``.mixed``, ``.decode``, ``.drain``).
 
     Raises:
         httpx.HTTPError: the server did not answer.
@@ -158,7 +160,9 @@ def stage_batch_sums(base_url: str) -> dict[str, dict[str, float]]:
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             if sample.name in names:
-                sums.setdefault(sample.labels["stage"], {})[names[sample.name]] = sample.value
+                stage, kind = sample.labels["stage"], sample.labels.get("kind", "batch")
+                key = stage if kind == "batch" else f"{stage}.{kind}"
+                sums.setdefault(key, {})[names[sample.name]] = sample.value
     return sums
 
 

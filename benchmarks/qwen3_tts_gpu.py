@@ -30,10 +30,10 @@ Every level records the server's CPU time per request and its CPU use (CPU secon
 wall second of the server process and its children, from ``/proc``: above 1 means more
 than one thread's worth of host work), and the server's TTFA decomposition (``X-Timeline``: admission,
 preprocessing, engine queue, prefill + first frame, first vocoder chunk, client), its mean
-and its slowest tenth's. The closed levels of the first step also record each stage's
+and its slowest tenth's. Every closed level (compare mode's too) also records each stage's
 batches (``stage_batches``: count, mean wall ms, mean requests, from ``GET /metrics``
 before and after the level, the bench's warm-up requests included; the engine's batch is
-one step), and ``--client-processes 1 4`` runs each of them once per client-process count
+one step, recorded by kind: ``tts_engine.prefill``, ``.mixed``, ``.decode``, ``.drain``), and ``--client-processes 1 4`` runs each of them once per client-process count
 against the same server. Then
 ``benchmarks/peers_gpu.py`` measures faster-qwen3-tts streaming TTFA (chunk 1 is its
 smallest) on the first size's checkpoint, in the image's own transformers, and the ratio
@@ -318,6 +318,21 @@ def scrape_batches(port: int) -> dict[str, dict[str, float]] | str:
         return f"GET /metrics failed: {exc!r}"
 
 
+def closed_level(port: int, pid: int, args: argparse.Namespace, ref: Path, out: Path, conc: int, clients: int) -> dict:
+    """One closed level (:func:`bench_level`) with the server's CPU (:func:`with_server_cpu`)
+    and each stage's batches during it (``stage_batches``: :func:`profiling.stage_batches_between`
+    of :func:`scrape_batches` before and after; an AR engine's by step kind)."""
+    before = scrape_batches(port)
+    level = with_server_cpu(pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=clients, rounds=args.rounds))
+    after = scrape_batches(port)
+    level["stage_batches"] = (
+        stage_batches_between(before, after)
+        if isinstance(before, dict) and isinstance(after, dict)
+        else {"error": str(before if isinstance(before, str) else after)}
+    )
+    return level
+
+
 def fresh_reference_level(port: int, frames: int) -> dict:
     """TTFA of eight sequential requests with fresh references: p50, each, mean phases, and
     each phase's median (``phases_p50_ms``: the first request, on a new connection and cold
@@ -389,14 +404,7 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
                 raw = Path(args.out_dir) / f"py_spy_{size}{'_split' if args.split else ''}_c{conc}{f'_x{clients}' if clients > 1 else ''}.txt"
                 profile = PySpyProfile(args.py_spy, proc.pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
             out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
-            batches_before = scrape_batches(port)
-            level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=clients, rounds=args.rounds))  # noqa: B023 -- called at once
-            batches_after = scrape_batches(port)
-            level["stage_batches"] = (
-                stage_batches_between(batches_before, batches_after)
-                if isinstance(batches_before, dict) and isinstance(batches_after, dict)
-                else {"error": str(batches_before if isinstance(batches_before, str) else batches_after)}
-            )
+            level = closed_level(port, proc.pid, args, ref, out, conc, clients)
             record["levels"].append(level | {"client_processes": clients} | sampler.stop() | (profile.stop() if profile else {}))
             save()
         saturation = max((lv["request_throughput"] for lv in record["levels"] if "error" not in lv), default=0.0)
@@ -494,7 +502,7 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
                 sampler = GpuSampler()
                 sampler.start()
                 out = Path(args.work_dir) / f"bench_{size}_{config['name']}_c{conc}.json"
-                level = with_server_cpu(proc.pid, lambda: bench_level(port, args.frames, ref, out, conc=conc, client_processes=args.client_processes[0], rounds=args.rounds))  # noqa: B023 -- called at once
+                level = closed_level(port, proc.pid, args, ref, out, conc, args.client_processes[0])
                 config["levels"].append(level | sampler.stop())
             save()
     finally:
@@ -505,6 +513,15 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
             # what the servers warned about (a probe that fell back to a slower path, say)
             config["log_warnings"] = [line for line in log.read_text(errors="replace").splitlines() if "WARNING" in line][:20]
         save()
+
+
+def batch_line(batches: dict) -> str:
+    """A level's ``stage_batches`` on one line: per stage (and engine step kind) how many,
+    their mean wall ms and mean size."""
+    if "error" in batches:
+        return f"batches: {batches['error']}"
+    return "batches: " + "  ".join(
+        f"{k} {b['batches']} x {b['mean_ms']:.1f} ms (mean {b['mean_size']:.0f} requests)" for k, b in sorted(batches.items()))
 
 
 def print_compare(results: dict, frames: int) -> None:
@@ -549,6 +566,9 @@ def print_compare(results: dict, frames: int) -> None:
             for load, phases in rows:
                 if phases:
                     print(f"  {config['name']:>16} {load:>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+            for lv in config["levels"]:
+                if batches := lv.get("stage_batches"):
+                    print(f"  {config['name']:>16} {'c=' + str(lv.get('concurrency')):>10}: {batch_line(batches)}")
         if "varied_text_c1" in (r.get("configs") or [{}])[0]:
             v = r["configs"][0]["varied_text_c1"]
             if "error" not in v:
@@ -671,8 +691,7 @@ def print_table(results: dict, frames: int) -> None:
                 if slow := lv.get("slowest_ttfa_phases_ms"):
                     print(f"  {'slowest 10%':>10}: " + "  ".join(f"{k} {v:.1f}" for k, v in slow.items()))
                 if batches := lv.get("stage_batches"):
-                    print(f"  {'batches':>10}: " + "  ".join(
-                        f"{k} {b['batches']} x {b['mean_ms']:.1f} ms (mean {b['mean_size']:.0f} requests)" for k, b in batches.items()))
+                    print(f"  {'batches':>10}: {batch_line(batches)}")
         if "fresh_reference_ttfa_ms" in r:
             fresh = r["fresh_reference_ttfa_ms"]
             phases = "  ".join(f"{k} {v:.1f}" for k, v in fresh.get("phases_ms", {}).items())

@@ -74,7 +74,7 @@ from omnistage.core.messages import (
     StreamDone,
 )
 from omnistage.core.tombstones import Tombstones
-from omnistage.engine.engine import AREngine, StepOutput
+from omnistage.engine.engine import AREngine, StepOutput, StepPlan
 from omnistage.engine.sequence import GenerationInput, GenerationResult
 from omnistage.scheduling.base import Scheduler
 from omnistage.scheduling.stop_strings import StopMatch, StopStringMatcher, TokenText
@@ -403,7 +403,7 @@ class ARScheduler(Scheduler):
             for seq in plan.batch.seqs:
                 self.outbox.mark(seq.request_id, PREFILL_MARK)
         outputs: list[StepOutput] = []
-        if not self.run_batch(plan.request_ids, lambda: outputs.extend(self.engine.execute(plan))):
+        if not self.run_batch(plan.request_ids, lambda: outputs.extend(self.engine.execute(plan)), self.step_kind(plan)):
             return
         items: list[_Item] = []
         results: list[tuple[str, GenerationResult]] = []
@@ -420,6 +420,19 @@ class ARScheduler(Scheduler):
             self.outbox.stream_many(items)
         for request_id, result in results:
             self._on_result(request_id, result)
+
+    @staticmethod
+    def step_kind(plan: StepPlan) -> str:
+        """What ``plan``'s step is, for the batch metrics: ``prefill`` (admitted requests
+        alone), ``mixed`` (a prefill that also decodes the running requests), ``decode``, or
+        ``drain`` (no launch: only the in-flight step is waited for, with the engine's
+        overlap)."""
+        batch = plan.batch
+        if batch is None:
+            return "drain"
+        if batch.kind == "prefill" and batch.decode:
+            return "mixed"
+        return batch.kind
 
     def _watch(
         self, watch: _StopWatch, out: StepOutput, items: list[_Item], results: list[tuple[str, GenerationResult]]

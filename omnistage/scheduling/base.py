@@ -87,8 +87,8 @@ class Scheduler(ABC):
         self._outbox: StageOutbox | None = None
         self._inbox: queue.SimpleQueue[StageInput | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        # (batch size, wall seconds) of each batch run_batch ran, e.g. metrics histograms
-        self.batch_observer: Callable[[int, float], None] | None = None
+        # (batch size, wall seconds, kind) of each batch run_batch ran, e.g. metrics histograms
+        self.batch_observer: Callable[[int, float, str], None] | None = None
         self.faults: FaultInjector | None = None  # OMNISTAGE_FAULTS (tests, soak runs)
 
     @property
@@ -162,10 +162,12 @@ class Scheduler(ABC):
         if self.release_callback is not None:
             self.release_callback(request_id)
 
-    def run_batch(self, request_ids: Iterable[str], compute: Callable[[], None]) -> bool:
+    def run_batch(self, request_ids: Iterable[str], compute: Callable[[], None], kind: str = "batch") -> bool:
         """The batch boundary: run ``compute``; if it raises, fail every request of the
         batch (releasing their state) and return False. Returns True on success. Either way
-        :attr:`batch_observer` gets the batch's size and wall seconds."""
+        :attr:`batch_observer` gets the batch's size, wall seconds and ``kind`` (what sort of
+        batch it was: an AR engine's step is ``prefill``, ``mixed``, ``decode`` or ``drain``,
+        :meth:`~omnistage.scheduling.ar.ARScheduler.step_kind`; other stages' ``batch``)."""
         ids = list(request_ids)
         start, ok = time.perf_counter(), True
         try:
@@ -179,5 +181,5 @@ class Scheduler(ABC):
                 self.outbox.fail(request_id, exc)
             ok = False
         if self.batch_observer is not None:
-            self.batch_observer(len(ids), time.perf_counter() - start)
+            self.batch_observer(len(ids), time.perf_counter() - start, kind)
         return ok

@@ -15,12 +15,18 @@ name                                              kind       labels
 ``omnistage_requests_in_flight``                  gauge
 ``omnistage_requests_queued``                     gauge
 ``omnistage_stage_queue_depth``                   gauge      ``stage``
-``omnistage_stage_batch_size``                    histogram  ``stage``
+``omnistage_stage_batch_size``                    histogram  ``stage``, ``kind``
+``omnistage_stage_batch_seconds``                 histogram  ``stage``, ``kind``
 ================================================  =========  ===========================
 
 The phases decompose each time to first audio: one observation per phase of a request's
 timeline up to its first byte (:mod:`omnistage.pipeline.timeline`; a phase is named by the
 mark that ends it), so per request they sum to its TTFA.
+
+A stage's batches are labelled by ``kind``: an AR engine's step is ``prefill``, ``mixed``
+(a prefill that also decodes the running requests), ``decode`` or ``drain`` (only the
+in-flight step waited for); every other stage's batch is ``batch``. So a step's wall time
+under load can be read apart by kind (a burst's prefills against the steady decode).
 
 The real-time factor is processing time over produced audio time (``latency_s / audio_s``):
 below 1 means faster than real time.
@@ -118,13 +124,13 @@ class ServerMetrics:
         )  # fmt: skip
         self._batch = Histogram(
             "omnistage_stage_batch_size", "Requests per batch a stage computed.",
-            ["stage"], buckets=BATCH_BUCKETS, registry=r,
+            ["stage", "kind"], buckets=BATCH_BUCKETS, registry=r,
         )  # fmt: skip
         self._batch_seconds = Histogram(
             "omnistage_stage_batch_seconds",
             "Wall seconds of one batch of a stage (an AR engine's: one step, launched and "
             "waited for), failed batches included.",
-            ["stage"], buckets=BATCH_SECONDS_BUCKETS, registry=r,
+            ["stage", "kind"], buckets=BATCH_SECONDS_BUCKETS, registry=r,
         )  # fmt: skip
 
     def request_started(self) -> None:
@@ -184,9 +190,9 @@ class ServerMetrics:
         _check_non_negative("n", n)
         self._stage_depth.labels(stage).set(n)
 
-    def observe_batch(self, stage: str, size: int, seconds: float) -> None:
-        """Record that ``stage`` computed a batch of ``size`` requests (>= 1) in ``seconds``
-        of wall time (>= 0).
+    def observe_batch(self, stage: str, size: int, seconds: float, kind: str = "batch") -> None:
+        """Record that ``stage`` computed a batch of ``size`` requests (>= 1) of ``kind``
+        (module docstring) in ``seconds`` of wall time (>= 0).
 
         Raises:
             ValueError: ``size`` < 1, or ``seconds`` negative or not finite (nothing recorded).
@@ -194,8 +200,8 @@ class ServerMetrics:
         if size < 1:
             raise ValueError(f"batch size must be >= 1, got {size}")
         _check_non_negative("seconds", seconds)
-        self._batch.labels(stage).observe(size)
-        self._batch_seconds.labels(stage).observe(seconds)
+        self._batch.labels(stage, kind).observe(size)
+        self._batch_seconds.labels(stage, kind).observe(seconds)
 
     def render(self) -> tuple[bytes, str]:
         """The Prometheus text exposition of this registry and its content type."""

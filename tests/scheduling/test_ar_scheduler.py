@@ -241,3 +241,23 @@ async def test_frames_stream_across_processes_in_batches_and_match_the_reference
             assert torch.equal(streamed, expected) and torch.equal(streamed, expected)
             assert result.finish_reason == reason
         await assert_no_request_state(pipeline)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+async def test_each_engine_step_reaches_the_batch_observer_with_its_kind(overlap):
+    # six requests on four slots: the last two are admitted while others still decode
+    requests = [ToyARRequest(3 + i, 6 + 3 * i, seed=i) for i in range(6)]
+    async with Pipeline(ar_pipeline_config(overlap=overlap)) as pipeline:
+        steps: list[tuple[int, str]] = []
+        pipeline.host.stages["engine"].scheduler.batch_observer = lambda size, seconds, kind: steps.append((size, kind))
+        await asyncio.gather(*(pipeline.submit(r).result() for r in requests))
+    kinds = [kind for _, kind in steps]
+    if overlap:  # admissions join a decode; the last step only waits for the one in flight
+        assert "mixed" in kinds and kinds[-1] == "drain"
+        assert set(kinds) <= {"prefill", "mixed", "decode", "drain"}
+    else:  # each request is prefilled once, and a decode holds at most the four slots
+        assert set(kinds) == {"prefill", "decode"}
+        assert sum(size for size, kind in steps if kind == "prefill") == len(requests)
+        assert max(size for size, kind in steps if kind == "decode") == 4
+    # one frame per request per step: the longest request alone takes that many steps
+    assert len(steps) >= max(r.max_new_tokens for r in requests)

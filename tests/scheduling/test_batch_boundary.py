@@ -29,8 +29,8 @@ def test_the_observer_gets_each_batchs_size_and_wall_seconds_success_or_failure(
     scheduler = SimpleScheduler(lambda batch: [], release_callback=released.append)
     outbox = _Outbox()
     scheduler.bind("s", outbox, expects_stream=False)
-    seen: list[tuple[int, float]] = []
-    scheduler.batch_observer = lambda size, seconds: seen.append((size, seconds))
+    seen: list[tuple[int, float, str]] = []
+    scheduler.batch_observer = lambda size, seconds, kind: seen.append((size, seconds, kind))
 
     assert scheduler.run_batch(["a", "b"], lambda: _busy_for(0.02)) is True
 
@@ -38,7 +38,7 @@ def test_the_observer_gets_each_batchs_size_and_wall_seconds_success_or_failure(
         _busy_for(0.01)
         raise RuntimeError("boom")
 
-    assert scheduler.run_batch(["c"], fails) is False
-    assert [size for size, _ in seen] == [2, 1]
+    assert scheduler.run_batch(["c"], fails, kind="decode") is False
+    assert [(size, kind) for size, _, kind in seen] == [(2, "batch"), (1, "decode")]
     assert seen[0][1] >= 0.02 and seen[1][1] >= 0.01
     assert outbox.failed == [("c", "boom")] and released == ["c"]

@@ -99,21 +99,24 @@ def test_queue_gauges_and_batches_per_stage():
     m.set_stage_queue_depth("talker", 5)
     m.set_stage_queue_depth("vocoder", 1)
     m.set_stage_queue_depth("talker", 2)
-    m.observe_batch("talker", 8, 0.012)
-    m.observe_batch("talker", 3, 0.004)
+    m.observe_batch("talker", 8, 0.012, "decode")
+    m.observe_batch("talker", 3, 0.004, "decode")
+    m.observe_batch("talker", 2, 0.030, "mixed")
     m.observe_batch("vocoder", 1, 0.2)
     s = samples(m)
     assert s[("omnistage_requests_queued", ())] == 3
     assert s[("omnistage_stage_queue_depth", (("stage", "talker"),))] == 2
     assert s[("omnistage_stage_queue_depth", (("stage", "vocoder"),))] == 1
-    talker = (("le", "4.0"), ("stage", "talker"))
-    assert s[("omnistage_stage_batch_size_bucket", talker)] == 1
-    assert s[("omnistage_stage_batch_size_sum", (("stage", "talker"),))] == 11
-    assert s[("omnistage_stage_batch_size_count", (("stage", "vocoder"),))] == 1
-    assert s[("omnistage_stage_batch_seconds_sum", (("stage", "talker"),))] == pytest.approx(0.016)
-    assert s[("omnistage_stage_batch_seconds_bucket", (("le", "0.005"), ("stage", "talker")))] == 1
-    assert s[("omnistage_stage_batch_seconds_bucket", (("le", "0.015"), ("stage", "talker")))] == 2
-    assert s[("omnistage_stage_batch_seconds_count", (("stage", "vocoder"),))] == 1
+    decode, mixed, vocoder = (("kind", "decode"), ("stage", "talker")), (("kind", "mixed"), ("stage", "talker")), (("kind", "batch"), ("stage", "vocoder"))
+    assert s[("omnistage_stage_batch_size_bucket", (decode[0], ("le", "4.0"), decode[1]))] == 1
+    assert s[("omnistage_stage_batch_size_sum", decode)] == 11
+    assert s[("omnistage_stage_batch_size_sum", mixed)] == 2
+    assert s[("omnistage_stage_batch_size_count", vocoder)] == 1
+    assert s[("omnistage_stage_batch_seconds_sum", decode)] == pytest.approx(0.016)
+    assert s[("omnistage_stage_batch_seconds_sum", mixed)] == pytest.approx(0.030)
+    assert s[("omnistage_stage_batch_seconds_bucket", (decode[0], ("le", "0.005"), decode[1]))] == 1
+    assert s[("omnistage_stage_batch_seconds_bucket", (decode[0], ("le", "0.015"), decode[1]))] == 2
+    assert s[("omnistage_stage_batch_seconds_count", vocoder)] == 1
 
 
 @pytest.mark.parametrize(
