@@ -15,6 +15,7 @@ import pytest
 
 from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.registry import ModelRegistry
+from omnistage.testing.metrics import stage_batch_totals
 from tests.extra_models.toy_chat.config import ARCHITECTURE, ToyChatConfig
 from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
 
@@ -38,7 +39,7 @@ def client(server: RunningServer) -> openai.OpenAI:
 
 def reply_batches(server: RunningServer) -> float:
     registry = server.app.state.server.metrics.registry
-    return registry.get_sample_value("omnistage_stage_batch_size_count", {"stage": "reply"}) or 0.0
+    return stage_batch_totals(registry, "reply")[0]
 
 
 def test_the_toy_model_answers_through_the_sdk_whole_and_streamed(client) -> None:

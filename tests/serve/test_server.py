@@ -399,8 +399,8 @@ def test_models_voices_and_metrics(tone_server):
     speech(tone_server, {"input": "metrics"})
     metrics = httpx.get(f"{tone_server.base_url}/metrics").text
     for name in ["omnistage_time_to_first_audio_seconds", "omnistage_request_latency_seconds",
-                 "omnistage_requests_in_flight", 'omnistage_stage_batch_size_bucket{le="1.0",stage="tone"}',
-                 'omnistage_stage_batch_seconds_count{stage="tone"}',
+                 "omnistage_requests_in_flight", 'omnistage_stage_batch_size_bucket{kind="batch",le="1.0",stage="tone"}',
+                 'omnistage_stage_batch_seconds_count{kind="batch",stage="tone"}',
                  'omnistage_stage_queue_depth{stage="tone"}']:
         assert name in metrics
 

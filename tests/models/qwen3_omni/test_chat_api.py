@@ -38,6 +38,7 @@ from omnistage.models.qwen3_omni.random_text_tokenizer import (
 )
 from omnistage.models.qwen3_omni.stages import talker_frame_cap
 from omnistage.testing.leaks import assert_no_request_state
+from omnistage.testing.metrics import stage_batch_totals
 from tests.serve.conftest import RunningServer
 
 SAMPLES_PER_FRAME, CODE2WAV_TRIM = 1920, 555  # n frames -> n * 1920 - 555 samples at 24 kHz
@@ -69,9 +70,7 @@ def client(server: RunningServer) -> openai.OpenAI:
 def batches(server: RunningServer) -> dict[str, float]:
     """Batches each stage computed so far (the server's own metric)."""
     registry = server.app.state.server.metrics.registry
-    return {
-        s: registry.get_sample_value("omnistage_stage_batch_size_count", {"stage": s}) or 0.0 for s in STAGES
-    }
+    return {s: stage_batch_totals(registry, s)[0] for s in STAGES}
 
 
 def assert_nothing_left(server: RunningServer) -> None:

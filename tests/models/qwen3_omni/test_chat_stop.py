@@ -24,6 +24,7 @@ from omnistage.models.qwen3_omni.processing import Qwen3OmniProcessor
 from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoint
 from omnistage.models.qwen3_omni.stages import TalkerFeed, talker_frame_cap
 from omnistage.testing.leaks import assert_no_request_state
+from omnistage.testing.metrics import stage_batch_totals
 from tests.serve.conftest import RunningServer
 
 HELLO = [{"role": "user", "content": "Say something nice."}]
@@ -80,7 +81,7 @@ def unstopped(client) -> tuple[str, list[str]]:
 
 def thinker_batches(server: RunningServer) -> float:
     registry = server.app.state.server.metrics.registry
-    return registry.get_sample_value("omnistage_stage_batch_size_count", {"stage": "thinker"}) or 0.0
+    return stage_batch_totals(registry, "thinker")[0]
 
 
 def assert_nothing_left(server: RunningServer) -> None:

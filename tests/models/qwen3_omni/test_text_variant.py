@@ -24,6 +24,7 @@ from omnistage.models.qwen3_omni.random_checkpoint import write_random_checkpoin
 from omnistage.pipeline.pipeline import Pipeline, build_topology
 from omnistage.serve.registry import ModelRegistry
 from omnistage.testing.leaks import assert_no_request_state
+from omnistage.testing.metrics import stage_batch_totals
 from tests.serve.conftest import RunningServer
 
 MESSAGES = (ChatMessage("user", (ChatPart("text", text="Say something nice."),)),)
@@ -106,7 +107,7 @@ def server(checkpoint: Path) -> Iterator[RunningServer]:
 def _batches(server: RunningServer) -> dict[str, float]:
     registry = server.app.state.server.metrics.registry
     stages = ("preprocessing", "thinker", "decode")
-    return {s: registry.get_sample_value("omnistage_stage_batch_size_count", {"stage": s}) or 0.0 for s in stages}
+    return {s: stage_batch_totals(registry, s)[0] for s in stages}
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,7 @@ from omnistage.serve.app import ServerSettings, create_app
 from omnistage.serve.audio import float_to_s16
 from omnistage.serve.protocol import validate_speech_request
 from omnistage.testing.leaks import assert_no_request_state
+from omnistage.testing.metrics import stage_batch_totals
 from tests.serve.conftest import RunningServer, run_uvicorn, wait_health
 
 SAMPLE_RATE = 24_000
@@ -201,10 +202,7 @@ def abort_count(server: RunningServer) -> float:
 
 def engine_batches(server: RunningServer) -> tuple[float, float]:
     """(batches the tts_engine stage computed, requests in them), so far."""
-    return (
-        metric(server, 'omnistage_stage_batch_size_count{stage="tts_engine"}'),
-        metric(server, 'omnistage_stage_batch_size_sum{stage="tts_engine"}'),
-    )
+    return stage_batch_totals(server.app.state.server.metrics.registry, "tts_engine")
 
 
 # ------------------------------------------------------------------ 1. streaming == whole
