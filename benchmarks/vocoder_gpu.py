@@ -12,12 +12,16 @@ Audio throughput = streams x chunk x 80 ms per call time. ``--op-shapes N`` adds
 convolution ops with the most device time (CPU time on a CPU) by input shapes, the kernels
 under them included, from one eager decode of ``--op-shapes-streams`` (128) x 8 frames under
 ``torch.profiler``: a slow cuDNN kernel in ``gpu_share.py``'s table traced to its layer (JSON
-key ``op_shapes``). Prints a table and writes JSON (default
-benchmarks/results/vocoder_gpu.json).
-About a minute on an H200.
+key ``op_shapes``). ``--layouts ncl cl`` measures all of it for the decoder in ``[B, C, L]``
+(``ncl``, the default and the only one unless asked) and channels-last (``cl``:
+``CarriedStateVocoder.to_channels_last``), one after the other in the same process: the
+rows and op shapes carry ``"layout"``, and the channels-last entries of ``first_chunk`` and
+``context_open`` are the mode followed by ``", channels-last"``. Prints a table and writes
+JSON (default benchmarks/results/vocoder_gpu.json).
+About a minute on an H200 per layout.
 
-Usage: python benchmarks/vocoder_gpu.py [--streams 1 8 64] [--dtype bfloat16|float32] [--op-shapes 12 [--op-shapes-streams 128]] [--output PATH]
-       python benchmarks/vocoder_gpu.py --device cpu --size tiny --iters 3 --output /tmp/v.json  (smoke test)
+Usage: python benchmarks/vocoder_gpu.py [--streams 1 8 64] [--dtype bfloat16|float32] [--layouts ncl cl] [--op-shapes 12 [--op-shapes-streams 128]] [--output PATH]
+       python benchmarks/vocoder_gpu.py --device cpu --size tiny --iters 3 --layouts ncl cl --output /tmp/v.json  (smoke test)
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ FRAME_S = 0.08
 CONCURRENCY = (1, 8, 64)
 CHUNKS = (1, 8)
 CONTEXT_FRAMES = 38  # a 3 s reference clip: ceil(72000 samples / 1920 per frame)
+LAYOUTS = {"ncl": "", "cl": ", channels-last"}  # layout -> its suffix of first_chunk / context_open keys
 
 
 def sync(device: torch.device) -> None:
@@ -100,12 +105,13 @@ def context_open_ms(arena: StreamingDecoderArena, iters: int) -> list[float]:
     return times
 
 
-CONV_OP = "aten::convolution"  # under conv1d and conv_transpose1d alike
+CONV_OP = "aten::convolution"  # under conv1d / conv2d and the transposed ones alike
 
 
 def op_shapes(arena: StreamingDecoderArena, streams: int, frames: int, top: int) -> list[dict[str, object]]:
     """The ``top`` convolutions (:data:`CONV_OP`; a weight ``[C_in, C_out, K]`` is a transposed
-    one's) of one decode of ``streams`` x ``frames`` in ``arena`` (one without graphs: an
+    one's; channels-last, inputs are ``[B, C, 1, L]``, or ``[B, C, L / d, d]`` by phases, and
+    weights 4-D likewise) of one decode of ``streams`` x ``frames`` in ``arena`` (one without graphs: an
     eager decode, the kernels its graphs would hold), by device time (CUDA; CPU time on a
     CPU), grouped by input shapes (weight and bias shapes included). An op's time includes
     the kernels it launched."""
@@ -141,6 +147,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--streams", type=int, nargs="+", default=list(CONCURRENCY),
                         help="concurrent streams of the chunk rows (and the graphs' batch buckets)")  # fmt: skip
+    parser.add_argument("--layouts", nargs="+", default=["ncl"], choices=list(LAYOUTS),
+                        help="the decoder's activation layouts to measure, in order (cl: channels-last)")  # fmt: skip
     parser.add_argument("--op-shapes", type=int, default=0, metavar="N", help="the N costliest conv ops by input shapes")
     parser.add_argument("--op-shapes-streams", type=int, default=128,
                         help="streams of the --op-shapes decode (cuDNN picks kernels by batch)")  # fmt: skip
@@ -149,31 +157,40 @@ def main() -> None:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
 
     config = SpeechTokenizerConfig.from_dict(speech_tokenizer_config(args.size))
-    decoder = build_decoder(config.decoder, random_speech_tokenizer_tensors(args.size, seed=0), device, dtype)
+    tensors = random_speech_tokenizer_tensors(args.size, seed=0)
     modes = ["eager", "graphs"] if device.type == "cuda" else ["eager"]
-    rows, firsts, contexts = [], {}, {}
-    for mode in modes:
-        arena = StreamingDecoderArena(decoder, num_slots=max(args.streams))
-        if mode == "graphs":
-            capture = partial(arena.capture_graphs, args.streams, DEFAULT_GRAPH_CHUNK_LENGTHS, DEFAULT_GRAPH_CONTEXT_LENGTHS)
-            capture_ms = timed(device, capture)
-            print(f"captured {len(arena._graphs)} graphs in {capture_ms:.0f} ms")
-        firsts[mode] = summary(first_chunk_ms(arena, args.iters))
-        contexts[mode] = summary(context_open_ms(arena, args.iters))
-        if mode == "graphs":  # the same without the context lengths: chunks of at most 8
-            short = StreamingDecoderArena(decoder, num_slots=1)
-            short.capture_graphs((1,), DEFAULT_GRAPH_CHUNK_LENGTHS)
-            contexts["graphs, chunks <= 8"] = summary(context_open_ms(short, args.iters))
-        for streams in args.streams:
-            for frames in CHUNKS:
-                stats = summary(chunk_times(arena, streams, frames, args.iters))
-                audio_s = streams * frames * FRAME_S
-                rows.append({"mode": mode, "streams": streams, "chunk_frames": frames, **stats,
-                             "audio_s_per_wall_s": audio_s / (stats["median_ms"] / 1e3)})  # fmt: skip
+    rows, firsts, contexts, convs = [], {}, {}, []
+    for layout in args.layouts:
+        decoder = build_decoder(config.decoder, tensors, device, dtype)
+        if layout == "cl":
+            decoder.to_channels_last()
+        suffix = LAYOUTS[layout]
+        for mode in modes:
+            arena = StreamingDecoderArena(decoder, num_slots=max(args.streams))
+            if mode == "graphs":
+                capture = partial(arena.capture_graphs, args.streams, DEFAULT_GRAPH_CHUNK_LENGTHS, DEFAULT_GRAPH_CONTEXT_LENGTHS)
+                capture_ms = timed(device, capture)
+                print(f"{layout}: captured {len(arena._graphs)} graphs in {capture_ms:.0f} ms")
+            firsts[mode + suffix] = summary(first_chunk_ms(arena, args.iters))
+            contexts[mode + suffix] = summary(context_open_ms(arena, args.iters))
+            if mode == "graphs":  # the same without the context lengths: chunks of at most 8
+                short = StreamingDecoderArena(decoder, num_slots=1)
+                short.capture_graphs((1,), DEFAULT_GRAPH_CHUNK_LENGTHS)
+                contexts["graphs, chunks <= 8" + suffix] = summary(context_open_ms(short, args.iters))
+            for streams in args.streams:
+                for frames in CHUNKS:
+                    stats = summary(chunk_times(arena, streams, frames, args.iters))
+                    audio_s = streams * frames * FRAME_S
+                    rows.append({"layout": layout, "mode": mode, "streams": streams, "chunk_frames": frames, **stats,
+                                 "audio_s_per_wall_s": audio_s / (stats["median_ms"] / 1e3)})  # fmt: skip
+        if args.op_shapes:
+            streams = args.op_shapes_streams
+            arena = StreamingDecoderArena(decoder, num_slots=streams)
+            convs += [{"layout": layout, **c} for c in op_shapes(arena, streams, max(CHUNKS), args.op_shapes)]
 
-    print(f"{'mode':7} {'streams':>7} {'chunk':>5} {'median ms':>10} {'p90 ms':>8} {'audio s/s':>10}")
+    print(f"{'layout':6} {'mode':7} {'streams':>7} {'chunk':>5} {'median ms':>10} {'p90 ms':>8} {'audio s/s':>10}")
     for r in rows:
-        print(f"{r['mode']:7} {r['streams']:7d} {r['chunk_frames']:5d} {r['median_ms']:10.2f} "
+        print(f"{r['layout']:6} {r['mode']:7} {r['streams']:7d} {r['chunk_frames']:5d} {r['median_ms']:10.2f} "
               f"{r['p90_ms']:8.2f} {r['audio_s_per_wall_s']:10.1f}")  # fmt: skip
     for mode, stats in firsts.items():
         print(f"first 1-frame chunk, 1 stream, {mode}: median {stats['median_ms']:.2f} ms, p90 {stats['p90_ms']:.2f} ms")
@@ -181,14 +198,13 @@ def main() -> None:
         print(f"open with an unseen {CONTEXT_FRAMES}-frame left context, {mode}: median {stats['median_ms']:.2f} ms, "
               f"p90 {stats['p90_ms']:.2f} ms")  # fmt: skip
     if args.op_shapes:
-        streams = args.op_shapes_streams
-        convs = op_shapes(StreamingDecoderArena(decoder, num_slots=streams), streams, max(CHUNKS), args.op_shapes)
-        print(f"\nconv ops of one eager decode of {streams} streams x {max(CHUNKS)} frames (ms, calls, op, input shapes)")
+        print(f"\nconv ops of one eager decode of {args.op_shapes_streams} streams x {max(CHUNKS)} frames "
+              "(layout, ms, calls, op, input shapes)")  # fmt: skip
         for c in convs:
-            print(f"{c['ms']:8.3f} {c['calls']:4d}  {c['op']}  {c['shapes']}")
+            print(f"{c['layout']:6} {c['ms']:8.3f} {c['calls']:4d}  {c['op']}  {c['shapes']}")
     result = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__, "size": args.size, "dtype": args.dtype, "iters": args.iters,
+        "torch": torch.__version__, "size": args.size, "dtype": args.dtype, "iters": args.iters, "layouts": args.layouts,
         "chunks": rows, "first_chunk": firsts, "context_open": contexts, "context_frames": CONTEXT_FRAMES,
         **({"op_shapes": convs} if args.op_shapes else {}),
     }  # fmt: skip

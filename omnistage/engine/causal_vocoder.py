@@ -21,6 +21,21 @@ concatenates to the offline decode.
 A model subclasses :class:`CarriedStateVocoder` with its latent path
 (:meth:`CarriedStateVocoder.latents`) and may declare samples that open every stream
 without being audio (:attr:`CarriedStateVocoder.leading_trim`).
+
+Two layouts of the activations between layers (one switch:
+:meth:`CarriedStateVocoder.to_channels_last`): ``[B, C, L]`` (NCL, the default), or
+channels-last: ``[B, C, 1, L]`` tensors in ``torch.channels_last`` memory format (memory
+order ``[B, L, C]``; 4-D because PyTorch has no channels-last format for 3-D tensors, so
+``cat``, ``empty_like`` and elementwise ops would hand back NCL). Channels-last, the convs
+are 2-D convs of kernel ``(1, k)`` with weights laid out once, so cuDNN runs its NHWC kernels
+without the ``nchwToNhwcKernel`` / ``nhwcToNchwKernel`` transposes it puts around every conv
+of a ``[B, C, L]`` input: on the H100 (torch 2.11, cuDNN 9.19, bf16), a graph replay of the
+Qwen3-TTS decoder at 128 streams x 8 frames spent 6.9 ms of 35.6 ms in those transposes, and
+its 29 undilated convs took 7.42 ms channels-last against 10.97 ms
+(benchmarks/results/vocoder_convs_channels_last.json). Dilated convs run by phases in both
+layouts (:func:`conv1d_by_phases`): channels-last, cuDNN's own dilated kernels were far worse
+still (the 384-channel conv at dilation 9, 128 streams: 689 ms; the 192-channel ones at
+dilations 3 and 9, 8 streams: 43 ms; same file).
 """
 
 from __future__ import annotations
@@ -77,6 +92,38 @@ class VocoderConfig:
         return math.prod(self.upsampling_ratios) * math.prod(self.upsample_rates)
 
 
+def to_rows(x: torch.Tensor) -> torch.Tensor:
+    """``[B, C, L]``, or channels-last ``[B, C, 1, L]`` -> ``[B, L, C]`` (a view; contiguous
+    for a contiguous channels-last ``x``, whose memory it is)."""
+    return (x.squeeze(2) if x.dim() == 4 else x).transpose(1, 2)
+
+
+def from_rows(h: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    """``[B, L, C]`` -> ``[B, C, L]``, or with ``channels_last`` ``[B, C, 1, L]``, channels-last
+    for a contiguous ``h`` (a view: ``h``'s memory is that layout)."""
+    h = h.transpose(1, 2)
+    return h.unsqueeze(2) if channels_last else h
+
+
+def _per_channel(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``p [C]`` viewed to broadcast over the channels of ``x`` (``[B, C, L]`` or ``[B, C, 1,
+    L]``)."""
+    return p.view(-1, *(1,) * (x.dim() - 2))
+
+
+def conv1d_in_layout(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, groups: int = 1
+) -> torch.Tensor:
+    """``F.conv1d(x, weight, bias, groups=groups)`` (stride 1, no padding, undilated) of ``x
+    [B, C, L]`` -> ``[B, C_out, L - k + 1]``; of channels-last ``x [B, C, 1, L]`` the 2-D
+    conv of kernel ``(1, k)`` (``weight [C_out, C / groups, k]`` viewed as ``[C_out, C /
+    groups, 1, k]``: channels-last, no copy, once :meth:`CarriedStateVocoder.to_channels_last`
+    has laid it out) -> ``[B, C_out, 1, L - k + 1]`` channels-last. ``x``'s dtype."""
+    if x.dim() == 4:
+        return F.conv2d(x, weight.unsqueeze(2), bias, groups=groups)
+    return F.conv1d(x, weight, bias, groups=groups)
+
+
 class Carry:
     """A forward pass's per-stream state: ``old[i]`` is read and ``new[i]`` written by the
     layer whose ``state_index`` is ``i``. Tensors are batched: ``[B, *state_shape]``."""
@@ -96,8 +143,38 @@ class _Stateful(nn.Module):
         """Per-stream state shape (without the batch dimension)."""
         raise NotImplementedError
 
+    def carries_state(self) -> bool:
+        """Whether the layer has a state to carry (and a state index)."""
+        return True
 
-class CausalConv(_Stateful):
+
+class _InputHistory(_Stateful):
+    """A conv whose state is the last ``history`` samples of its input: per stream ``[C,
+    H]``, or ``[H, C]`` channels-last (:attr:`channels_last`), so that a batch's ``[B, H, C]``
+    is contiguous and is the memory of the channels-last ``[B, C, 1, H]`` the layer reads."""
+
+    channels_last = False
+    history = 0
+    conv: nn.Conv1d | nn.ConvTranspose1d
+
+    def state_shape(self) -> tuple[int, ...]:
+        channels = self.conv.in_channels
+        return (self.history, channels) if self.channels_last else (channels, self.history)
+
+    def carries_state(self) -> bool:
+        return self.history > 0
+
+    def _past(self, carry: Carry) -> torch.Tensor:
+        """The carried input samples in the activations' layout (a view)."""
+        past = carry.old[self.state_index]
+        return from_rows(past, True) if self.channels_last else past
+
+    def _keep(self, carry: Carry, tail: torch.Tensor) -> None:
+        """Carry ``tail`` (the last ``history`` input samples, the activations' layout)."""
+        carry.new[self.state_index] = to_rows(tail) if self.channels_last else tail
+
+
+class CausalConv(_InputHistory):
     """``nn.Conv1d`` (stride 1) fed with ``(k - 1) * dilation`` past samples on the left:
     zeros at the start, the previous chunk's tail afterwards.
 
@@ -108,6 +185,9 @@ class CausalConv(_Stateful):
     in the stream, ``frame * rate + i`` at ``rate`` samples per frame, is below ``samples``:
     they are not signal (see :attr:`CarriedStateVocoder.leading_trim`), so the conv sees
     there the zero padding it sees before the stream starts.
+
+    ``x`` is ``[B, C, L]``, or ``[B, C, 1, L]`` channels-last with :attr:`channels_last` (see
+    the module docstring); the output is ``[B, C_out, L]`` in the same layout.
 
     ``forward(x, carry, add_bias=False)`` leaves the conv's bias out, for a consumer that adds it
     in its own pass (:class:`ResidualUnit`); ``forward(x, carry, activation=snake)`` is the
@@ -124,9 +204,6 @@ class CausalConv(_Stateful):
         self.history = (kernel - 1) * dilation
         self.zero_before: tuple[int, int] | None = None
 
-    def state_shape(self) -> tuple[int, ...]:
-        return (self.conv.in_channels, self.history)
-
     def forward(
         self,
         x: torch.Tensor,
@@ -138,8 +215,8 @@ class CausalConv(_Stateful):
         b = conv.bias if add_bias else None
         if self.history == 0:
             x = x if activation is None else activation(x)
-            return F.conv1d(x, conv.weight, b, groups=conv.groups)
-        past = carry.old[self.state_index]
+            return conv1d_in_layout(x, conv.weight, b, conv.groups)
+        past = self._past(carry)
         n = x.shape[-1]
         d = conv.dilation[0]
         length = past.shape[-1] + n
@@ -151,20 +228,30 @@ class CausalConv(_Stateful):
         if self.zero_before is not None:  # on the new samples, in place, before the state
             samples, rate = self.zero_before
             index = carry.positions[:, None] * rate + torch.arange(n, device=x.device)
-            x[..., self.history : length].mul_((index >= samples)[:, None].to(x.dtype))
-        carry.new[self.state_index] = x[..., length - self.history : length]
+            keep = (index >= samples).to(x.dtype).view(x.shape[0], *(1,) * (x.dim() - 2), n)
+            x[..., self.history : length].mul_(keep)
+        self._keep(carry, x[..., length - self.history : length])
         if d == 1:
-            return F.conv1d(x, conv.weight, b, groups=conv.groups)
+            return conv1d_in_layout(x, conv.weight, b, conv.groups)
         return conv1d_by_phases(x, conv.weight, b, d, conv.groups)[..., : length - self.history]
 
 
 def _with_history(past: torch.Tensor | None, x: torch.Tensor, zeros: int) -> torch.Tensor:
     """``cat([past, x, zeros])`` along the last axis: ``past [B, C, H]`` (or none), ``x [B,
-    C, L]``, ``zeros`` zero samples -> ``[B, C, H + L + zeros]``."""
-    parts = [x] if past is None else [past, x]
+    C, L]``, ``zeros`` zero samples -> ``[B, C, H + L + zeros]``; or the same of channels-last
+    ``[B, C, 1, *]`` parts -> channels-last. Those are joined as ``[B, *, C]`` rows (views),
+    whose 3-D ``cat`` is contiguous: the channels-last memory. A 4-D ``cat`` infers NCL
+    unless every part has channels-last strides, and a part of one sample (``[B, C, 1, 1]``,
+    both layouts at once) may come from an elementwise op with NCL strides."""
+    if x.dim() == 3:
+        parts = [x] if past is None else [past, x]
+        if zeros:
+            parts.append(x.new_zeros(*x.shape[:-1], zeros))
+        return torch.cat(parts, dim=-1)
+    rows = [to_rows(x)] if past is None else [to_rows(past), to_rows(x)]
     if zeros:
-        parts.append(x.new_zeros(*x.shape[:-1], zeros))
-    return torch.cat(parts, dim=-1)
+        rows.append(x.new_zeros(x.shape[0], zeros, x.shape[1]))
+    return from_rows(torch.cat(rows, dim=1), True)
 
 
 def conv1d_by_phases(
@@ -178,6 +265,12 @@ def conv1d_by_phases(
     input and output reshapes are views -> ``[B, C_out, L - (k - 1) * d]`` in ``x``'s
     dtype.
 
+    Channels-last, ``x [B, C, 1, L]`` (memory ``[B, L, C]``, the same as ``[B, L / d, d,
+    C]``) is viewed as the channels-last ``[B, C, L / d, d]``, no copy, and the output
+    ``[B, C_out, L / d - k + 1, d]`` back as ``[B, C_out, 1, L - (k - 1) * d]``; the weight
+    ``[C_out, C / groups, k]`` as ``[C_out, C / groups, k, 1]`` (channels-last once laid out
+    by :meth:`CarriedStateVocoder.to_channels_last`).
+
     Why: cuDNN's heuristics pick a slow generic kernel (``implicit_convolve_sgemm``) for
     some dilated shapes of the Qwen3-TTS decoder and for none of its undilated ones. On the
     H100 (torch 2.11, cuDNN 9.19; benchmarks/results/vocoder_convs.json): 384 channels at
@@ -188,26 +281,32 @@ def conv1d_by_phases(
     convs it takes 20.2 -> 9.7 ms at 128 streams, 2.9 -> 1.4 ms at 8, 0.52 -> 0.61 ms at 1.
 
     Raises:
-        ValueError: ``dilation < 1``, or ``x`` is not ``[B, C, L]`` with ``L`` a multiple of
-            ``dilation`` and at least the kernel's span.
+        ValueError: ``dilation < 1``, or ``x`` is not ``[B, C, L]`` or ``[B, C, 1, L]`` with
+            ``L`` a multiple of ``dilation`` and at least the kernel's span.
     """
     kernel = weight.shape[-1]
     if dilation < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation}")
-    if x.dim() != 3 or x.shape[-1] % dilation or x.shape[-1] < (kernel - 1) * dilation + 1:
+    layout_ok = x.dim() == 3 or x.dim() == 4 and x.shape[2] == 1
+    if not layout_ok or x.shape[-1] % dilation or x.shape[-1] < (kernel - 1) * dilation + 1:
         raise ValueError(
-            f"x must be [B, C, L] with L a multiple of the dilation {dilation} and at least "
-            f"{(kernel - 1) * dilation + 1}, got {tuple(x.shape)}"
+            f"x must be [B, C, L] or [B, C, 1, L] with L a multiple of the dilation {dilation} "
+            f"and at least {(kernel - 1) * dilation + 1}, got {tuple(x.shape)}"
         )
+    if x.dim() == 4:
+        phases = x.squeeze(2).unflatten(-1, (-1, dilation))
+        return F.conv2d(phases, weight[..., None], bias, groups=groups).flatten(-2).unsqueeze(2)
     phases = x.contiguous().view(*x.shape[:-1], -1, dilation)
     return F.conv2d(phases, weight[..., None], bias, groups=groups).flatten(-2)
 
 
-class CausalTransConv(_Stateful):
+class CausalTransConv(_InputHistory):
     """``nn.ConvTranspose1d(kernel, stride)`` with the last ``kernel - stride`` outputs
     trimmed (the reference's causal transposed conv). With ``kernel = (h + 1) * stride``
     each output block depends on the current and the ``h`` previous input frames, so the
-    state is those ``h`` input frames.
+    state is those ``h`` input frames. ``[B, C, n]`` -> ``[B, C_out, n * stride]``, or
+    channels-last ``[B, C, 1, n]`` -> ``[B, C_out, 1, n * stride]`` (a 2-D transposed conv of
+    kernel ``(1, kernel)``, stride ``(1, stride)``) with :attr:`channels_last`.
 
     Raises:
         ValueError: ``kernel`` is not a multiple of ``stride``.
@@ -223,9 +322,6 @@ class CausalTransConv(_Stateful):
         self.stride = stride
         self.history = kernel // stride - 1
 
-    def state_shape(self) -> tuple[int, ...]:
-        return (self.conv.in_channels, self.history)
-
     def forward(
         self, x: torch.Tensor, carry: Carry, activation: SnakeBeta | None = None
     ) -> torch.Tensor:
@@ -233,17 +329,25 @@ class CausalTransConv(_Stateful):
         :class:`CausalConv`'s) after the carried input frames."""
         n = x.shape[-1]
         if self.history == 0:
-            return self.conv(x if activation is None else activation(x))
-        past = carry.old[self.state_index]
+            return self._transposed(x if activation is None else activation(x))
+        past = self._past(carry)
         x = _with_history(past, x, 0) if activation is None else activation(x, past=past)
-        carry.new[self.state_index] = x[..., -self.history :]
+        self._keep(carry, x[..., -self.history :])
         start = self.history * self.stride
-        return self.conv(x)[..., start : start + n * self.stride]
+        return self._transposed(x)[..., start : start + n * self.stride]
+
+    def _transposed(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self.conv
+        if x.dim() == 4:
+            weight = conv.weight.unsqueeze(2)
+            return F.conv_transpose2d(x, weight, conv.bias, stride=(1, self.stride))
+        return conv(x)
 
 
 class SnakeBeta(nn.Module):
     """``x + sin(x * e^alpha)^2 / (e^beta + 1e-9)`` per channel (BigVGAN's SnakeBeta with
-    log-scale parameters, as the checkpoint stores them). ``[B, C, L]`` -> same;
+    log-scale parameters, as the checkpoint stores them). ``[B, C, L]`` -> same, or
+    channels-last ``[B, C, 1, L]`` -> channels-last;
     ``forward(x, bias)`` with a ``[C]`` bias takes ``x + bias`` as its input (a preceding
     conv's bias, folded into this pass); ``forward(x, past=p, zeros=z)`` returns
     ``cat([p, snake(x), z zeros])`` (a causal conv's input: :class:`CausalConv` with an
@@ -272,9 +376,9 @@ class SnakeBeta(nn.Module):
 
             return snake_beta_triton(x, self.alpha, self.beta, SNAKE_EPS, bias, past, zeros)
         if bias is not None:
-            x = x + bias[None, :, None]
-        alpha = self.alpha.exp()[None, :, None]
-        beta = self.beta.exp()[None, :, None]
+            x = x + _per_channel(bias, x)
+        alpha = _per_channel(self.alpha.exp(), x)
+        beta = _per_channel(self.beta.exp(), x)
         y = x + torch.sin(x * alpha).pow(2) / (beta + SNAKE_EPS)
         if past is None and not zeros:
             return y
@@ -438,7 +542,9 @@ class PreTransformer(nn.Module):
 
 
 class ConvNeXtBlock(nn.Module):
-    """Causal depthwise conv k7, LayerNorm, 4x pointwise MLP (GELU), scaled residual."""
+    """Causal depthwise conv k7, LayerNorm, 4x pointwise MLP (GELU), scaled residual. ``[B,
+    C, L]`` or channels-last ``[B, C, 1, L]`` -> the same; the norm and MLP work on ``[B, L,
+    C]`` rows, which are channels-last memory as it is (a view, no transpose copy)."""
 
     def __init__(self, dim: int) -> None:
         super().__init__()
@@ -449,9 +555,9 @@ class ConvNeXtBlock(nn.Module):
         self.gamma = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, carry: Carry) -> torch.Tensor:
-        h = self.dwconv(x, carry).transpose(1, 2)
+        h = to_rows(self.dwconv(x, carry))
         h = self.pwconv2(F.gelu(self.pwconv1(self.norm(h))))
-        return x + (self.gamma * h).transpose(1, 2)
+        return x + from_rows(self.gamma * h, x.dim() == 4)
 
 
 class ResidualUnit(nn.Module):
@@ -477,7 +583,7 @@ class ResidualUnit(nn.Module):
             from omnistage.engine.triton_vocoder import residual_add_triton
 
             return residual_add_triton(x, y, bias)
-        return x + (y + bias[None, :, None])
+        return x + (y + _per_channel(bias, x))
 
 
 class VocoderBlock(nn.Module):
@@ -516,9 +622,12 @@ class CarriedStateVocoder(nn.Module):
         leading_trim: samples that open every stream and are not audio (0 here; code2wav:
             555). :meth:`step` returns them at the start of the first chunk's row; offline
             decoding and the streaming arena drop them.
+        channels_last: the activations' layout (False: ``[B, C, L]``; True: channels-last
+            ``[B, C, 1, L]``, see the module docstring); set by :meth:`to_channels_last`.
     """
 
     leading_trim = 0
+    channels_last = False
 
     def _build_vocoder(self, config: VocoderConfig) -> None:
         c = config
@@ -542,17 +651,33 @@ class CarriedStateVocoder(nn.Module):
 
     def _number_states(self) -> None:
         self._stateful = [
-            m for m in self.modules() if isinstance(m, _Stateful) and m.state_shape()[-1] > 0
+            m for m in self.modules() if isinstance(m, _Stateful) and m.carries_state()
         ]
         for index, module in enumerate(self._stateful):
             module.state_index = index
 
+    def to_channels_last(self) -> CarriedStateVocoder:
+        """Switch to channels-last activations (see the module docstring), in place; returns
+        the vocoder. Lays every conv weight ``[A, B, k]`` out once in the memory order ``[A,
+        k, B]`` (the same shape and values, so ``state_dict`` is unchanged): viewed as ``[A,
+        B, 1, k]`` (or ``[A, B, k, 1]`` for a conv by phases), that is the channels-last
+        weight cuDNN's NHWC kernels read, with no conversion per call (an extra kernel on
+        every CUDA graph replay). The carried conv states become ``[H, C]`` per stream
+        (:meth:`state_shapes`); the window attention's is unchanged. Later ``to()`` moves keep
+        the layout; a ``load_state_dict(..., assign=True)`` replaces it (call this after
+        loading), as does a state from before the switch (make arenas after it)."""
+        _to_channels_last(self)
+        self.channels_last = True
+        return self
+
     def latents(self, codes: torch.Tensor, carry: Carry) -> torch.Tensor:
-        """``codes [B, n, G]`` int64 -> latents ``[B, latent_dim, n]``."""
+        """``codes [B, n, G]`` int64 -> latents ``[B, latent_dim, n]``, or channels-last
+        ``[B, latent_dim, 1, n]`` with :attr:`channels_last`."""
         raise NotImplementedError
 
     def state_shapes(self) -> list[tuple[int, ...]]:
-        """Per-stream state tensor shapes, in state-index order."""
+        """Per-stream state tensor shapes, in state-index order (a conv's ``[C, H]``, or
+        ``[H, C]`` with :attr:`channels_last`)."""
         return [m.state_shape() for m in self._stateful]
 
     def zero_state(
@@ -594,10 +719,10 @@ class CarriedStateVocoder(nn.Module):
         *body, activation, output_conv = self.decoder  # _build_vocoder's order
         for layer in body:
             h = layer(h, carry)
-        h = output_conv(h, carry, activation=activation)
+        h = output_conv(h, carry, activation=activation)  # [B, 1, L] or [B, 1, 1, L]
         new_state = [t for t in carry.new if t is not None]
         assert len(new_state) == len(state), "every stateful layer writes its state"
-        return h[:, 0].clamp(-1.0, 1.0), new_state
+        return h.flatten(1).clamp(-1.0, 1.0), new_state
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         """Offline decode: ``codes [B, T, G]`` int64 -> ``[B, T * samples_per_frame -
@@ -606,6 +731,16 @@ class CarriedStateVocoder(nn.Module):
         return self.step(codes, positions, self.zero_state(codes.shape[0]))[0][
             :, self.leading_trim :
         ]
+
+
+def _to_channels_last(layers: nn.Module) -> None:
+    """:meth:`CarriedStateVocoder.to_channels_last` of any layers: each conv weight laid out
+    channels-last, each carried conv state switched to ``[H, C]``."""
+    for module in layers.modules():
+        if isinstance(module, nn.Conv1d | nn.ConvTranspose1d):
+            module.weight.data = module.weight.data.transpose(1, 2).contiguous().transpose(1, 2)
+        if isinstance(module, _InputHistory):
+            module.channels_last = True
 
 
 def _inv_freq(config: VocoderConfig) -> torch.Tensor:

@@ -4,9 +4,11 @@ A stream owns one slot of preallocated tensors holding everything a
 :class:`~omnistage.engine.causal_vocoder.CarriedStateVocoder` carries between chunks (for
 Qwen3-TTS's speech tokenizer at real dims: 29 tensors: 8 layers' keys and values of the
 last 71 frames, 17 causal conv histories (the k=1 convs need none), 4 transposed-conv input
-tails; plus the absolute frame position: 5.2 MB per slot in fp32, 2.6 MB in bf16). Decoding
-a chunk gathers the slots' state, runs :meth:`CarriedStateVocoder.step` and scatters the
-new state back, so the concatenated
+tails; plus the absolute frame position: 5.2 MB per slot in fp32, 2.6 MB in bf16), each of
+the decoder's :meth:`~CarriedStateVocoder.state_shapes` (so in its layout: a channels-last
+decoder's conv histories are ``[H, C]`` per slot; gathers and scatters index slots only, so
+they do not depend on it). Decoding a chunk gathers the slots' state, runs
+:meth:`CarriedStateVocoder.step` and scatters the new state back, so the concatenated
 chunks equal the offline decode of all frames (shared/reference/qwen3-tts.md, section 6:
 windowed re-decoding with a short left context does not).
 

@@ -1,18 +1,30 @@
 """The causal vocoder's layers (omnistage.engine.causal_vocoder) against PyTorch's own ops:
 dilated convs by phases, chunked causal convs, and residual units with their conv biases
-folded into the following pass."""
+folded into the following pass; and each layer channels-last against the same layer in
+``[B, C, L]``."""
+
+import copy
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from omnistage.engine.causal_vocoder import (
     Carry,
     CausalConv,
     CausalTransConv,
+    ConvNeXtBlock,
     ResidualUnit,
     SnakeBeta,
+    VocoderBlock,
+    _Stateful,
+    _to_channels_last,
+    _with_history,
     conv1d_by_phases,
+    from_rows,
+    to_rows,
 )
 
 
@@ -31,11 +43,49 @@ def test_a_conv_by_phases_equals_the_dilated_conv(dilation: int, groups: int) ->
             torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
+def channels_last(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, C, L]`` as the channels-last ``[B, C, 1, L]`` (a copy, memory ``[B, L, C]``)."""
+    return from_rows(x.transpose(1, 2).contiguous(), True)
+
+
+def assert_channels_last(t: torch.Tensor) -> None:
+    """``t`` is ``[B, C, 1, L]`` in memory order ``[B, L, C]``: channel stride 1, sample
+    stride C (channels-last, or a slice along L of such a tensor; the stride of a dimension
+    of size 1 does not matter)."""
+    assert t.dim() == 4 and t.shape[2] == 1, t.shape
+    channels, length = t.shape[1], t.shape[3]
+    assert channels == 1 or t.stride(1) == 1, (t.shape, t.stride())
+    assert length == 1 or t.stride(3) == channels, (t.shape, t.stride())
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("dilation", [1, 2, 3, 9])
+def test_a_conv_by_phases_channels_last_is_the_same_conv(dilation: int, groups: int) -> None:
+    """Channels-last input and a channels-last weight (laid out as the vocoder's switch
+    does): the same sums, a channels-last output, the input's phases a view (no copy)."""
+    generator = torch.Generator().manual_seed(dilation * 10 + groups)
+    weight = torch.randn(6, 4 // groups, 7, generator=generator, dtype=torch.float64)
+    laid_out = weight.transpose(1, 2).contiguous().transpose(1, 2)
+    assert laid_out.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+    bias = torch.randn(6, generator=generator, dtype=torch.float64)
+    for periods in (7, 8, 40):
+        x = torch.randn(3, 4, periods * dilation, generator=generator, dtype=torch.float64)
+        expected = F.conv1d(x, weight, bias, dilation=dilation, groups=groups)
+        x_cl = channels_last(x)
+        assert x_cl.squeeze(2).unflatten(-1, (-1, dilation)).data_ptr() == x_cl.data_ptr()
+        got = conv1d_by_phases(x_cl, laid_out, bias, dilation, groups)
+        assert got.shape == (3, 6, 1, expected.shape[-1])
+        assert_channels_last(got)
+        torch.testing.assert_close(got.squeeze(2), expected, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("shape", "dilation", "message"),
     [((1, 2, 64), 9, r"got \(1, 2, 64\)"),  # not a multiple of the dilation
      ((1, 2, 45), 9, r"at least 55, got \(1, 2, 45\)"),  # shorter than the kernel's span
      ((2, 63), 9, r"got \(2, 63\)"),  # not [B, C, L]
+     ((1, 2, 2, 63), 9, r"got \(1, 2, 2, 63\)"),  # 4-D but not [B, C, 1, L]
+     ((1, 2, 1, 64), 9, r"got \(1, 2, 1, 64\)"),  # channels-last, not a multiple
      ((1, 2, 63), 0, "dilation must be >= 1, got 0")],
 )
 def test_a_conv_by_phases_refuses_bad_input(shape, dilation, message) -> None:
@@ -125,3 +175,117 @@ def test_zero_before_masks_the_activated_samples_of_a_stream_in_progress() -> No
     # are indices 20..35, the first ten zeroed; stream 1's (36..51) none
     state = carry.new[0]
     assert not state[0, :, 2:12].any() and state[0, :, 12:].all() and state[1].all()
+
+
+def _random(module: nn.Module, seed: int) -> nn.Module:
+    """``module`` in fp64 with every parameter drawn from N(0, 0.5^2)."""
+    generator = torch.Generator().manual_seed(seed)
+    module = module.double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float64) * 0.5)
+    return module
+
+
+def _conv_with_snake(dilation: int, groups: int, zero_before: tuple[int, int] | None = None):
+    conv = CausalConv(4, 6, 7, dilation=dilation, groups=groups)
+    conv.zero_before = zero_before
+    layer = nn.ModuleDict({"conv": conv, "snake": SnakeBeta(4)})
+    return layer, lambda m, x, carry: m["conv"](x, carry, activation=m["snake"])
+
+
+def _trans_with_snake(kernel: int, stride: int):
+    layer = nn.ModuleDict({"conv": CausalTransConv(4, 3, kernel, stride), "snake": SnakeBeta(4)})
+    return layer, lambda m, x, carry: m["conv"](x, carry, activation=m["snake"])
+
+
+def _called(module: nn.Module):
+    return module, lambda m, x, carry: m(x, carry)
+
+
+LAYERS: dict[str, Callable[[], tuple[nn.Module, Callable]]] = {
+    "conv k7": lambda: _called(CausalConv(4, 6, 7)),
+    "conv k1": lambda: _called(CausalConv(4, 6, 1)),
+    "conv k7 dilation 3, 2 groups": lambda: _called(CausalConv(4, 6, 7, dilation=3, groups=2)),
+    "conv k7 dilation 9 after snake": lambda: _conv_with_snake(9, 1),
+    "conv k7 dilation 3 after snake, zero_before": lambda: _conv_with_snake(3, 1, (23, 1)),
+    "conv k7 after snake, zero_before": lambda: _conv_with_snake(1, 2, (40, 1)),
+    "transposed conv k10 s5": lambda: _called(CausalTransConv(4, 3, 10, 5)),
+    "transposed conv k2 s2 (no state)": lambda: _called(CausalTransConv(4, 3, 2, 2)),
+    "transposed conv k6 s3 after snake": lambda: _trans_with_snake(6, 3),
+    "residual unit dilation 9": lambda: _called(ResidualUnit(4, 9)),
+    "convnext": lambda: _called(ConvNeXtBlock(4)),
+    "vocoder block rate 3": lambda: _called(VocoderBlock(4, 2, 3)),
+}
+
+
+def _in_chunks(layer: nn.Module, call: Callable, signal: torch.Tensor, sizes: list[int], cl: bool):
+    """The layer's output for ``signal [B, C, T]`` in chunks of ``sizes`` with carried state
+    (positions are samples: ``zero_before`` rates of 1), in the layout ``cl`` says, given and
+    returned as ``[B, C, *]``; and its final state (``[C, H]`` per stream as NCL's)."""
+    stateful = [m for m in layer.modules() if isinstance(m, _Stateful) and m.carries_state()]
+    for index, module in enumerate(stateful):
+        module.state_index = index
+    batch = signal.shape[0]
+    state = [torch.zeros(batch, *m.state_shape(), dtype=signal.dtype) for m in stateful]
+    pieces, start = [], 0
+    for n in sizes:
+        x = signal[..., start : start + n]
+        carry = Carry(state, torch.full((batch,), start))
+        out = call(layer, channels_last(x) if cl else x, carry)
+        if cl:
+            assert_channels_last(out)
+            out = out.squeeze(2)
+        pieces.append(out)
+        state, start = carry.new, start + n
+    assert all(t is not None for t in state)
+    return torch.cat(pieces, dim=-1), [t.transpose(1, 2) if cl else t for t in state]
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_a_channels_last_layer_equals_the_layer_in_ncl(name: str) -> None:
+    """Each layer kind, channels-last (weights laid out as the vocoder's switch lays them,
+    its conv states ``[H, C]``) and in ``[B, C, L]``, decoding a signal in uneven chunks
+    with carried state: every output channels-last, the same outputs and final states (fp64:
+    the same sums in another order, so to rounding)."""
+    layer, call = LAYERS[name]()
+    ncl = _random(layer, seed=len(name))
+    cl = copy.deepcopy(ncl)
+    _to_channels_last(cl)
+    for module in cl.modules():
+        if isinstance(module, CausalConv | CausalTransConv):
+            assert module.conv.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+            if module.carries_state():
+                assert module.state_shape() == (module.history, module.conv.in_channels)
+    signal = torch.randn(2, 4, 61, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    sizes = [1, 5, 9, 17, 29]
+    expected, expected_state = _in_chunks(ncl, call, signal, sizes, cl=False)
+    got, got_state = _in_chunks(cl, call, signal, sizes, cl=True)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    for g, e in zip(got_state, expected_state, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_channels_last_survives_cat_elementwise_ops_and_rows() -> None:
+    """What the channels-last path relies on: ``cat`` along L of channels-last parts (the
+    carried past a view of ``[B, H, C]``, the zero padding) and elementwise ops with
+    per-channel parameters keep the layout; ``to_rows`` of a channels-last tensor is its
+    memory as a contiguous ``[B, L, C]`` and ``from_rows`` its inverse view."""
+    x = channels_last(torch.randn(2, 5, 9, dtype=torch.float64))
+    past = from_rows(torch.randn(2, 4, 5, dtype=torch.float64), True)
+    joined = _with_history(past, x[..., 2:7], 3)
+    assert joined.shape == (2, 5, 1, 12) and joined.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(joined[..., :4], past) and not joined[..., 9:].any()
+    assert torch.equal(joined[..., 4:9], x[..., 2:7])
+    # one sample: [2, 5, 1, 1] is both layouts; an elementwise op may give it NCL strides,
+    # from which cat alone would infer NCL for the whole output
+    one = x[..., :1] * torch.ones(5, 1, 1, dtype=torch.float64)
+    joined = _with_history(past, one, 0)
+    assert joined.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(joined, torch.cat([past, x[..., :1]], dim=-1))
+    assert (x[..., 1:8] * torch.randn(5, 1, 1, dtype=torch.float64) + x[..., :7]).is_contiguous(
+        memory_format=torch.channels_last
+    )
+    rows = to_rows(x)
+    assert rows.is_contiguous() and rows.data_ptr() == x.data_ptr()
+    assert from_rows(rows, True).stride() == x.stride()

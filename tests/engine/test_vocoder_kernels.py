@@ -1,11 +1,12 @@
 """The vocoder's Triton kernels (omnistage.engine.triton_vocoder, used by
 omnistage.engine.causal_vocoder) against their formulas: SnakeBeta (with a folded conv bias)
-and the residual add with a folded conv bias."""
+and the residual add with a folded conv bias, in ``[B, C, L]`` and channels-last; and the
+channels-last decoder on CUDA without cuDNN's layout transposes."""
 
 import pytest
 import torch
 
-from omnistage.engine.causal_vocoder import SNAKE_EPS, ResidualUnit, SnakeBeta
+from omnistage.engine.causal_vocoder import SNAKE_EPS, Carry, ResidualUnit, SnakeBeta, from_rows
 from omnistage.engine.paged_attention import triton_available
 
 needs_triton = pytest.mark.skipif(
@@ -193,3 +194,161 @@ def test_the_residual_kernel_rejects_bad_shapes_dtypes_and_devices() -> None:
     ):
         with pytest.raises(ValueError, match="residual add needs"):
             residual_add_triton(*bad)
+
+
+def _cl(rows: torch.Tensor) -> torch.Tensor:
+    """``[B, L, C]`` rows as the channels-last ``[B, C, 1, L]`` (a view)."""
+    return from_rows(rows, True)
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_fused_snake_beta_channels_last_equals_the_formula_and_the_pytorch_form(dtype, tolerance) -> None:
+    """Channels-last ``x`` (a slice along L of a wider channels-last tensor, as a transposed
+    conv's trimmed output), ``past`` (a view of the arena's ``[B, H, C]`` rows), a bias and
+    zeros, channel counts on and off the tile, lengths around it: a channels-last output,
+    the past copied exactly, the zeros exact, the middle as the formula; in fp32 the
+    module's PyTorch form (with gradients) and the NCL kernel give the same. Parameters of
+    moderate size: with 100 channels of the NCL test's, some ``|x * e^alpha|`` reach ~10^3,
+    where rounding the fp32 product alone moves the sine by ~10^-4 (the NCL test bounds the
+    kernel's sine there)."""
+    from omnistage.engine.triton_vocoder import snake_beta_triton
+
+    generator = torch.Generator().manual_seed(6)
+    for channels in (6, 96, 100):
+        alpha, beta = (p.to("cuda", dtype) / 4 for p in _parameters(channels, generator))
+        bias = torch.randn(channels, generator=generator).to("cuda", dtype)
+        snake = SnakeBeta(channels).to("cuda", dtype)
+        with torch.no_grad():
+            snake.alpha.copy_(alpha)
+            snake.beta.copy_(beta)
+        for length, history, zeros in ((1, 6, 0), (37, 54, 5), (1500, 18, 2), (4100, 1, 0), (9, 0, 0)):
+            wide = (torch.randn(3, length + 3, channels, generator=generator) * 4).to("cuda", dtype)
+            x = _cl(wide)[..., 2 : 2 + length]
+            past = _cl(torch.randn(3, history, channels, generator=generator).to("cuda", dtype)) if history else None
+            out = snake_beta_triton(x, alpha, beta, SNAKE_EPS, bias, past, zeros)
+            assert out.shape == (3, channels, 1, history + length + zeros) and out.dtype == dtype
+            assert out.is_contiguous(memory_format=torch.channels_last)
+            if past is not None:
+                assert torch.equal(out[..., :history], past)
+            assert not out[..., history + length :].any()
+            expected = _snake_reference(x.squeeze(2).double() + bias.double()[None, :, None], alpha, beta)
+            middle = out[..., history : history + length].squeeze(2).double()
+            scale = expected.abs().max().item()
+            assert (middle - expected).abs().max().item() <= tolerance * scale, (channels, length)
+            ncl = snake_beta_triton(x.squeeze(2), alpha, beta, SNAKE_EPS, bias, None if past is None else past.squeeze(2), zeros)
+            assert (out.squeeze(2).double() - ncl.double()).abs().max().item() <= tolerance * scale
+            if dtype == torch.float32:
+                eager = snake(x, bias, past, zeros)
+                assert eager.requires_grad and eager.is_contiguous(memory_format=torch.channels_last)
+                assert (eager.detach() - out).abs().max().item() <= 1e-5 * scale
+
+
+@pytest.mark.gpu
+@needs_triton
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_fused_residual_add_channels_last_equals_the_formula(dtype, tolerance) -> None:
+    """``residual + (y + bias)`` of channels-last tensors (one a slice along L), channel
+    counts on and off the tile, lengths around it: a channels-last output equal to the sum
+    in fp64 (rounded once)."""
+    from omnistage.engine.triton_vocoder import residual_add_triton
+
+    generator = torch.Generator().manual_seed(7)
+    for channels in (6, 100):
+        bias = torch.randn(channels, generator=generator).to("cuda", dtype)
+        for length in (1, 37, 1024, 4100):
+            wide = _cl(torch.randn(3, length + 9, channels, generator=generator).to("cuda", dtype))[..., 4 : 4 + length]
+            dense = _cl(torch.randn(3, length, channels, generator=generator).to("cuda", dtype))
+            for residual, y in ((wide, dense), (dense, wide)):
+                out = residual_add_triton(residual, y, bias)
+                assert out.shape == residual.shape and out.dtype == dtype
+                assert out.is_contiguous(memory_format=torch.channels_last)
+                expected = residual.double() + y.double() + bias.double()[None, :, None, None]
+                scale = expected.abs().max().item()
+                assert (out.double() - expected).abs().max().item() <= tolerance * scale, (channels, length)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_a_channels_last_residual_unit_decodes_the_same_with_the_kernels_as_ncl_with_pytorch() -> None:
+    """A channels-last residual unit on CUDA under inference mode (both kernels, the phase
+    conv channels-last) equals the NCL unit run by PyTorch's ops with gradients on, output
+    and carried state (fp32, cuDNN's TF32 off)."""
+    from omnistage.engine.causal_vocoder import _to_channels_last
+
+    torch.manual_seed(8)
+    ncl = ResidualUnit(16, 9).cuda()
+    with torch.no_grad():
+        for p in ncl.parameters():
+            p.normal_(0, 0.3)
+    cl = ResidualUnit(16, 9).cuda()
+    cl.load_state_dict(ncl.state_dict())
+    _to_channels_last(cl)
+    ncl.conv1.state_index = cl.conv1.state_index = 0
+    x = torch.randn(2, 100, 16, device="cuda")  # [B, L, C] rows
+    state = torch.randn(2, ncl.conv1.history, 16, device="cuda")  # [B, H, C]
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        eager_carry = Carry([state.transpose(1, 2)], torch.zeros(2, dtype=torch.int64, device="cuda"))
+        eager = ncl(x.transpose(1, 2), eager_carry)
+        with torch.inference_mode():
+            fused_carry = Carry([state], torch.zeros(2, dtype=torch.int64, device="cuda"))
+            fused = cl(_cl(x), fused_carry)
+    assert fused.is_contiguous(memory_format=torch.channels_last)
+    scale = eager.abs().max().item()
+    assert (fused.squeeze(2) - eager.detach()).abs().max().item() <= 1e-5 * scale
+    new_state = eager_carry.new[0].detach().transpose(1, 2)
+    assert (fused_carry.new[0] - new_state).abs().max().item() <= 1e-5 * new_state.abs().max().item()
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_kernels_reject_mixed_layouts() -> None:
+    from omnistage.engine.triton_vocoder import residual_add_triton, snake_beta_triton
+
+    x, alpha = _cl(torch.zeros(2, 8, 3, device="cuda")), torch.zeros(3, device="cuda")
+    with pytest.raises(ValueError, match="SnakeBeta needs"):
+        snake_beta_triton(torch.zeros(2, 3, 2, 8, device="cuda"), alpha, alpha, SNAKE_EPS)  # not [B, C, 1, L]
+    with pytest.raises(ValueError, match="SnakeBeta needs past"):
+        snake_beta_triton(x, alpha, alpha, SNAKE_EPS, None, x.squeeze(2))  # past of the other layout
+    with pytest.raises(ValueError, match="residual add needs"):
+        residual_add_triton(x, x.squeeze(2), alpha)
+
+
+@pytest.mark.gpu
+@needs_triton
+def test_the_channels_last_decoder_runs_without_cudnns_layout_transposes() -> None:
+    """The point of the layout: one decode of the real-size Qwen3-TTS decoder (random
+    weights, bf16, 8 streams x 8 frames) launches cuDNN's NCHW <-> NHWC transposes
+    (``nchwToNhwcKernel``, ``nhwcToNchwKernel``) in ``[B, C, L]`` and none channels-last
+    (6.9 ms of a 35.6 ms graph replay at 128 streams on the H100:
+    benchmarks/results/vocoder_convs_channels_last.json)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from omnistage.models.qwen3_tts.modeling.speech_tokenizer.config import SpeechTokenizerConfig
+    from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import build_decoder
+    from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
+        random_speech_tokenizer_tensors,
+        speech_tokenizer_config,
+    )
+
+    config = SpeechTokenizerConfig.from_dict(speech_tokenizer_config("0.6b"))
+    tensors = random_speech_tokenizer_tensors("0.6b", seed=0)
+    codes = torch.randint(0, 2048, (8, 8, 16), device="cuda")
+    transposes = {}
+    for layout in ("ncl", "cl"):
+        decoder = build_decoder(config.decoder, tensors, "cuda", torch.bfloat16)
+        if layout == "cl":
+            decoder.to_channels_last()
+        with torch.inference_mode():
+            decoder(codes)  # warm: kernel selection
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                decoder(codes)
+                torch.cuda.synchronize()
+        transposes[layout] = sorted(
+            {e.key for e in prof.key_averages() if "nchwToNhwc" in e.key or "nhwcToNchw" in e.key}
+        )
+        del decoder
+    assert transposes["ncl"], "the profiler no longer names cuDNN's transposes this way"
+    assert not transposes["cl"], transposes["cl"]

@@ -738,15 +738,21 @@ def create_code2wav_stage(
     steady: int = 8,
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
+    channels_last: bool = False,
 ) -> VocoderScheduler:
     """code2wav through the shared streaming vocoder (exact streaming, chunk ramp).
     ``cuda_graphs`` (on CUDA only): chunk decodes replay a CUDA graph per (batch bucket up to
     ``num_slots``, chunk of 1..8 frames), captured at start-up
     (:meth:`~omnistage.engine.vocoder_arena.StreamingDecoderArena.capture_graphs`); eager
     decoding held 20% of a c=64 server's busy samples, all of them on the code2wav thread
-    (H200, 30B-A3B, ``benchmarks/results/qwen3_omni_served.json``, 2026-12-02)."""
+    (H200, 30B-A3B, ``benchmarks/results/qwen3_omni_served.json``, 2026-12-02).
+    ``channels_last``: the vocoder's activations channels-last, as Qwen3-TTS's vocoder stage
+    takes it (:meth:`~omnistage.engine.causal_vocoder.CarriedStateVocoder.to_channels_last`;
+    the same layers; off by default, not yet timed on a GPU)."""
     device = torch.device(ctx.stage.device)
     code2wav = load_code2wav(_model_path(ctx), device, load_format)
+    if channels_last:
+        code2wav.to_channels_last()
     arena = StreamingDecoderArena(code2wav, num_slots)
     if device.type == "cuda" and cuda_graphs:
         arena.capture_graphs()

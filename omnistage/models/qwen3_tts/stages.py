@@ -334,13 +334,24 @@ def create_vocoder_stage(
     steady: int = 8,
     cuda_graphs: bool = True,
     left_context_cache_size: int = DEFAULT_CONTEXT_CACHE_SIZE,
+    channels_last: bool = False,
 ) -> VocoderScheduler:
     """The speech-tokenizer decoder, streaming (bf16 on CUDA, fp32 on CPU). ``num_slots``:
     concurrent streams with decoder state (more wait for a slot, buffering frames);
     ``left_context_cache_size``: decoder states after a voice clone's reference codes,
-    cached by their content (0: decode the reference codes for every stream)."""
+    cached by their content (0: decode the reference codes for every stream).
+    ``channels_last``: the decoder's activations as channels-last ``[B, C, 1, L]`` tensors
+    and its convs as cuDNN's NHWC kernels, without the NCHW <-> NHWC transposes cuDNN adds
+    around each conv of a ``[B, C, L]`` input (6.9 ms of a 35.6 ms graph replay at 128
+    streams x 8 frames on the H100: benchmarks/results/vocoder_convs_channels_last.json);
+    the same audio up to rounding
+    (:meth:`~omnistage.engine.causal_vocoder.CarriedStateVocoder.to_channels_last`).
+    Off by default until a GPU run has timed the whole decoder in both layouts
+    (``benchmarks/vocoder_gpu.py --layouts ncl cl``)."""
     where = resolve_device(ctx)
     decoder = load_decoder(Path(_model_path(ctx)) / "speech_tokenizer", where, default_dtype(where))
+    if channels_last:
+        decoder.to_channels_last()
     arena = StreamingDecoderArena(decoder, num_slots, left_context_cache_size)
     if where.type == "cuda" and cuda_graphs:
         # and longer chunks for a fresh reference's codes: replays of 32 + 6 frames for 3 s

@@ -1,8 +1,11 @@
 """Qwen3-Omni code2wav: parity with transformers 5.24 (fixture from
 tools/parity/qwen3_omni_encoders_reference.py) and exact streaming: any chunk schedule,
-any mix of stream positions in a batch, concatenates to the offline decode."""
+any mix of stream positions in a batch, concatenates to the offline decode; channels-last
+as well, equal to the ``[B, C, L]`` decode."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -12,7 +15,9 @@ from hypothesis import strategies as st
 from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as hf_config
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
+from omnistage.config.overrides import resolve_config
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
+from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
 from omnistage.models.qwen3_omni.modeling.code2wav import (
     Code2Wav,
     Code2WavConfig,
@@ -21,10 +26,15 @@ from omnistage.models.qwen3_omni.modeling.code2wav import (
 )
 from omnistage.models.qwen3_omni.modeling.random_init import CODE2WAV_GAINS
 from omnistage.models.qwen3_omni.parity_inputs import code_frames
+from omnistage.pipeline.stage import build_scheduler
 
 SPF = 1920
 TRIM = 555
 TOLERANCE = 1e-5  # streamed vs offline, absolute (output peak ~0.3)
+# channels-last vs [B, C, L] in fp32: the same sums in another order, so rounding only: at
+# most 8.9e-7 over 4 seeds here, as large as NCL's own streamed-vs-offline differences
+CL_TOLERANCE = 5e-6
+LAYOUTS = ["ncl", "cl"]
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +47,12 @@ def code2wav(reference: dict) -> Code2Wav:
     return seeded_module(
         reference, lambda raw: Code2Wav(Code2WavConfig.from_hf(raw)), CODE2WAV_GAINS
     )
+
+
+@pytest.fixture(scope="module")
+def code2wavs(code2wav: Code2Wav) -> dict[str, Code2Wav]:
+    """code2wav in both layouts: ``[B, C, L]`` and channels-last (the same weights)."""
+    return {"ncl": code2wav, "cl": copy.deepcopy(code2wav).to_channels_last()}
 
 
 def _codes(frames: int, seed: int) -> torch.Tensor:
@@ -58,7 +74,9 @@ def _stream(arena: StreamingDecoderArena, codes: torch.Tensor, sizes: list[int])
     return torch.cat(pieces)
 
 
-def test_waveform_matches_transformers(code2wav: Code2Wav, reference: dict) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_waveform_matches_transformers(code2wavs: dict[str, Code2Wav], layout: str, reference: dict) -> None:
+    code2wav = code2wavs[layout]
     codes = code_frames(16, 2048)
     check_inputs(reference, codes.float())
     wave = _offline(code2wav, codes)
@@ -90,7 +108,11 @@ def test_the_ramp_and_other_schedules_equal_the_offline_decode(code2wav, sizes) 
     assert (streamed - expected).abs().max() <= TOLERANCE
 
 
-def test_a_batch_mixing_new_and_running_streams_equals_single_streams(code2wav) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_batch_mixing_new_and_running_streams_equals_single_streams(code2wavs, layout) -> None:
+    """Two streams at different positions in one batch (the zeroed leading samples of one
+    beside the other's signal) continue as each alone."""
+    code2wav = code2wavs[layout]
     first, second = _codes(7, seed=1), _codes(5, seed=2)
     arena = StreamingDecoderArena(code2wav, num_slots=2)
     a = arena.allocate()
@@ -108,14 +130,18 @@ def test_a_batch_mixing_new_and_running_streams_equals_single_streams(code2wav) 
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replays_equal_the_offline_decode(code2wav, monkeypatch) -> None:
-    """The code2wav stage's CUDA path: graphs per batch bucket and chunk length, streams at
-    different positions in one batch, the ramp then the steady chunk (true fp32: cuDNN's and
-    matmul's TF32 off)."""
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_graph_replays_equal_the_offline_decode(code2wavs, layout, monkeypatch) -> None:
+    """The code2wav stage's CUDA path (in either layout): graphs per batch bucket and chunk
+    length, streams at different positions in one batch, the ramp then the steady chunk
+    (true fp32: cuDNN's and matmul's TF32 off), against the CPU's NCL offline decode."""
+    code2wav = code2wavs["ncl"]
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     device_model = Code2Wav(code2wav.config).to("cuda")
     device_model.load_state_dict(code2wav.state_dict())
+    if layout == "cl":
+        device_model.to_channels_last()
     arena = StreamingDecoderArena(device_model, num_slots=4)
     arena.capture_graphs(batch_buckets=(1, 4), chunk_lengths=(1, 2, 4, 8))
     utterances = [_codes(15, seed=10 + s) for s in range(3)]
@@ -163,3 +189,28 @@ def test_real_size_weights_have_the_reference_names_and_shapes() -> None:
     assert expected_weights(Code2WavConfig()) == {
         k: tuple(v.shape) for k, v in reference.state_dict().items()
     }
+
+
+def test_channels_last_decodes_as_ncl_offline_and_streamed(code2wavs) -> None:
+    """With its leading trim (the zeroed samples of ``zero_before``): channels-last offline
+    and streamed in uneven chunks equal the NCL offline decode, and the stream its own
+    offline decode."""
+    for seed in (5, 6):
+        codes = _codes(18, seed)
+        expected = _offline(code2wavs["ncl"], codes)
+        offline = _offline(code2wavs["cl"], codes)
+        assert offline.shape == expected.shape == (18 * SPF - TRIM,)
+        assert (offline - expected).abs().max() <= CL_TOLERANCE
+        streamed = _stream(StreamingDecoderArena(code2wavs["cl"], num_slots=1), codes, [1, 2, 4, 8, 3])
+        assert (streamed - expected).abs().max() <= CL_TOLERANCE
+        assert (streamed - offline).abs().max() <= CL_TOLERANCE
+
+
+def test_the_code2wav_stage_takes_channels_last_from_the_command_line(omni_tiny_checkpoint) -> None:
+    """``--code2wav.factory.args.channels_last true`` builds the stage's vocoder
+    channels-last; the default keeps ``[B, C, L]``."""
+    defaults = Qwen3OmniPipelineConfig.for_model_path(str(omni_tiny_checkpoint), load_format="dummy")
+    for args, expected in (([], False), ([("code2wav.factory.args.channels_last", "true")], True)):
+        config = resolve_config(defaults, None, [("code2wav.device", "cpu"), *args]).config
+        scheduler = build_scheduler(config, config.stage("code2wav"))
+        assert scheduler.decoder.decoder.channels_last is expected

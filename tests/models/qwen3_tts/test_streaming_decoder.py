@@ -1,7 +1,10 @@
-"""Streaming decoding with carried state equals the offline decode (tiny random codec, fp32)."""
+"""Streaming decoding with carried state equals the offline decode (tiny random codec, fp32);
+the channels-last decoder decodes as the ``[B, C, L]`` one, offline, streamed and in the
+arena."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -9,12 +12,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from omnistage.config.overrides import resolve_config
+from omnistage.engine.causal_vocoder import CausalConv, CausalTransConv
 from omnistage.engine.vocoder_arena import (
     ArenaFullError,
     StreamingDecoderArena,
     context_pieces,
     graph_batch_buckets,
 )
+from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import (
     SpeechTokenizerDecoder,
     load_decoder,
@@ -22,9 +28,16 @@ from omnistage.models.qwen3_tts.modeling.speech_tokenizer.decoder import (
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.random_init import (
     write_random_speech_tokenizer,
 )
+from omnistage.pipeline.stage import build_scheduler
 
 SPF = 1920
 TOLERANCE = 1e-5
+# Channels-last against [B, C, L] in fp32: the same sums in another order (fp64 agrees to
+# 1e-12 below), so only rounding differs: at most 1.0e-6 here over 6 seeds (output peak
+# ~0.33), as large as the NCL decoder's own streamed-vs-offline differences; 5e-6 leaves
+# room for another CPU's kernels.
+CL_TOLERANCE = 5e-6
+LAYOUTS = ["ncl", "cl"]
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +45,12 @@ def decoder(tmp_path_factory: pytest.TempPathFactory) -> SpeechTokenizerDecoder:
     directory: Path = tmp_path_factory.mktemp("speech_tokenizer")
     write_random_speech_tokenizer(directory, "tiny", seed=0)
     return load_decoder(directory)
+
+
+@pytest.fixture(scope="module")
+def decoders(decoder) -> dict[str, SpeechTokenizerDecoder]:
+    """The decoder in both layouts: ``[B, C, L]`` and channels-last (the same weights)."""
+    return {"ncl": decoder, "cl": copy.deepcopy(decoder).to_channels_last()}
 
 
 def _codes(frames: int, seed: int) -> torch.Tensor:
@@ -84,7 +103,9 @@ def test_left_context_is_decoded_once_and_never_emitted(decoder) -> None:
     assert (streamed - expected).abs().max() <= TOLERANCE
 
 
-def test_a_batch_of_eight_streams_equals_eight_single_streams(decoder) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_batch_of_eight_streams_equals_eight_single_streams(decoders, layout) -> None:
+    decoder = decoders[layout]
     utterances = [_codes(9, seed=s) for s in range(8)]
     batched = StreamingDecoderArena(decoder, num_slots=8)
     slots = [batched.allocate(left_context=_codes(3 + s, seed=100 + s) if s % 2 else None) for s in range(8)]
@@ -106,7 +127,9 @@ def test_decode_full_equals_offline_and_drops_the_left_context(decoder) -> None:
     assert (out[1] - _offline(decoder, torch.cat([reference, long_]))[4 * SPF :]).abs().max() <= TOLERANCE
 
 
-def test_a_full_arena_raises_and_free_is_idempotent(decoder) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_full_arena_raises_and_free_is_idempotent(decoders, layout) -> None:
+    decoder = decoders[layout]
     arena = StreamingDecoderArena(decoder, num_slots=2)
     first, second = arena.allocate(), arena.allocate()
     assert arena.num_free == 0
@@ -121,7 +144,9 @@ def test_a_full_arena_raises_and_free_is_idempotent(decoder) -> None:
     assert arena.num_free == 2
 
 
-def test_a_reused_slot_starts_from_a_fresh_state(decoder) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_reused_slot_starts_from_a_fresh_state(decoders, layout) -> None:
+    decoder = decoders[layout]
     arena = StreamingDecoderArena(decoder, num_slots=1)
     slot = arena.allocate()
     arena.decode([slot], _codes(6, seed=8)[None])
@@ -135,20 +160,27 @@ def test_a_reused_slot_starts_from_a_fresh_state(decoder) -> None:
 def _graphed_arena(
     decoder: SpeechTokenizerDecoder, monkeypatch, context_lengths: tuple[int, ...] = ()
 ) -> StreamingDecoderArena:
-    """The decoder on CUDA in an 8-slot arena with graphs for batches 1, 4, 8 and chunks of
-    1, 2, 3, 8 frames (and ``context_lengths`` for batch 1); cuDNN convolutions default to
-    TF32 (10-bit mantissa), so this turns it off to compare in true fp32."""
+    """The decoder on CUDA (in its layout) in an 8-slot arena with graphs for batches 1, 4,
+    8 and chunks of 1, 2, 3, 8 frames (and ``context_lengths`` for batch 1); cuDNN
+    convolutions default to TF32 (10-bit mantissa), so this turns it off to compare in true
+    fp32."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     device_decoder = SpeechTokenizerDecoder(decoder.config).to("cuda")
     device_decoder.load_state_dict(decoder.state_dict())
+    if decoder.channels_last:
+        device_decoder.to_channels_last()
     graphed = StreamingDecoderArena(device_decoder, num_slots=8)
     graphed.capture_graphs(batch_buckets=(1, 4, 8), chunk_lengths=(1, 2, 3, 8), context_lengths=context_lengths)
     return graphed
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_equals_eager_decoding(decoder, monkeypatch) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_graph_replay_equals_eager_decoding(decoders, layout, monkeypatch) -> None:
+    """Graph replays on CUDA against the CPU's eager offline decode of the same layout (and,
+    channels-last, of the NCL decoder)."""
+    decoder = decoders[layout]
     graphed = _graphed_arena(decoder, monkeypatch)
     utterances = [_codes(14, seed=s).cuda() for s in range(3)]
     slots = [graphed.allocate() for _ in utterances]
@@ -156,6 +188,7 @@ def test_cuda_graph_replay_equals_eager_decoding(decoder, monkeypatch) -> None:
     together = torch.cat(pieces, dim=1).cpu()
     for s, utterance in enumerate(utterances):
         assert (together[s] - _offline(decoder, utterance.cpu())).abs().max() <= 1e-4
+        assert (together[s] - _offline(decoders["ncl"], utterance.cpu())).abs().max() <= 1e-4
 
 
 def _continue(arena: StreamingDecoderArena, slots: list[int], codes: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -164,9 +197,11 @@ def _continue(arena: StreamingDecoderArena, slots: list[int], codes: list[torch.
     return list(torch.cat(pieces, dim=1))
 
 
-def test_a_batch_of_opens_equals_the_same_opens_one_by_one(decoder) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_batch_of_opens_equals_the_same_opens_one_by_one(decoders, layout) -> None:
     """Opens of fresh, repeated and different-length left contexts in one call continue
     exactly as the same streams opened one at a time in arenas without a cache."""
+    decoder = decoders[layout]
     a, b, c = _codes(5, seed=11), _codes(5, seed=12), _codes(7, seed=13)
     contexts = [a, None, b, a, c]
     utterances = [_codes(6, seed=20 + s) for s in range(len(contexts))]
@@ -183,7 +218,9 @@ def test_a_batch_of_opens_equals_the_same_opens_one_by_one(decoder) -> None:
         assert (audio - _offline(decoder, full)[skip:]).abs().max() <= TOLERANCE
 
 
-def test_a_cached_left_context_continues_exactly_like_a_decoded_one(decoder) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_cached_left_context_continues_exactly_like_a_decoded_one(decoders, layout) -> None:
+    decoder = decoders[layout]
     reference, codes = _codes(9, seed=31), _codes(6, seed=32)
     arena = StreamingDecoderArena(decoder, num_slots=1, context_cache_size=4)
     arena.free(arena.allocate(reference))  # decodes it and caches the state after it
@@ -218,10 +255,12 @@ def test_opening_more_streams_than_free_slots_takes_none(decoder) -> None:
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decode(decoder, monkeypatch) -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decode(decoders, layout, monkeypatch) -> None:
     """The serving path on CUDA: codes from the host, streams opened in one batch with one
     reference decoded once (the others copy its cached state), graph replays on the arena's
     stream, audio back on the host."""
+    decoder = decoders[layout]
     graphed = _graphed_arena(decoder, monkeypatch)
     reference = _codes(5, seed=50)
     contexts = [reference, None, reference, _codes(5, seed=51)]
@@ -237,13 +276,15 @@ def test_cuda_graphs_with_host_codes_and_cached_contexts_equal_the_offline_decod
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(("context_lengths", "alone"), [((), [8, 8, 3, 1]), ((16,), [16, 3, 1])])
 def test_a_left_context_longer_than_any_graph_is_decoded_by_replays_exactly(
-    decoder, monkeypatch, context_lengths, alone
+    decoders, layout, monkeypatch, context_lengths, alone
 ) -> None:
     """A 20-frame reference (graph replays, never an eager decode of 20 frames; a 16-frame
     context graph only for one stream, two take the bucket of 4) opened alone and two in
     one batch continue as the offline decode does."""
+    decoder = decoders[layout]
     graphed = _graphed_arena(decoder, monkeypatch, context_lengths)
     assert graphed._context_pieces(1, 20) == alone and graphed._context_pieces(2, 20) == [8, 8, 3, 1]
     contexts = [_codes(20, seed=70), _codes(20, seed=71), _codes(20, seed=72)]
@@ -294,3 +335,92 @@ def test_graph_buckets_hold_every_batch_up_to_the_slot_count(
 def test_graph_buckets_refuse_sizes_below_one(requested, num_slots) -> None:
     with pytest.raises(ValueError, match="batch buckets"):
         graph_batch_buckets(requested, num_slots)
+
+
+def _chunks(arena: StreamingDecoderArena, codes: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """One fresh stream of ``arena`` decoding ``codes`` in chunks of ``sizes``, freed after."""
+    slot = arena.allocate()
+    audio = _stream(arena, slot, codes, sizes)
+    arena.free(slot)
+    return audio
+
+
+def test_channels_last_decodes_as_ncl_offline_and_streamed(decoders) -> None:
+    """Offline, and streamed in uneven chunks with carried state, the channels-last decoder
+    gives the NCL decoder's audio; and its stream its own offline decode (the carried-state
+    invariant)."""
+    for seed in (90, 91):
+        codes = _codes(18, seed)
+        expected = _offline(decoders["ncl"], codes)
+        offline = _offline(decoders["cl"], codes)
+        assert offline.shape == expected.shape == (18 * SPF,)
+        assert (offline - expected).abs().max() <= CL_TOLERANCE
+        streamed = _chunks(StreamingDecoderArena(decoders["cl"], num_slots=2), codes, [1, 2, 4, 8, 3])
+        assert (streamed - expected).abs().max() <= CL_TOLERANCE
+        assert (streamed - offline).abs().max() <= CL_TOLERANCE
+
+
+def test_channels_last_in_fp64_is_the_same_sums(decoder) -> None:
+    """In fp64 the layouts agree to 1e-12 (relative to the peak): the same sums, only their
+    order differs (cuDNN / oneDNN's NHWC kernels, the phase views)."""
+    ncl = copy.deepcopy(decoder).double()
+    cl = copy.deepcopy(ncl).to_channels_last()
+    codes = _codes(13, seed=92)[None]
+    expected = _offline(ncl, codes[0])
+    bound = 1e-12 * expected.abs().max()
+    assert (_offline(cl, codes[0]) - expected).abs().max() <= bound
+    state, positions, pieces = cl.zero_state(1), torch.zeros(1, dtype=torch.int64), []
+    with torch.inference_mode():
+        for start, end in ((0, 1), (1, 4), (4, 12), (12, 13)):
+            piece, state = cl.step(codes[:, start:end], positions, state)
+            pieces.append(piece[0])
+            positions = positions + end - start
+    assert (torch.cat(pieces) - expected).abs().max() <= bound
+
+
+def test_channels_last_keeps_its_layout_in_every_layer_weight_and_state(decoders) -> None:
+    """Every 4-D output of every layer is channels-last (memory [B, L, C]; a one-sample chunk
+    [B, C, 1, 1] is both layouts), from the quantizer to the output conv, for 1-frame and
+    longer chunks; every conv weight is laid out channels-last (no conversion per call);
+    the carried conv states are [H, C] per stream, contiguous in the arena, the window
+    attention's as NCL's."""
+    ncl, cl = decoders["ncl"], decoders["cl"]
+    assert cl.channels_last and not ncl.channels_last
+    for module in cl.modules():
+        if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
+            assert module.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+    for ours, theirs in zip(cl.state_shapes(), ncl.state_shapes(), strict=True):
+        assert ours == (theirs if len(theirs) == 4 else theirs[::-1])
+    convs = {m.state_index for m in cl.modules() if isinstance(m, CausalConv | CausalTransConv) and m.carries_state()}
+    assert len(convs) == len(cl.state_shapes()) - ncl.config.num_hidden_layers
+    arena = StreamingDecoderArena(cl, num_slots=3)
+    for tensor, shape in zip(arena._state, cl.state_shapes(), strict=True):
+        assert tensor.shape == (4, *shape) and tensor.is_contiguous()
+    seen: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+
+    def record(module, inputs, output) -> None:  # noqa: ANN001 -- a forward hook
+        if isinstance(output, torch.Tensor) and output.dim() == 4:
+            seen.append((type(module).__name__, tuple(output.shape), output.stride()))
+
+    hooks = [m.register_forward_hook(record) for m in cl.modules()]
+    try:
+        slots = arena.allocate_many([None, None])
+        for n in (1, 2, 5):
+            arena.decode(slots, torch.stack([_codes(n, seed=93), _codes(n, seed=94)]))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert {name for name, _, _ in seen} >= {"CausalConv", "CausalTransConv", "SnakeBeta", "ResidualUnit", "ConvNeXtBlock"}
+    for name, (_, channels, _, length), stride in seen:
+        assert channels == 1 or stride[1] == 1, (name, stride)
+        assert length == 1 or stride[3] == channels, (name, stride)
+
+
+def test_the_vocoder_stage_takes_channels_last_from_the_command_line(tiny_servable_checkpoints) -> None:
+    """``--vocoder.factory.args.channels_last true`` builds the stage's decoder channels-last;
+    the default keeps ``[B, C, L]``."""
+    defaults = Qwen3TTSPipelineConfig.for_model_path(str(tiny_servable_checkpoints["base"]))
+    for args, expected in (([], False), ([("vocoder.factory.args.channels_last", "true")], True)):
+        config = resolve_config(defaults, None, [("vocoder.device", "cpu"), *args]).config
+        scheduler = build_scheduler(config, config.stage("vocoder"))
+        assert scheduler.decoder.decoder.channels_last is expected

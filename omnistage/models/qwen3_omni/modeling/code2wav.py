@@ -18,6 +18,8 @@ the reference's layers see zero padding there. The stream's first 555 output sam
 then no audio (:attr:`Code2Wav.leading_trim`) and the rest equals the reference exactly,
 for any chunk schedule, with the carried state of :class:`CarriedStateVocoder` (so the
 streaming arena and the shared streaming vocoder serve code2wav as they serve Qwen3-TTS).
+``to_channels_last()`` switches its activations to channels-last, the zeroed samples
+included (:mod:`omnistage.engine.causal_vocoder`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from omnistage.engine.causal_vocoder import (
     PreTransformer,
     VocoderBlock,
     VocoderConfig,
+    from_rows,
 )
 
 
@@ -130,13 +133,15 @@ class Code2Wav(CarriedStateVocoder):
         self.to(device)
 
     def latents(self, codes: torch.Tensor, carry: Carry) -> torch.Tensor:
-        """``codes [B, n, 16]`` int64 in ``[0, codebook_size)`` -> ``[B, hidden, n]``."""
+        """``codes [B, n, 16]`` int64 in ``[0, codebook_size)`` -> ``[B, hidden, n]``, or
+        ``[B, hidden, 1, n]`` channels-last (the transformer's ``[B, n, hidden]`` viewed) with
+        :attr:`channels_last`."""
         offsets = (
             torch.arange(self.config.num_quantizers, device=codes.device)
             * self.config.codebook_size
         )
         embedded = self.code_embedding(codes + offsets).mean(dim=2)  # [B, n, hidden]
-        return self.pre_transformer(embedded, carry).transpose(1, 2)
+        return from_rows(self.pre_transformer(embedded, carry), self.channels_last)
 
 
 def expected_weights(config: Code2WavConfig) -> dict[str, tuple[int, ...]]:

@@ -11,7 +11,9 @@ dilations 1/3/9) for r = 8, 5, 4, 3 -> SnakeBeta -> conv k7 -> 1 channel -> clam
 
 The transformer, upsampler and vocoder are the carried-state layers of
 :mod:`omnistage.engine.causal_vocoder` (shared with Qwen3-Omni's code2wav): chunked
-decoding with carried state concatenates to the offline decode.
+decoding with carried state concatenates to the offline decode. ``to_channels_last()``
+switches its activations to channels-last, from the quantizer on (the layout and why:
+:mod:`omnistage.engine.causal_vocoder`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from omnistage.engine.causal_vocoder import (
     Carry,
     CausalConv,
     PreTransformer,
+    conv1d_in_layout,
+    from_rows,
+    to_rows,
 )
 from omnistage.models.qwen3_tts.modeling.speech_tokenizer.config import (
     DecoderConfig,
@@ -70,10 +75,12 @@ class ResidualQuantizer(nn.Module):
         self.vq = _VQStack(count, size, dim)
         self.output_proj = nn.Conv1d(dim, out_dim, 1, bias=False)
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """``codes [B, n, count]`` int64 -> ``[B, out_dim, n]``."""
+    def forward(self, codes: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+        """``codes [B, n, count]`` int64 -> ``[B, out_dim, n]``, or with ``channels_last``
+        ``[B, out_dim, 1, n]`` channels-last (the summed ``[B, n, dim]`` is that layout's
+        memory: a view, then a 1x1 conv)."""
         summed = sum(layer._codebook.vectors()[codes[..., i]] for i, layer in enumerate(self.vq.layers))
-        return self.output_proj(summed.transpose(1, 2))
+        return conv1d_in_layout(from_rows(summed, channels_last), self.output_proj.weight)
 
 
 class SplitQuantizer(nn.Module):
@@ -85,9 +92,11 @@ class SplitQuantizer(nn.Module):
         self.rvq_first = ResidualQuantizer(1, size, dim, config.codebook_dim)
         self.rvq_rest = ResidualQuantizer(config.num_quantizers - 1, size, dim, config.codebook_dim)
 
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        """``codes [B, n, G]`` -> ``[B, codebook_dim, n]``."""
-        return self.rvq_first(codes[..., :1]) + self.rvq_rest(codes[..., 1:])
+    def forward(self, codes: torch.Tensor, channels_last: bool = False) -> torch.Tensor:
+        """``codes [B, n, G]`` -> ``[B, codebook_dim, n]`` (``[B, codebook_dim, 1, n]``
+        channels-last with ``channels_last``)."""
+        first = self.rvq_first(codes[..., :1], channels_last)
+        return first + self.rvq_rest(codes[..., 1:], channels_last)
 
 
 class SpeechTokenizerDecoder(CarriedStateVocoder):
@@ -105,8 +114,8 @@ class SpeechTokenizerDecoder(CarriedStateVocoder):
         self._number_states()
 
     def latents(self, codes: torch.Tensor, carry: Carry) -> torch.Tensor:
-        h = self.pre_conv(self.quantizer(codes), carry)
-        return self.pre_transformer(h.transpose(1, 2), carry).transpose(1, 2)
+        h = self.pre_conv(self.quantizer(codes, self.channels_last), carry)
+        return from_rows(self.pre_transformer(to_rows(h), carry), self.channels_last)
 
 
 def decoder_state_dict(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
