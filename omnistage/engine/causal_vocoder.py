@@ -659,7 +659,8 @@ class CarriedStateVocoder(nn.Module):
     def to_channels_last(self) -> CarriedStateVocoder:
         """Switch to channels-last activations (see the module docstring), in place; returns
         the vocoder. Lays every conv weight ``[A, B, k]`` out once in the memory order ``[A,
-        k, B]`` (the same shape and values, so ``state_dict`` is unchanged): viewed as ``[A,
+        k, B]`` (the same shapes and values in ``state_dict``, no longer contiguous: a writer that
+        needs contiguous tensors, such as safetensors, takes ``.contiguous()`` copies): viewed as ``[A,
         B, 1, k]`` (or ``[A, B, k, 1]`` for a conv by phases), that is the channels-last
         weight cuDNN's NHWC kernels read, with no conversion per call (an extra kernel on
         every CUDA graph replay). The carried conv states become ``[H, C]`` per stream
@@ -706,11 +707,21 @@ class CarriedStateVocoder(nn.Module):
             state after these frames (the caller advances positions by n).
 
         Raises:
-            ValueError: ``codes`` is not ``[B, n, num_quantizers]`` with ``n >= 1``.
+            ValueError: ``codes`` is not ``[B, n, num_quantizers]`` with ``n >= 1``, or
+                ``state`` is not ``[B, *shape]`` per :meth:`state_shapes` (e.g. a state made
+                before :meth:`to_channels_last`, whose conv histories are ``[C, H]``).
         """
         if codes.dim() != 3 or codes.shape[1] < 1 or codes.shape[2] != self.num_quantizers:
             raise ValueError(
                 f"codes must be [B, n>=1, {self.num_quantizers}], got {tuple(codes.shape)}"
+            )
+        shapes = self.state_shapes()
+        if len(state) != len(shapes) or any(
+            t.shape != (codes.shape[0], *s) for t, s in zip(state, shapes, strict=False)
+        ):
+            raise ValueError(
+                f"state must be [B={codes.shape[0]}, *shape] per state_shapes() {shapes} "
+                f"(channels_last={self.channels_last}), got {[tuple(t.shape) for t in state]}"
             )
         carry = Carry(state, positions)
         h = self.latents(codes, carry)

@@ -76,7 +76,7 @@ from omnistage.core.messages import (
 from omnistage.core.tombstones import Tombstones
 from omnistage.engine.engine import AREngine, StepOutput, StepPlan
 from omnistage.engine.sequence import GenerationInput, GenerationResult
-from omnistage.scheduling.base import Scheduler
+from omnistage.scheduling.base import BatchKind, Scheduler
 from omnistage.scheduling.stop_strings import StopMatch, StopStringMatcher, TokenText
 
 PREFILL_MARK = "prefill"  # timeline: the request's prefill is launched
@@ -422,7 +422,7 @@ class ARScheduler(Scheduler):
             self._on_result(request_id, result)
 
     @staticmethod
-    def step_kind(plan: StepPlan) -> str:
+    def step_kind(plan: StepPlan) -> BatchKind:
         """What ``plan``'s step is, for the batch metrics: ``prefill`` (admitted requests
         alone), ``mixed`` (a prefill that also decodes the running requests), ``decode``, or
         ``drain`` (no launch: only the in-flight step is waited for, with the engine's

@@ -20,11 +20,16 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from omnistage.core.messages import StageInput
 from omnistage.core.request import FinishReason
 from omnistage.scheduling.faults import FaultInjector
+
+#: What sort of batch a stage ran, for the batch metrics: an AR engine's step is a
+#: ``prefill``, a ``mixed`` step (a prefill that also decodes), a ``decode`` or a ``drain``
+#: (only the in-flight step waited for); every other stage's batch is a ``batch``.
+BatchKind = Literal["batch", "prefill", "mixed", "decode", "drain"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +93,7 @@ class Scheduler(ABC):
         self._inbox: queue.SimpleQueue[StageInput | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # (batch size, wall seconds, kind) of each batch run_batch ran, e.g. metrics histograms
-        self.batch_observer: Callable[[int, float, str], None] | None = None
+        self.batch_observer: Callable[[int, float, BatchKind], None] | None = None
         self.faults: FaultInjector | None = None  # OMNISTAGE_FAULTS (tests, soak runs)
 
     @property
@@ -162,12 +167,11 @@ class Scheduler(ABC):
         if self.release_callback is not None:
             self.release_callback(request_id)
 
-    def run_batch(self, request_ids: Iterable[str], compute: Callable[[], None], kind: str = "batch") -> bool:
+    def run_batch(self, request_ids: Iterable[str], compute: Callable[[], None], kind: BatchKind = "batch") -> bool:
         """The batch boundary: run ``compute``; if it raises, fail every request of the
         batch (releasing their state) and return False. Returns True on success. Either way
-        :attr:`batch_observer` gets the batch's size, wall seconds and ``kind`` (what sort of
-        batch it was: an AR engine's step is ``prefill``, ``mixed``, ``decode`` or ``drain``,
-        :meth:`~omnistage.scheduling.ar.ARScheduler.step_kind`; other stages' ``batch``)."""
+        :attr:`batch_observer` gets the batch's size, wall seconds and ``kind``
+        (:data:`BatchKind`; an AR engine's from :meth:`~omnistage.scheduling.ar.ARScheduler.step_kind`)."""
         ids = list(request_ids)
         start, ok = time.perf_counter(), True
         try:

@@ -45,6 +45,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from omnistage.scheduling.base import BatchKind
+
 #: Time-to-first-audio buckets, seconds: 5 ms .. 10 s.
 TTFA_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
@@ -190,7 +192,7 @@ class ServerMetrics:
         _check_non_negative("n", n)
         self._stage_depth.labels(stage).set(n)
 
-    def observe_batch(self, stage: str, size: int, seconds: float, kind: str = "batch") -> None:
+    def observe_batch(self, stage: str, size: int, seconds: float, kind: BatchKind = "batch") -> None:
         """Record that ``stage`` computed a batch of ``size`` requests (>= 1) of ``kind``
         (module docstring) in ``seconds`` of wall time (>= 0).
 

@@ -16,6 +16,7 @@ from transformers.models.qwen3_omni_moe import configuration_qwen3_omni_moe as h
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
 from omnistage.config.overrides import resolve_config
+from omnistage.engine.causal_vocoder import CausalConv, CausalTransConv
 from omnistage.engine.vocoder_arena import StreamingDecoderArena
 from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
 from omnistage.models.qwen3_omni.modeling.code2wav import (
@@ -213,4 +214,11 @@ def test_the_code2wav_stage_takes_channels_last_from_the_command_line(omni_tiny_
     for args, expected in (([], False), ([("code2wav.factory.args.channels_last", "true")], True)):
         config = resolve_config(defaults, None, [("code2wav.device", "cpu"), *args]).config
         scheduler = build_scheduler(config, config.stage("code2wav"))
-        assert scheduler.decoder.decoder.channels_last is expected
+        arena = scheduler.decoder
+        assert arena.decoder.channels_last is expected
+        convs = [m for m in arena.decoder.modules() if isinstance(m, CausalConv | CausalTransConv)]
+        assert convs and all(m.channels_last is expected for m in convs)
+        for m in convs:  # the arena's conv states in the decoder's layout: [H, C] channels-last
+            if m.carries_state():
+                shape = (m.history, m.conv.in_channels) if expected else (m.conv.in_channels, m.history)
+                assert tuple(arena._state[m.state_index].shape[1:]) == shape

@@ -423,4 +423,30 @@ def test_the_vocoder_stage_takes_channels_last_from_the_command_line(tiny_servab
     for args, expected in (([], False), ([("vocoder.factory.args.channels_last", "true")], True)):
         config = resolve_config(defaults, None, [("vocoder.device", "cpu"), *args]).config
         scheduler = build_scheduler(config, config.stage("vocoder"))
-        assert scheduler.decoder.decoder.channels_last is expected
+        assert_arena_layout(scheduler.decoder, expected)
+
+
+def assert_arena_layout(arena: StreamingDecoderArena, channels_last: bool) -> None:
+    """``arena``'s decoder is in the layout ``channels_last`` says, its conv weights laid out
+    and the arena's conv states ``[H, C]`` per slot (``[C, H]`` in NCL), not just the flag."""
+    decoder = arena.decoder
+    assert decoder.channels_last is channels_last
+    convs = [m for m in decoder.modules() if isinstance(m, CausalConv | CausalTransConv)]
+    assert convs and all(m.channels_last is channels_last for m in convs)
+    for m in convs:
+        if m.conv.kernel_size[0] > 1 and m.conv.weight.shape[1] > 1:  # else both layouts at once
+            laid_out = m.conv.weight.unsqueeze(2).is_contiguous(memory_format=torch.channels_last)
+            assert laid_out is channels_last, (m, m.conv.weight.stride())
+        if m.carries_state():
+            shape = (m.history, m.conv.in_channels) if channels_last else (m.conv.in_channels, m.history)
+            assert tuple(arena._state[m.state_index].shape[1:]) == shape
+
+
+def test_a_state_from_before_the_layout_switch_is_refused(decoder) -> None:
+    """A state made in NCL (conv histories ``[C, H]``) does not reach a channels-last
+    decoder's layers, where ``[C, H]`` read as ``[H, C]`` could pass unnoticed with C == H."""
+    cl = copy.deepcopy(decoder)
+    state = cl.zero_state(1)
+    cl.to_channels_last()
+    with pytest.raises(ValueError, match="state must be"):
+        cl.step(_codes(2, seed=95)[None], torch.zeros(1, dtype=torch.int64), state)
