@@ -30,8 +30,9 @@ order ``[B, L, C]``; 4-D because PyTorch has no channels-last format for 3-D ten
 are 2-D convs of kernel ``(1, k)`` with weights laid out once, so cuDNN runs its NHWC kernels
 without the ``nchwToNhwcKernel`` / ``nhwcToNchwKernel`` transposes it puts around every conv
 of a ``[B, C, L]`` input: on the H100 (torch 2.11, cuDNN 9.19, bf16), a graph replay of the
-Qwen3-TTS decoder at 128 streams x 8 frames spent 6.9 ms of 35.6 ms in those transposes, and
-its 29 undilated convs took 7.42 ms channels-last against 10.97 ms
+Qwen3-TTS decoder at 128 streams x 8 frames spent 6.9 ms of 35.6 ms in those transposes
+(``vocoder_all_kernels`` of benchmarks/results/gpu_share_dense.json), and its 29 undilated
+convs took 7.42 ms channels-last against 10.97 ms
 (benchmarks/results/vocoder_convs_channels_last.json). Dilated convs run by phases in both
 layouts (:func:`conv1d_by_phases`): channels-last, cuDNN's own dilated kernels were far worse
 still (the 384-channel conv at dilation 9, 128 streams: 689 ms; the 192-channel ones at

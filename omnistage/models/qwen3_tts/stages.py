@@ -343,7 +343,8 @@ def create_vocoder_stage(
     ``channels_last``: the decoder's activations as channels-last ``[B, C, 1, L]`` tensors
     and its convs as cuDNN's NHWC kernels, without the NCHW <-> NHWC transposes cuDNN adds
     around each conv of a ``[B, C, L]`` input (6.9 ms of a 35.6 ms graph replay at 128
-    streams x 8 frames on the H100: benchmarks/results/vocoder_convs_channels_last.json);
+    streams x 8 frames on the H100: ``vocoder_all_kernels`` of
+    benchmarks/results/gpu_share_dense.json);
     the same audio up to rounding
     (:meth:`~omnistage.engine.causal_vocoder.CarriedStateVocoder.to_channels_last`).
     Off by default until a GPU run has timed the whole decoder in both layouts
