@@ -106,6 +106,12 @@ def from_rows(h: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return h.unsqueeze(2) if channels_last else h
 
 
+def is_vocoder_layout(x: torch.Tensor) -> bool:
+    """Whether ``x`` has the shape of an activation of either layout: ``[B, C, L]``, or
+    ``[B, C, 1, L]`` (channels-last)."""
+    return x.dim() == 3 or x.dim() == 4 and x.shape[2] == 1
+
+
 def _per_channel(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``p [C]`` viewed to broadcast over the channels of ``x`` (``[B, C, L]`` or ``[B, C, 1,
     L]``)."""
@@ -288,8 +294,7 @@ def conv1d_by_phases(
     kernel = weight.shape[-1]
     if dilation < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation}")
-    layout_ok = x.dim() == 3 or x.dim() == 4 and x.shape[2] == 1
-    if not layout_ok or x.shape[-1] % dilation or x.shape[-1] < (kernel - 1) * dilation + 1:
+    if not is_vocoder_layout(x) or x.shape[-1] % dilation or x.shape[-1] < (kernel - 1) * dilation + 1:
         raise ValueError(
             f"x must be [B, C, L] or [B, C, 1, L] with L a multiple of the dilation {dilation} "
             f"and at least {(kernel - 1) * dilation + 1}, got {tuple(x.shape)}"

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from omnistage.engine.causal_vocoder import is_vocoder_layout
 from omnistage.engine.paged_attention import TRITON_DTYPES
 
 MAX_BLOCK = 1024  # samples per program; channels-last: elements per tile
@@ -156,7 +157,7 @@ def _snake_beta_cl_kernel(
 def _check(x: torch.Tensor, name: str, **channel_params: torch.Tensor | None) -> None:
     """Raise the kernels' ValueError unless ``x`` is ``[B, C, L]`` or ``[B, C, 1, L]`` of a
     fused dtype and every given parameter is ``[C]`` on ``x``'s device."""
-    layout_ok = x.dim() == 3 or x.dim() == 4 and x.shape[2] == 1
+    layout_ok = is_vocoder_layout(x)
     channels = x.shape[1] if layout_ok else -1
     given = {k: p for k, p in channel_params.items() if p is not None}
     if (
