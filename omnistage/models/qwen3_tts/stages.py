@@ -334,7 +334,7 @@ def create_vocoder_stage(
     steady: int = 8,
     cuda_graphs: bool = True,
     left_context_cache_size: int = DEFAULT_CONTEXT_CACHE_SIZE,
-    channels_last: bool = False,
+    channels_last: bool | None = None,
 ) -> VocoderScheduler:
     """The speech-tokenizer decoder, streaming (bf16 on CUDA, fp32 on CPU). ``num_slots``:
     concurrent streams with decoder state (more wait for a slot, buffering frames);
@@ -347,10 +347,15 @@ def create_vocoder_stage(
     benchmarks/results/gpu_share_dense.json);
     the same audio up to rounding
     (:meth:`~omnistage.engine.causal_vocoder.CarriedStateVocoder.to_channels_last`).
-    Off by default until a GPU run has timed the whole decoder in both layouts
-    (``benchmarks/vocoder_gpu.py --layouts ncl cl``)."""
+    None (the default): channels-last on CUDA with ``cuda_graphs``, where it was measured
+    faster (H100, torch 2.11, graph replays: 128 streams x 8 frames 36.3 -> 28.6 ms, 16 x 8
+    7.4 -> 6.0 ms, 1 x 1 2.3 -> 2.1 ms; benchmarks/results/vocoder_gpu_layouts.json),
+    ``[B, C, L]`` otherwise (eager decoding is launch-bound and was slower channels-last
+    there: 1 stream x 1 frame 13.4 -> 19.1 ms)."""
     where = resolve_device(ctx)
     decoder = load_decoder(Path(_model_path(ctx)) / "speech_tokenizer", where, default_dtype(where))
+    if channels_last is None:
+        channels_last = where.type == "cuda" and cuda_graphs
     if channels_last:
         decoder.to_channels_last()
     arena = StreamingDecoderArena(decoder, num_slots, left_context_cache_size)

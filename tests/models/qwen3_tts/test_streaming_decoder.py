@@ -418,10 +418,23 @@ def test_channels_last_keeps_its_layout_in_every_layer_weight_and_state(decoders
 
 def test_the_vocoder_stage_takes_channels_last_from_the_command_line(tiny_servable_checkpoints) -> None:
     """``--vocoder.factory.args.channels_last true`` builds the stage's decoder channels-last;
-    the default keeps ``[B, C, L]``."""
+    ``false`` and the default on the CPU (channels-last only on CUDA with graphs) keep
+    ``[B, C, L]``."""
     defaults = Qwen3TTSPipelineConfig.for_model_path(str(tiny_servable_checkpoints["base"]))
-    for args, expected in (([], False), ([("vocoder.factory.args.channels_last", "true")], True)):
+    knob = "vocoder.factory.args.channels_last"
+    for args, expected in (([], False), ([(knob, "false")], False), ([(knob, "true")], True)):
         config = resolve_config(defaults, None, [("vocoder.device", "cpu"), *args]).config
+        scheduler = build_scheduler(config, config.stage("vocoder"))
+        assert_arena_layout(scheduler.decoder, expected)
+
+
+@pytest.mark.gpu
+def test_the_vocoder_stage_on_cuda_is_channels_last_with_graphs_by_default(tiny_servable_checkpoints) -> None:
+    """On CUDA the default layout follows ``cuda_graphs``: channels-last with graphs (where it
+    was timed faster), ``[B, C, L]`` without (eager channels-last was slower)."""
+    defaults = Qwen3TTSPipelineConfig.for_model_path(str(tiny_servable_checkpoints["base"]))
+    for args, expected in (([], True), ([("vocoder.factory.args.cuda_graphs", "false")], False)):
+        config = resolve_config(defaults, None, [("vocoder.device", "cuda"), *args]).config
         scheduler = build_scheduler(config, config.stage("vocoder"))
         assert_arena_layout(scheduler.decoder, expected)
 
