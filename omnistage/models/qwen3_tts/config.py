@@ -98,7 +98,7 @@ class Qwen3TTSPipelineConfig(SpeechModelConfig):
                 StageConfig(
                     name="preprocessing",
                     device=device,
-                    factory=FactoryConfig(path=f"{_STAGES}:create_preprocessing_stage", args={"num_workers": 8}),
+                    factory=FactoryConfig(path=f"{_STAGES}:create_preprocessing_stage", args={"max_batch_size": 64}),
                     next="tts_engine",
                     stream_to=["vocoder"],
                     payload_type=ENCODED_REFERENCE if clone else None,

@@ -4,11 +4,11 @@ preprocessing -> tts_engine -> vocoder.
 - ``reference_encoder`` (Base checkpoints only; the stock batching scheduler): the
   request's reference clip -> x-vector + reference codes (:class:`ReferenceEncoder`),
   clips of concurrent requests in one batch, cached by content.
-- ``preprocessing`` (threaded, 8 workers): the typed request -> the talker prompt (a
+- ``preprocessing`` (batched): the typed request -> the talker prompt (a
   :class:`TalkerStart`: the whole :class:`~omnistage.engine.sequence.GenerationInput`, or
   for a request whose text is still arriving the prompt before its text), built without
-  waiting for the device: the workers launch on the CUDA stream the engine's steps are
-  queued on (:class:`~.modeling.prompt.PromptBuilder`). It also streams the vocoder its
+  waiting for the device: it launches on the CUDA stream the engine's steps are queued
+  on (:class:`~.modeling.prompt.PromptBuilder`); the requests waiting are built together. It also streams the vocoder its
   setup (first chunk size, the ICL reference codes as left context, on the host, stream or
   not) at once, so the vocoder is ready before the first frame.
 - ``tts_engine`` (the AR engine): one frame of 16 codes per step, each streamed to the
@@ -60,6 +60,7 @@ from omnistage.models.qwen3_tts.payload_types import (
     EncodedReference,
     LivePrompt,
     Qwen3TTSRequest,
+    Qwen3TTSSampling,
     SamplingOverrides,
     TalkerStart,
 )
@@ -69,8 +70,9 @@ from omnistage.models.qwen3_tts.request_builders import (
     sampling_params,
 )
 from omnistage.pipeline.stage import StageBuildContext
-from omnistage.scheduling import SimpleScheduler, ThreadedScheduler
+from omnistage.scheduling import SimpleScheduler
 from omnistage.scheduling.ar import ARScheduler
+from omnistage.scheduling.base import ItemFailure
 from omnistage.scheduling.vocoder import ChunkPlan, VocoderScheduler, VocoderSetup
 
 
@@ -195,9 +197,22 @@ def create_reference_encoder_stage(
     return reference_scheduler(ReferenceEncoder(checkpoint.model.speaker_encoder, codec_encoder, cache_size), max_batch_size, max_batch_wait_ms)
 
 
-def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 8) -> ThreadedScheduler:
-    """Request (and, for Base, its :class:`EncodedReference`) -> :class:`TalkerStart`
-    (and the vocoder's setup, streamed at once)."""
+def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64) -> SimpleScheduler:
+    """Requests (and, for Base, their :class:`EncodedReference`) -> :class:`TalkerStart` s
+    (and each one's vocoder setup, streamed as its prompt is built), for up to
+    ``max_batch_size`` waiting requests at once: the text rows of a batch's prompts come
+    from one upload and one embedding (:meth:`~.modeling.prompt.PromptBuilder.whole_many`).
+
+    Why a batch and not one request per worker thread (benchmarks/README.md, "Device runs
+    of 2026-12-07, fifth session"): a prompt's work is launches and host-to-device copies,
+    0.93 ms of a thread's CPU per voice-clone prompt on an H100 host, holding the GIL
+    between its ~27 torch calls; eight workers took a request through in the same time as
+    two (18.0 against 4.6 ms each at concurrency 128, about 2.3 ms a request either way,
+    ``results/qwen3_tts_gpu_0.6b_compare_layouts.json``), so a burst of 128 requests
+    queued here about 0.3 s whatever the worker count. Not yet timed served on a GPU.
+
+    A request the builder rejects (``ValueError``: an unknown language, say; the request
+    builder checks these before admission) fails alone, not its batch."""
     model_path = _model_path(ctx)
     where = resolve_device(ctx)
     checkpoint = loaded_checkpoint(model_path, where)
@@ -205,34 +220,45 @@ def create_preprocessing_stage(ctx: StageBuildContext, num_workers: int = 8) -> 
     facts, defaults = Qwen3TTSModelFacts.from_config(checkpoint.config), checkpoint.generation
 
     @torch.inference_mode()
-    def compute(payload: StagePayload) -> TalkerStart:
-        request: Qwen3TTSRequest = payload.request
-        head = _head(builder, payload.data, request)
-        sampling = resolve_sampling(request, defaults, facts)
-        if request.more_text:
+    def compute(batch: list[StagePayload]) -> list[TalkerStart | ItemFailure]:
+        outputs: dict[int, TalkerStart | ItemFailure] = {}
+        whole: list[tuple[int, PromptHead, Qwen3TTSRequest, Qwen3TTSSampling]] = []
+        for index, payload in enumerate(batch):
+            request: Qwen3TTSRequest = payload.request
+            try:
+                head = _head(builder, payload.data, request)
+                sampling = resolve_sampling(request, defaults, facts)
+            except ValueError as exc:
+                outputs[index] = ItemFailure(exc)
+                continue
+            if not request.more_text:
+                whole.append((index, head, request, sampling))
+                continue
             # its input tokens are the prompt's positions before the text (still coming)
             known = head.positions_before_text
             setup = VocoderSetup(request.initial_codec_chunk_frames or 0, head.ref_codes, request.stream, known)
             scheduler.outbox.stream(payload.request_id, setup)
             text_cap_limit = defaults.max_new_tokens if request.max_new_tokens is None else None
-            return TalkerStart(live=LivePrompt(head, request.text, sampling, request.min_new_tokens, text_cap_limit))
-        prompt = builder.whole(head, request.text)
-        positions = prompt.prefill.shape[0] + prompt.step_rows.shape[0]
-        setup = VocoderSetup(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
-        scheduler.outbox.stream(payload.request_id, setup)
-        return TalkerStart(whole=GenerationInput(
-            prompt=prompt.prefill,
-            sampling=sampling.talker,
-            max_new_tokens=sampling.max_new_tokens,
-            step_rows=prompt.step_rows if prompt.step_rows.shape[0] else None,
-            pad_embed=prompt.tts_pad,
-            predictor_sampling=sampling.code_predictor,
-            # a voice's prompt begins with the same rows every time (role, speaker,
-            # reference): the engine computes their KV once (prefix caching)
-            cache_prompt=True,
-        ))  # fmt: skip
+            outputs[index] = TalkerStart(live=LivePrompt(head, request.text, sampling, request.min_new_tokens, text_cap_limit))
+        prompts = builder.whole_many([(head, request.text) for _, head, request, _ in whole]) if whole else []
+        for (index, _, request, sampling), prompt in zip(whole, prompts, strict=True):
+            positions = prompt.prefill.shape[0] + prompt.step_rows.shape[0]
+            setup = VocoderSetup(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
+            scheduler.outbox.stream(batch[index].request_id, setup)
+            outputs[index] = TalkerStart(whole=GenerationInput(
+                prompt=prompt.prefill,
+                sampling=sampling.talker,
+                max_new_tokens=sampling.max_new_tokens,
+                step_rows=prompt.step_rows if prompt.step_rows.shape[0] else None,
+                pad_embed=prompt.tts_pad,
+                predictor_sampling=sampling.code_predictor,
+                # a voice's prompt begins with the same rows every time (role, speaker,
+                # reference): the engine computes their KV once (prefix caching)
+                cache_prompt=True,
+            ))  # fmt: skip
+        return [outputs[index] for index in range(len(batch))]
 
-    scheduler = ThreadedScheduler(compute, num_workers)
+    scheduler = SimpleScheduler(compute, max_batch_size)
     return scheduler
 
 

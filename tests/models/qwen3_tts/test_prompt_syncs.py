@@ -1,6 +1,6 @@
 """Talker prompts are built without waiting for the device, in few ops (issue 15).
 
-The preprocessing workers launch on the CUDA stream the engine's steps are queued on: a
+The preprocessing stage launches on the CUDA stream the engine's steps are queued on: a
 blocking copy there (``torch.tensor(ids, device=cuda)``, a pageable ``.to(cuda)``) waits for
 every queued step, and each op holds the GIL the engine's and the vocoder's host loops
 need. On the CPU the ops a build dispatches are the ones a CUDA build launches; the GPU
@@ -14,12 +14,19 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from omnistage.config.overrides import resolve_config
+from omnistage.core.messages import StagePayload
+from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
 from omnistage.models.qwen3_tts.modeling.prompt import (
     REF_CODES_CACHE_SIZE,
     PromptBuilder,
     TalkerPrompt,
 )
 from omnistage.models.qwen3_tts.modeling.weights import LoadedCheckpoint, load_checkpoint
+from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest, SamplingOverrides, TalkerStart
+from omnistage.pipeline.stage import build_scheduler
+from omnistage.scheduling.base import ItemFailure
+from omnistage.scheduling.vocoder import VocoderSetup
 from omnistage.testing.host_syncs import DispatchedOps, no_host_syncs
 
 TEXT = "Hello there, how are you?"
@@ -92,7 +99,7 @@ def test_the_icl_reference_rows_are_kept_by_content(loaded) -> None:
 def test_builds_on_eight_threads_at_once_equal_a_fresh_builders_and_keep_at_most_the_cap(
     loaded,
 ) -> None:
-    """As the preprocessing stage's 8 workers share one builder: concurrent builds of more
+    """As the preprocessing stage and the live-text feeds share one builder: concurrent builds of more
     references than the cache keeps (so it evicts while others read it) and of two roles
     (a text's first characters can change its role's last id), each equal to a fresh
     builder's build of the same request."""
@@ -157,3 +164,105 @@ def test_cuda_builds_wait_for_nothing_and_equal_the_cpu_prompt(
                 assert got.shape == want.shape
                 if want.numel():
                     assert float((got.cpu() - want).abs().max() / want.abs().max()) <= 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_batch_of_prompts_waits_for_nothing_and_equals_the_cpu_prompts(tiny_checkpoints, loaded) -> None:
+    """``whole_many`` on CUDA (fp32): no host sync, each prompt within 1e-5 (relative) of
+    the CPU's prompt built alone."""
+    cpu = builder_of(loaded["base"])
+    cuda = builder_of(load_checkpoint(tiny_checkpoints["base"], "cuda", torch.float32))
+    texts = [TEXT, "Short.", "A longer text than the reference transcript, said slowly and with care."]
+    with torch.inference_mode():
+        expected = [cpu.whole(cpu.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES), t) for t in texts]
+        heads = [cuda.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES) for _ in texts]
+        cuda.whole_many(list(zip(heads, texts, strict=True)))  # the kept rows made
+        with no_host_syncs():
+            batch = cuda.whole_many(list(zip(heads, texts, strict=True)))
+    for got, want in zip(batch, expected, strict=True):
+        assert got.prefill.device.type == "cuda" and got.prefill.shape == want.prefill.shape
+        assert float((got.prefill.cpu() - want.prefill).abs().max() / want.prefill.abs().max()) <= 1e-5
+
+
+def test_a_batch_of_prompts_equals_them_one_by_one_from_one_text_embedding(loaded) -> None:
+    """``whole_many`` (the preprocessing stage's batch): each mode's prompt as ``whole``
+    builds it alone, up to a matmul's rounding over more rows (fp32 here), its text rows
+    from one embedding for the batch, and no wait for the device."""
+    builder = builder_of(loaded["base"])
+    with torch.inference_mode():
+        heads = [
+            builder.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES),
+            builder.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES, non_streaming_mode=True),
+            builder.voice_clone_head(X_VECTOR, "auto"),
+            builder.voice_clone_head(X_VECTOR, "auto", non_streaming_mode=True),
+        ]
+        texts = [TEXT, "Short.", "A longer text than the reference transcript, said slowly and with care.", TEXT]
+        items = list(zip(heads, texts, strict=True))
+        alone = [builder.whole(head, text) for head, text in items]
+        with DispatchedOps() as ops:
+            batch = builder.whole_many(items)
+    assert ops.host_syncs() == []
+    assert ops.names.count("aten.embedding.default") == 1 and ops.names.count("aten.linear.default") == 2  # the text track, once
+    for got, expected in zip(batch, alone, strict=True):
+        assert got.prefill.shape == expected.prefill.shape and got.step_rows.shape == expected.step_rows.shape
+        torch.testing.assert_close(got.prefill, expected.prefill, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got.step_rows, expected.step_rows, rtol=1e-5, atol=1e-6)
+        assert torch.equal(got.tts_pad, expected.tts_pad)
+        assert (got.ref_codes is None) == (expected.ref_codes is None)
+    assert not torch.equal(batch[0].prefill[-1], batch[3].prefill[-1])  # not one prompt four times
+
+
+def test_a_batch_of_one_is_the_prompt_built_alone_and_bad_batches_raise(loaded) -> None:
+    builder = builder_of(loaded["custom_voice"])
+    with torch.inference_mode():
+        head = builder.custom_voice_head("aiden", "english", non_streaming_mode=False)
+        assert_same_prompt(builder.whole_many([(head, TEXT)])[0], builder.whole(head, TEXT))
+        with pytest.raises(ValueError, match="text is empty"):
+            builder.whole_many([(head, TEXT), (head, "")])
+        role_ids, ids = builder.tokens.target(TEXT)
+        with pytest.raises(ValueError, match=f"rows of {len(ids)} ids, got {len(ids) - 1}"):
+            builder.with_text(head, role_ids, ids, complete=True, text=builder.text_rows(ids[1:]))
+
+
+class _Outbox:
+    """Records what a stage streams."""
+
+    def __init__(self) -> None:
+        self.streamed: list[tuple[str, object]] = []
+
+    def stream(self, request_id: str, data: object) -> None:
+        self.streamed.append((request_id, data))
+
+
+def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(tiny_servable_checkpoints) -> None:
+    """The stage's batch: each good request gets its prompt (as built alone) and its
+    vocoder setup, one the builder rejects (an unknown language, which the request builder
+    would have refused before admission) an :class:`ItemFailure` of its own."""
+    path = tiny_servable_checkpoints["custom_voice"]
+    defaults = Qwen3TTSPipelineConfig.for_model_path(str(path))
+    config = resolve_config(defaults, None, [("preprocessing.device", "cpu")]).config
+    scheduler = build_scheduler(config, config.stage("preprocessing"))
+    outbox = _Outbox()
+    scheduler.bind("preprocessing", outbox, expects_stream=False)
+
+    def request(text: str, language: str) -> Qwen3TTSRequest:
+        return Qwen3TTSRequest(
+            text=text, model_type="custom_voice", language=language, voice="aiden", instructions=None,
+            ref_audio=None, ref_key=None, ref_text=None, x_vector_only=False, non_streaming_mode=True,
+            sampling=SamplingOverrides(), seed=0, max_new_tokens=None, min_new_tokens=2, frame_cap=40,
+            initial_codec_chunk_frames=None, stream=True,
+        )  # fmt: skip
+
+    requests = {"a": request(TEXT, "english"), "bad": request(TEXT, "klingon"), "c": request("Short.", "auto")}
+    outputs = scheduler.compute([StagePayload(rid, r, None) for rid, r in requests.items()])
+    assert isinstance(outputs[1], ItemFailure) and "klingon" in str(outputs[1].error)
+    assert [rid for rid, _ in outbox.streamed] == ["a", "c"]
+    builder = builder_of(load_checkpoint(path))
+    for (rid, setup), output in zip(outbox.streamed, (outputs[0], outputs[2]), strict=True):
+        assert isinstance(output, TalkerStart) and output.whole is not None
+        with torch.inference_mode():
+            head = builder.custom_voice_head("aiden", requests[rid].language, non_streaming_mode=True)
+            alone = builder.whole(head, requests[rid].text)
+        torch.testing.assert_close(output.whole.prompt, alone.prefill, rtol=1e-5, atol=1e-6)
+        assert isinstance(setup, VocoderSetup) and setup.input_tokens == alone.prefill.shape[0] + alone.step_rows.shape[0]

@@ -26,6 +26,7 @@ does ([:3] role, [3:-5] text; reference text [3:-2]).
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -241,7 +242,7 @@ class PromptBuilder:
     mode the model type lacks, an unknown language or speaker, a missing instructions
     (VoiceDesign) or an incomplete ICL reference.
 
-    No method waits for the device (the preprocessing workers launch on the CUDA stream
+    No method waits for the device (the preprocessing stage launches on the CUDA stream
     the engine's steps are queued on, where a blocking copy waits for all of them): token
     ids and host tensors go up through pinned memory
     (:func:`~omnistage.engine.model_runner.upload`): a prompt's text ids (after an ICL
@@ -349,17 +350,52 @@ class PromptBuilder:
         return self.with_text(head, role_ids, ids, complete=True)
 
     @torch.no_grad()
-    def with_text(self, head: PromptHead, role_ids: list[int], ids: list[int], complete: bool) -> TalkerPrompt:
+    def whole_many(self, items: Sequence[tuple[PromptHead, str]]) -> list[TalkerPrompt]:
+        """:meth:`whole` of each ``(head, text)``, in order, the text rows of all of them from
+        one upload and one ``text_embed`` (the launches and host-to-device copies of a batch
+        of prompts are about those of one; on a GPU host each costs tens of microseconds of
+        the GIL). One item is exactly :meth:`whole`; with more, a prompt's text rows are
+        those of :meth:`whole` up to the rounding of a matmul over more rows.
+
+        Raises:
+            ValueError: a text is empty (nothing is built).
+        """
+        if len(items) == 1:
+            return [self.whole(*items[0])]
+        if not all(text for _, text in items):
+            raise ValueError("text is empty")
+        targets = [self.tokens.target(text) for _, text in items]
+        wanted = [self.text_ids(head, ids) for (head, _), (_, ids) in zip(items, targets, strict=True)]
+        rows = self.talker.text_embed(upload([i for w in wanted for i in w], self._device))
+        return [
+            self.with_text(head, role_ids, ids, complete=True, text=text)
+            for (head, _), (role_ids, ids), text in zip(items, targets, rows.split([len(w) for w in wanted]), strict=True)
+        ]
+
+    @staticmethod
+    def text_ids(head: PromptHead, ids: list[int]) -> list[int]:
+        """The ids whose text rows :meth:`with_text` lays out for ``head`` and the target
+        ``ids``: an ICL reference transcript's, then the target's."""
+        return head.ref_ids + ids if head.ref_ids is not None and head.icl_codec is not None else ids
+
+    @torch.no_grad()
+    def with_text(
+        self, head: PromptHead, role_ids: list[int], ids: list[int], complete: bool, text: torch.Tensor | None = None
+    ) -> TalkerPrompt:
         """``head`` with the role ``role_ids`` and the target text ``ids``
         (:meth:`PromptTokens.target`): all of it (``complete``), or while the text
         is still arriving its first ``ids``, at least :meth:`PromptHead.ids_to_start` of
         them; the rest then follows as step rows (:meth:`text_rows`, and ``tts_eos`` last),
-        which give the very prompt the whole text gives.
+        which give the very prompt the whole text gives. ``text``: ``[len(text_ids), H]``
+        the rows of :meth:`text_ids` when made already (:meth:`whole_many`); None makes them
+        here.
 
         Raises:
             ValueError: ``complete`` with no ids; fewer ids than the head needs to start
-                (or a non-streaming head) while incomplete.
+                (or a non-streaming head) while incomplete; ``text`` of another length.
         """
+        if text is not None and text.shape[0] != len(self.text_ids(head, ids)):
+            raise ValueError(f"text must be the rows of {len(self.text_ids(head, ids))} ids, got {text.shape[0]}")
         if complete and not ids:
             raise ValueError("text is empty")
         needed = head.ids_to_start()
@@ -370,8 +406,8 @@ class PromptBuilder:
         parts = [*head.instructions, self._role_rows(tuple(role_ids)), head.codec_rows]
         trailing = pad_row[None][:0]
         if head.icl_codec is not None:
-            assert head.ref_ids is not None
-            text = self.text_rows(head.ref_ids + ids)  # the transcript's and the text's rows
+            if text is None:
+                text = self.text_rows(self.text_ids(head, ids))  # the transcript's and the text's rows
             codec_rows_icl = head.icl_codec
             n_text, n_codec = text.shape[0] + eos.shape[0], codec_rows_icl.shape[0]
             if head.non_streaming_mode:  # complete: eos is there
@@ -385,13 +421,17 @@ class PromptBuilder:
                 padded = torch.cat((text, eos, pad_row.expand(n_codec - n_text, -1)))
                 parts.append(padded + codec_rows_icl)
         elif head.non_streaming_mode:
-            parts += [self.text_rows(ids) + head.codec_pad, self._specials().text_end]
+            parts += [(self.text_rows(ids) if text is None else text) + head.codec_pad, self._specials().text_end]
         else:
-            # the first row alone, as a live text's prompt must make it (its other ids may
-            # not exist yet; a matmul's rows can round differently by how many it has)
-            uploaded = upload(ids, self._device)
-            parts.append(self.talker.text_embed(uploaded[:1]) + head.codec_bos)
-            trailing = torch.cat((self.talker.text_embed(uploaded[1:]), eos))
+            if text is None:
+                # the first row alone, as a live text's prompt must make it (its other ids
+                # may not exist yet; a matmul's rows can round differently by how many it has)
+                uploaded = upload(ids, self._device)
+                first, rest = self.talker.text_embed(uploaded[:1]), self.talker.text_embed(uploaded[1:])
+            else:
+                first, rest = text[:1], text[1:]
+            parts.append(first + head.codec_bos)
+            trailing = torch.cat((rest, eos))
         return TalkerPrompt(prefill=torch.cat(parts), step_rows=trailing, tts_pad=pad_row, ref_codes=head.ref_codes)
 
     # -- construction --------------------------------------------------------------------
