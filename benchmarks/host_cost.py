@@ -14,8 +14,9 @@ grouped:
   AnyIO worker threads (``run_in_threadpool``);
 - ``stage-<name>``: a stage's compute thread (the engine's and the vocoder's include the
   model's compute, which on a CPU is most of it);
-- ``preprocessing workers``; ``native``: threads Python does not know (torch's
-  intra-op pool, ZMQ);
+- ``preprocessing workers`` (a threaded preprocessing stage's pool, as Qwen3-TTS's was
+  before its stage became one batching thread, ``stage-preprocessing``); ``native``:
+  threads Python does not know (torch's intra-op pool, ZMQ);
 - with stage processes (e.g. ``--serve-arg=--tts_engine.process --serve-arg=engine``),
   their stage threads by name, their other Python threads (``stage process plumbing``:
   the ZMQ sender and receiver, the main thread) and their native threads.

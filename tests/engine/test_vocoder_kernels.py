@@ -324,7 +324,7 @@ def test_the_channels_last_decoder_runs_without_cudnns_layout_transposes() -> No
     channels-last, only at the 96 -> 1 output conv (its one-channel output leaves as NCHW:
     an H100 run of 2026-12-07 traced that one launch to the conv of weight ``[1, 96, 1, 7]``).
     NCL's cost 6.9 ms of a 35.6 ms graph replay at 128 streams on the H100
-    (benchmarks/results/vocoder_convs_channels_last.json)."""
+    (``vocoder_all_kernels`` of benchmarks/results/gpu_share_dense.json)."""
     from torch.profiler import ProfilerActivity, profile
 
     from omnistage.models.qwen3_tts.modeling.speech_tokenizer.config import SpeechTokenizerConfig

@@ -199,11 +199,12 @@ def create_reference_encoder_stage(
 
 def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64) -> SimpleScheduler:
     """Requests (and, for Base, their :class:`EncodedReference`) -> :class:`TalkerStart` s
-    (and each one's vocoder setup, streamed as its prompt is built), for up to
-    ``max_batch_size`` waiting requests at once: the text rows of a batch's prompts come
-    from one upload and one embedding (:meth:`~.modeling.prompt.PromptBuilder.whole_many`).
+    (and each one's vocoder setup, streamed before its result), for up to
+    ``max_batch_size`` waiting requests at once: the ids of a batch's prompts go up in one
+    copy and through the text embedding at once
+    (:meth:`~.modeling.prompt.PromptBuilder.whole_many`: the same prompts as built alone).
 
-    Why a batch and not one request per worker thread (benchmarks/README.md, "Device runs
+    Why one thread and not one request per worker thread (benchmarks/README.md, "Device runs
     of 2026-12-07, fifth session"): a prompt's work is launches and host-to-device copies,
     0.93 ms of a thread's CPU per voice-clone prompt on an H100 host, holding the GIL
     between its ~27 torch calls; eight workers took a request through in the same time as
@@ -211,8 +212,9 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
     ``results/qwen3_tts_gpu_0.6b_compare_layouts.json``), so a burst of 128 requests
     queued here about 0.3 s whatever the worker count. Not yet timed served on a GPU.
 
-    A request the builder rejects (``ValueError``: an unknown language, say; the request
-    builder checks these before admission) fails alone, not its batch."""
+    A request the builder rejects (``ValueError``: an unknown language or an empty text,
+    say; the request builder refuses these before admission) fails alone; any other error
+    fails the batch (the scheduler's batch boundary)."""
     model_path = _model_path(ctx)
     where = resolve_device(ctx)
     checkpoint = loaded_checkpoint(model_path, where)
@@ -226,6 +228,8 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
         for index, payload in enumerate(batch):
             request: Qwen3TTSRequest = payload.request
             try:
+                if not request.text and not request.more_text:
+                    raise ValueError("text is empty")
                 head = _head(builder, payload.data, request)
                 sampling = resolve_sampling(request, defaults, facts)
             except ValueError as exc:
@@ -368,16 +372,18 @@ def create_vocoder_stage(
     cached by their content (0: decode the reference codes for every stream).
     ``channels_last``: the decoder's activations as channels-last ``[B, C, 1, L]`` tensors
     and its convs as cuDNN's NHWC kernels, without the NCHW <-> NHWC transposes cuDNN adds
-    around each conv of a ``[B, C, L]`` input (6.9 ms of a 35.6 ms graph replay at 128
+    around each conv of a ``[B, C, L]`` input but the one-channel output conv's (6.9 ms of a 35.6 ms graph replay at 128
     streams x 8 frames on the H100: ``vocoder_all_kernels`` of
     benchmarks/results/gpu_share_dense.json);
     the same audio up to rounding
     (:meth:`~omnistage.engine.causal_vocoder.CarriedStateVocoder.to_channels_last`).
     None (the default): channels-last on CUDA with ``cuda_graphs``, where it was measured
     faster (H100, torch 2.11, graph replays: 128 streams x 8 frames 36.3 -> 28.6 ms, 16 x 8
-    7.4 -> 6.0 ms, 1 x 1 2.3 -> 2.1 ms; benchmarks/results/vocoder_gpu_layouts.json),
-    ``[B, C, L]`` otherwise (eager decoding is launch-bound and was slower channels-last
-    there: 1 stream x 1 frame 13.4 -> 19.1 ms)."""
+    7.4 -> 6.0 ms, 1 x 1 2.32 -> 2.05 ms; benchmarks/results/vocoder_gpu_layouts.json),
+    ``[B, C, L]`` otherwise (eager decoding, launch-bound at small batches, was slower
+    channels-last there: 1 stream x 1 frame 13.4 -> 19.1 ms, 1 x 8 14.0 -> 19.9 ms, though
+    128 x 8 40.5 -> 32.3 ms). A non-streaming response is decoded eagerly at its end
+    (``decode_full``, in 128-frame chunks), in the stage's layout; not timed in either."""
     where = resolve_device(ctx)
     decoder = load_decoder(Path(_model_path(ctx)) / "speech_tokenizer", where, default_dtype(where))
     if channels_last is None:

@@ -185,44 +185,50 @@ def test_a_cuda_batch_of_prompts_waits_for_nothing_and_equals_the_cpu_prompts(ti
         assert float((got.prefill.cpu() - want.prefill).abs().max() / want.prefill.abs().max()) <= 1e-5
 
 
-def test_a_batch_of_prompts_equals_them_one_by_one_from_one_text_embedding(loaded) -> None:
-    """``whole_many`` (the preprocessing stage's batch): each mode's prompt as ``whole``
-    builds it alone, up to a matmul's rounding over more rows (fp32 here), its text rows
-    from one embedding for the batch, and no wait for the device."""
-    builder = builder_of(loaded["base"])
+def test_a_batch_of_prompts_equals_them_one_by_one_from_one_upload_and_lookup(loaded) -> None:
+    """``whole_many`` (the preprocessing stage's batch): every mode's prompt exactly as
+    ``whole`` builds it alone (the projection runs per segment as there), the batch's ids
+    in one lookup, and no wait for the device."""
+    base, custom = builder_of(loaded["base"]), builder_of(loaded["custom_voice"])
+    texts = [TEXT, "Short.", "A longer text than the reference transcript, said slowly and with care.", "Hi."]
     with torch.inference_mode():
-        heads = [
-            builder.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES),
-            builder.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES, non_streaming_mode=True),
-            builder.voice_clone_head(X_VECTOR, "auto"),
-            builder.voice_clone_head(X_VECTOR, "auto", non_streaming_mode=True),
-        ]
-        texts = [TEXT, "Short.", "A longer text than the reference transcript, said slowly and with care.", TEXT]
-        items = list(zip(heads, texts, strict=True))
-        alone = [builder.whole(head, text) for head, text in items]
-        with DispatchedOps() as ops:
-            batch = builder.whole_many(items)
-    assert ops.host_syncs() == []
-    assert ops.names.count("aten.embedding.default") == 1 and ops.names.count("aten.linear.default") == 2  # the text track, once
-    for got, expected in zip(batch, alone, strict=True):
-        assert got.prefill.shape == expected.prefill.shape and got.step_rows.shape == expected.step_rows.shape
-        torch.testing.assert_close(got.prefill, expected.prefill, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(got.step_rows, expected.step_rows, rtol=1e-5, atol=1e-6)
-        assert torch.equal(got.tts_pad, expected.tts_pad)
-        assert (got.ref_codes is None) == (expected.ref_codes is None)
-    assert not torch.equal(batch[0].prefill[-1], batch[3].prefill[-1])  # not one prompt four times
+        batches = {
+            base: [
+                base.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES),
+                base.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES, non_streaming_mode=True),
+                base.voice_clone_head(X_VECTOR, "auto"),
+                base.voice_clone_head(X_VECTOR, "auto", non_streaming_mode=True),
+            ],
+            custom: [
+                custom.custom_voice_head("aiden", "english", non_streaming_mode=False),
+                custom.custom_voice_head("aiden", "english"),
+                custom.custom_voice_head("aiden", "auto", non_streaming_mode=False),
+                custom.custom_voice_head("aiden", "auto"),
+            ],
+        }
+        for builder, heads in batches.items():
+            items = list(zip(heads, texts, strict=True))
+            alone = [builder.whole(head, text) for head, text in items]
+            with DispatchedOps() as ops:
+                batch = builder.whole_many(items)
+            assert ops.host_syncs() == []
+            segments = sum(len(builder.text_segments(h, builder.tokens.target(t)[1])) for h, t in items)
+            assert ops.names.count("aten.embedding.default") == 1  # one lookup for the batch
+            assert ops.names.count("aten.linear.default") == 2 * segments  # the projection, per segment
+            for got, expected in zip(batch, alone, strict=True):
+                assert_same_prompt(got, expected)
 
 
-def test_a_batch_of_one_is_the_prompt_built_alone_and_bad_batches_raise(loaded) -> None:
+def test_bad_batches_and_bad_text_rows_raise(loaded) -> None:
     builder = builder_of(loaded["custom_voice"])
     with torch.inference_mode():
         head = builder.custom_voice_head("aiden", "english", non_streaming_mode=False)
-        assert_same_prompt(builder.whole_many([(head, TEXT)])[0], builder.whole(head, TEXT))
         with pytest.raises(ValueError, match="text is empty"):
             builder.whole_many([(head, TEXT), (head, "")])
         role_ids, ids = builder.tokens.target(TEXT)
-        with pytest.raises(ValueError, match=f"rows of {len(ids)} ids, got {len(ids) - 1}"):
-            builder.with_text(head, role_ids, ids, complete=True, text=builder.text_rows(ids[1:]))
+        rows = [builder.text_rows(ids[:1]), builder.text_rows(ids[2:])]
+        with pytest.raises(ValueError, match=rf"segments of \[1, {len(ids) - 1}\] ids, got \[1, {len(ids) - 2}\]"):
+            builder.with_text(head, role_ids, ids, complete=True, text=rows)
 
 
 class _Outbox:
@@ -236,9 +242,10 @@ class _Outbox:
 
 
 def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(tiny_servable_checkpoints) -> None:
-    """The stage's batch: each good request gets its prompt (as built alone) and its
-    vocoder setup, one the builder rejects (an unknown language, which the request builder
-    would have refused before admission) an :class:`ItemFailure` of its own."""
+    """The stage's batch: each good request gets its prompt (exactly as built alone), a
+    live one its head, each its vocoder setup first; one the builder rejects (an unknown
+    language, an empty text: the request builder refuses both before admission) an
+    :class:`ItemFailure` of its own, and the others go on."""
     path = tiny_servable_checkpoints["custom_voice"]
     defaults = Qwen3TTSPipelineConfig.for_model_path(str(path))
     config = resolve_config(defaults, None, [("preprocessing.device", "cpu")]).config
@@ -246,23 +253,33 @@ def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(ti
     outbox = _Outbox()
     scheduler.bind("preprocessing", outbox, expects_stream=False)
 
-    def request(text: str, language: str) -> Qwen3TTSRequest:
+    def request(text: str, language: str, more_text: bool = False) -> Qwen3TTSRequest:
         return Qwen3TTSRequest(
             text=text, model_type="custom_voice", language=language, voice="aiden", instructions=None,
-            ref_audio=None, ref_key=None, ref_text=None, x_vector_only=False, non_streaming_mode=True,
+            ref_audio=None, ref_key=None, ref_text=None, x_vector_only=False, non_streaming_mode=more_text is False,
             sampling=SamplingOverrides(), seed=0, max_new_tokens=None, min_new_tokens=2, frame_cap=40,
-            initial_codec_chunk_frames=None, stream=True,
+            initial_codec_chunk_frames=None, stream=True, more_text=more_text,
         )  # fmt: skip
 
-    requests = {"a": request(TEXT, "english"), "bad": request(TEXT, "klingon"), "c": request("Short.", "auto")}
-    outputs = scheduler.compute([StagePayload(rid, r, None) for rid, r in requests.items()])
-    assert isinstance(outputs[1], ItemFailure) and "klingon" in str(outputs[1].error)
-    assert [rid for rid, _ in outbox.streamed] == ["a", "c"]
+    requests = {
+        "a": request(TEXT, "english"),
+        "bad language": request(TEXT, "klingon"),
+        "live": request("Hello", "english", more_text=True),
+        "empty": request("", "english"),
+        "c": request("Short.", "auto"),
+    }
+    outputs = dict(zip(requests, scheduler.compute([StagePayload(rid, r, None) for rid, r in requests.items()]), strict=True))
+    assert isinstance(outputs["bad language"], ItemFailure) and "klingon" in str(outputs["bad language"].error)
+    assert isinstance(outputs["empty"], ItemFailure) and "text is empty" in str(outputs["empty"].error)
+    assert [rid for rid, _ in outbox.streamed] == ["live", "a", "c"]  # the live one before the prompts are built
+    live = outputs["live"]
+    assert isinstance(live, TalkerStart) and live.live is not None and live.live.text == "Hello"
     builder = builder_of(load_checkpoint(path))
-    for (rid, setup), output in zip(outbox.streamed, (outputs[0], outputs[2]), strict=True):
+    for rid, setup in outbox.streamed[1:]:
+        output = outputs[rid]
         assert isinstance(output, TalkerStart) and output.whole is not None
         with torch.inference_mode():
             head = builder.custom_voice_head("aiden", requests[rid].language, non_streaming_mode=True)
             alone = builder.whole(head, requests[rid].text)
-        torch.testing.assert_close(output.whole.prompt, alone.prefill, rtol=1e-5, atol=1e-6)
+        assert torch.equal(output.whole.prompt, alone.prefill)
         assert isinstance(setup, VocoderSetup) and setup.input_tokens == alone.prefill.shape[0] + alone.step_rows.shape[0]

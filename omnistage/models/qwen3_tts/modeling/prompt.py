@@ -343,59 +343,72 @@ class PromptBuilder:
         return self.talker.text_embed(upload(ids, self._device))
 
     def whole(self, head: PromptHead, text: str) -> TalkerPrompt:
-        """``head`` with the whole ``text``."""
-        if not text:
-            raise ValueError("text is empty")
-        role_ids, ids = self.tokens.target(text)
-        return self.with_text(head, role_ids, ids, complete=True)
+        """``head`` with the whole ``text`` (raises ``ValueError`` if it is empty)."""
+        return self.whole_many([(head, text)])[0]
 
     @torch.no_grad()
     def whole_many(self, items: Sequence[tuple[PromptHead, str]]) -> list[TalkerPrompt]:
-        """:meth:`whole` of each ``(head, text)``, in order, the text rows of all of them from
-        one upload and one ``text_embed`` (the launches and host-to-device copies of a batch
-        of prompts are about those of one; on a GPU host each costs tens of microseconds of
-        the GIL). One item is exactly :meth:`whole`; with more, a prompt's text rows are
-        those of :meth:`whole` up to the rounding of a matmul over more rows.
+        """:meth:`whole` of each ``(head, text)``, in order, the same prompts: the ids of all
+        of them go up in one copy and through the text embedding (a row lookup) at once;
+        the text projection (a matmul, whose rows can round differently by how many it has)
+        runs per :meth:`text_segments` as :meth:`whole` runs it. One upload and one lookup
+        a batch instead of a prompt's (four of its ~27 torch calls; on a GPU host each call
+        costs tens of microseconds of the GIL).
 
         Raises:
             ValueError: a text is empty (nothing is built).
         """
-        if len(items) == 1:
-            return [self.whole(*items[0])]
         if not all(text for _, text in items):
             raise ValueError("text is empty")
         targets = [self.tokens.target(text) for _, text in items]
-        wanted = [self.text_ids(head, ids) for (head, _), (_, ids) in zip(items, targets, strict=True)]
-        rows = self.talker.text_embed(upload([i for w in wanted for i in w], self._device))
+        segments = [self.text_segments(head, ids) for (head, _), (_, ids) in zip(items, targets, strict=True)]
+        lengths = [len(segment) for prompt in segments for segment in prompt]
+        flat = [i for prompt in segments for segment in prompt for i in segment]
+        rows = self.talker.model.text_embedding(upload(flat, self._device))
+        looked_up = iter(rows.split(lengths) if len(lengths) > 1 else (rows,))
         return [
-            self.with_text(head, role_ids, ids, complete=True, text=text)
-            for (head, _), (role_ids, ids), text in zip(items, targets, rows.split([len(w) for w in wanted]), strict=True)
+            self.with_text(head, role_ids, ids, True, [self.talker.text_projection(next(looked_up)) for _ in prompt])
+            for (head, _), (role_ids, ids), prompt in zip(items, targets, segments, strict=True)
         ]
 
     @staticmethod
-    def text_ids(head: PromptHead, ids: list[int]) -> list[int]:
-        """The ids whose text rows :meth:`with_text` lays out for ``head`` and the target
-        ``ids``: an ICL reference transcript's, then the target's."""
-        return head.ref_ids + ids if head.ref_ids is not None and head.icl_codec is not None else ids
+    def text_segments(head: PromptHead, ids: list[int]) -> list[list[int]]:
+        """The id lists whose text rows :meth:`with_text` makes for ``head`` and the target
+        ``ids``, each by one ``text_embed``: in ICL the reference transcript's and the
+        target's together; in non-streaming mode the target's; in streaming mode its first
+        id alone (as a live text's prompt must make it: its other ids may not exist yet),
+        then the rest."""
+        if head.icl_codec is not None:
+            assert head.ref_ids is not None, "an ICL head has its transcript's ids"
+            return [head.ref_ids + ids]
+        return [ids] if head.non_streaming_mode else [ids[:1], ids[1:]]
 
     @torch.no_grad()
     def with_text(
-        self, head: PromptHead, role_ids: list[int], ids: list[int], complete: bool, text: torch.Tensor | None = None
+        self,
+        head: PromptHead,
+        role_ids: list[int],
+        ids: list[int],
+        complete: bool,
+        text: Sequence[torch.Tensor] | None = None,
     ) -> TalkerPrompt:
         """``head`` with the role ``role_ids`` and the target text ``ids``
         (:meth:`PromptTokens.target`): all of it (``complete``), or while the text
         is still arriving its first ``ids``, at least :meth:`PromptHead.ids_to_start` of
         them; the rest then follows as step rows (:meth:`text_rows`, and ``tts_eos`` last),
-        which give the very prompt the whole text gives. ``text``: ``[len(text_ids), H]``
-        the rows of :meth:`text_ids` when made already (:meth:`whole_many`); None makes them
-        here.
+        which give the very prompt the whole text gives. ``text``: the ``[n, H]`` text rows
+        of each of :meth:`text_segments` when made already (:meth:`whole_many`); None
+        makes them here.
 
         Raises:
             ValueError: ``complete`` with no ids; fewer ids than the head needs to start
-                (or a non-streaming head) while incomplete; ``text`` of another length.
+                (or a non-streaming head) while incomplete; ``text`` not the rows of
+                :meth:`text_segments`.
         """
-        if text is not None and text.shape[0] != len(self.text_ids(head, ids)):
-            raise ValueError(f"text must be the rows of {len(self.text_ids(head, ids))} ids, got {text.shape[0]}")
+        if text is not None:
+            expected = [len(segment) for segment in self.text_segments(head, ids)]
+            if [rows.shape[0] for rows in text] != expected:
+                raise ValueError(f"text must be the rows of segments of {expected} ids, got {[r.shape[0] for r in text]}")
         if complete and not ids:
             raise ValueError("text is empty")
         needed = head.ids_to_start()
@@ -406,22 +419,22 @@ class PromptBuilder:
         parts = [*head.instructions, self._role_rows(tuple(role_ids)), head.codec_rows]
         trailing = pad_row[None][:0]
         if head.icl_codec is not None:
-            if text is None:
-                text = self.text_rows(self.text_ids(head, ids))  # the transcript's and the text's rows
+            # the transcript's and the text's rows
+            text_rows = self.text_rows(self.text_segments(head, ids)[0]) if text is None else text[0]
             codec_rows_icl = head.icl_codec
-            n_text, n_codec = text.shape[0] + eos.shape[0], codec_rows_icl.shape[0]
+            n_text, n_codec = text_rows.shape[0] + eos.shape[0], codec_rows_icl.shape[0]
             if head.non_streaming_mode:  # complete: eos is there
                 end = self._specials().text_end[:1]  # T(tts_eos) + C(pad)
-                parts += [text + head.codec_pad, end, codec_rows_icl + pad_row]
+                parts += [text_rows + head.codec_pad, end, codec_rows_icl + pad_row]
             elif n_text > n_codec or not complete:
-                text_rows = torch.cat((text, eos))
-                parts.append(text_rows[:n_codec] + codec_rows_icl)
-                trailing = text_rows[n_codec:]
+                with_eos = torch.cat((text_rows, eos))
+                parts.append(with_eos[:n_codec] + codec_rows_icl)
+                trailing = with_eos[n_codec:]
             else:
-                padded = torch.cat((text, eos, pad_row.expand(n_codec - n_text, -1)))
+                padded = torch.cat((text_rows, eos, pad_row.expand(n_codec - n_text, -1)))
                 parts.append(padded + codec_rows_icl)
         elif head.non_streaming_mode:
-            parts += [(self.text_rows(ids) if text is None else text) + head.codec_pad, self._specials().text_end]
+            parts += [(self.text_rows(ids) if text is None else text[0]) + head.codec_pad, self._specials().text_end]
         else:
             if text is None:
                 # the first row alone, as a live text's prompt must make it (its other ids
@@ -429,7 +442,7 @@ class PromptBuilder:
                 uploaded = upload(ids, self._device)
                 first, rest = self.talker.text_embed(uploaded[:1]), self.talker.text_embed(uploaded[1:])
             else:
-                first, rest = text[:1], text[1:]
+                first, rest = text
             parts.append(first + head.codec_bos)
             trailing = torch.cat((rest, eos))
         return TalkerPrompt(prefill=torch.cat(parts), step_rows=trailing, tts_pad=pad_row, ref_codes=head.ref_codes)
