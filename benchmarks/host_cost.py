@@ -364,7 +364,7 @@ def prompt_worker(iterations: int) -> dict:
     if hasattr(base, "whole_many"):  # the batched preprocessing stage's builder
         def batch() -> list:
             heads = [base.voice_clone_head(x_vector, "english", REF_TEXT, codes) for _ in range(PROMPT_BATCH)]
-            return base.whole_many([(head, TEXT) for head in heads])
+            return base.whole_many([(head, *base.tokens.target(TEXT)) for head in heads])
 
         builds[f"icl_batch{PROMPT_BATCH}"] = batch
         per[f"icl_batch{PROMPT_BATCH}"] = PROMPT_BATCH

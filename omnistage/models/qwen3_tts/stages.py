@@ -224,19 +224,20 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
     @torch.inference_mode()
     def compute(batch: list[StagePayload]) -> list[TalkerStart | ItemFailure]:
         outputs: dict[int, TalkerStart | ItemFailure] = {}
-        whole: list[tuple[int, PromptHead, Qwen3TTSRequest, Qwen3TTSSampling]] = []
+        whole: list[tuple[int, PromptHead, list[int], list[int], Qwen3TTSRequest, Qwen3TTSSampling]] = []
         for index, payload in enumerate(batch):
             request: Qwen3TTSRequest = payload.request
             try:
-                if not request.text and not request.more_text:
-                    raise ValueError("text is empty")
                 head = _head(builder, payload.data, request)
                 sampling = resolve_sampling(request, defaults, facts)
+                role_ids, ids = builder.tokens.target(request.text) if not request.more_text else ([], [])
+                if not request.more_text and not ids:
+                    raise ValueError("text is empty: no tokens to speak")
             except ValueError as exc:
                 outputs[index] = ItemFailure(exc)
                 continue
             if not request.more_text:
-                whole.append((index, head, request, sampling))
+                whole.append((index, head, role_ids, ids, request, sampling))
                 continue
             # its input tokens are the prompt's positions before the text (still coming)
             known = head.positions_before_text
@@ -244,8 +245,8 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
             scheduler.outbox.stream(payload.request_id, setup)
             text_cap_limit = defaults.max_new_tokens if request.max_new_tokens is None else None
             outputs[index] = TalkerStart(live=LivePrompt(head, request.text, sampling, request.min_new_tokens, text_cap_limit))
-        prompts = builder.whole_many([(head, request.text) for _, head, request, _ in whole]) if whole else []
-        for (index, _, request, sampling), prompt in zip(whole, prompts, strict=True):
+        prompts = builder.whole_many([(head, role_ids, ids) for _, head, role_ids, ids, _, _ in whole]) if whole else []
+        for (index, _, _, _, request, sampling), prompt in zip(whole, prompts, strict=True):
             positions = prompt.prefill.shape[0] + prompt.step_rows.shape[0]
             setup = VocoderSetup(request.initial_codec_chunk_frames or 0, prompt.ref_codes, request.stream, positions)
             scheduler.outbox.stream(batch[index].request_id, setup)

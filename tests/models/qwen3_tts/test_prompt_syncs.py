@@ -48,14 +48,14 @@ BUILDS: dict[str, tuple[str, Build]] = {
 # stage builds (no-op `to`s and views included), measured with torch 2.13 on the CPU. Before
 # the builder kept the rows of the checkpoint's constants and of the reference, and uploaded
 # each id list by itself: icl 98, x_vector 50, custom_voice 49. What is left: the ids' upload,
-# the text track (embedding, linear, silu, linear; streaming x_vector makes its first row
+# the text track (embedding, linear, silu, linear; streaming x_vector projects its first row
 # alone, a second time), the x-vector row's add and the cats.
-MAX_OPS = {"icl": 27, "x_vector": 26, "custom_voice": 12}
+MAX_OPS = {"icl": 27, "x_vector": 24, "custom_voice": 12}
 
 
 @pytest.fixture(scope="module")
 def loaded(tiny_checkpoints) -> dict[str, LoadedCheckpoint]:
-    return {t: load_checkpoint(tiny_checkpoints[t]) for t in ("base", "custom_voice")}
+    return {t: load_checkpoint(tiny_checkpoints[t]) for t in ("base", "custom_voice", "voice_design")}
 
 
 def builder_of(ck: LoadedCheckpoint) -> PromptBuilder:
@@ -169,30 +169,33 @@ def test_cuda_builds_wait_for_nothing_and_equal_the_cpu_prompt(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_cuda_batch_of_prompts_waits_for_nothing_and_equals_the_cpu_prompts(tiny_checkpoints, loaded) -> None:
-    """``whole_many`` on CUDA (fp32): no host sync, each prompt within 1e-5 (relative) of
-    the CPU's prompt built alone."""
+    """``whole_many`` on CUDA (fp32): no host sync, each prompt the one CUDA builds alone
+    and within 1e-5 (relative) of the CPU's."""
     cpu = builder_of(loaded["base"])
     cuda = builder_of(load_checkpoint(tiny_checkpoints["base"], "cuda", torch.float32))
     texts = [TEXT, "Short.", "A longer text than the reference transcript, said slowly and with care."]
     with torch.inference_mode():
         expected = [cpu.whole(cpu.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES), t) for t in texts]
         heads = [cuda.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES) for _ in texts]
-        cuda.whole_many(list(zip(heads, texts, strict=True)))  # the kept rows made
+        items = [(head, *cuda.tokens.target(text)) for head, text in zip(heads, texts, strict=True)]
+        cuda.whole_many(items)  # the kept rows made
         with no_host_syncs():
-            batch = cuda.whole_many(list(zip(heads, texts, strict=True)))
-    for got, want in zip(batch, expected, strict=True):
+            batch = cuda.whole_many(items)
+        alone = [cuda.whole(head, text) for head, text in zip(heads, texts, strict=True)]
+    for got, want, same in zip(batch, expected, alone, strict=True):
         assert got.prefill.device.type == "cuda" and got.prefill.shape == want.prefill.shape
         assert float((got.prefill.cpu() - want.prefill).abs().max() / want.prefill.abs().max()) <= 1e-5
+        assert_same_prompt(got, same)  # on CUDA too: the batch's prompt is the one built alone
 
 
 def test_a_batch_of_prompts_equals_them_one_by_one_from_one_upload_and_lookup(loaded) -> None:
     """``whole_many`` (the preprocessing stage's batch): every mode's prompt exactly as
-    ``whole`` builds it alone (the projection runs per segment as there), the batch's ids
-    in one lookup, and no wait for the device."""
-    base, custom = builder_of(loaded["base"]), builder_of(loaded["custom_voice"])
-    texts = [TEXT, "Short.", "A longer text than the reference transcript, said slowly and with care.", "Hi."]
+    ``whole`` builds it alone (the projection runs per segment as there), texts of one and
+    two tokens included, the batch's ids in one lookup, and no wait for the device."""
+    base, custom, design = (builder_of(loaded[t]) for t in ("base", "custom_voice", "voice_design"))
+    texts = [TEXT, "Short.", "A longer text than the reference transcript, said slowly and with care.", "H", "Hi x"]
     with torch.inference_mode():
-        batches = {
+        heads = {
             base: [
                 base.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES),
                 base.voice_clone_head(X_VECTOR, "english", REF_TEXT, REF_CODES, non_streaming_mode=True),
@@ -202,17 +205,23 @@ def test_a_batch_of_prompts_equals_them_one_by_one_from_one_upload_and_lookup(lo
             custom: [
                 custom.custom_voice_head("aiden", "english", non_streaming_mode=False),
                 custom.custom_voice_head("aiden", "english"),
-                custom.custom_voice_head("aiden", "auto", non_streaming_mode=False),
-                custom.custom_voice_head("aiden", "auto"),
+                custom.custom_voice_head("aiden", "auto", "Speak slowly.", non_streaming_mode=False),
+                custom.custom_voice_head("aiden", "auto", "Speak slowly."),
+            ],
+            design: [
+                design.voice_design_head("A calm low voice.", "english", non_streaming_mode=False),
+                design.voice_design_head("A calm low voice.", "auto"),
             ],
         }
-        for builder, heads in batches.items():
-            items = list(zip(heads, texts, strict=True))
-            alone = [builder.whole(head, text) for head, text in items]
+        for builder, modes in heads.items():
+            pairs = [(head, text) for head in modes for text in texts]
+            assert any(len(builder.tokens.target(t)[1]) == 1 for _, t in pairs)  # ids[1:] empty
+            alone = [builder.whole(head, text) for head, text in pairs]
+            items = [(head, *builder.tokens.target(text)) for head, text in pairs]
             with DispatchedOps() as ops:
                 batch = builder.whole_many(items)
             assert ops.host_syncs() == []
-            segments = sum(len(builder.text_segments(h, builder.tokens.target(t)[1])) for h, t in items)
+            segments = sum(len(builder.text_segments(head, ids)) for head, _, ids in items)
             assert ops.names.count("aten.embedding.default") == 1  # one lookup for the batch
             assert ops.names.count("aten.linear.default") == 2 * segments  # the projection, per segment
             for got, expected in zip(batch, alone, strict=True):
@@ -223,9 +232,11 @@ def test_bad_batches_and_bad_text_rows_raise(loaded) -> None:
     builder = builder_of(loaded["custom_voice"])
     with torch.inference_mode():
         head = builder.custom_voice_head("aiden", "english", non_streaming_mode=False)
-        with pytest.raises(ValueError, match="text is empty"):
-            builder.whole_many([(head, TEXT), (head, "")])
         role_ids, ids = builder.tokens.target(TEXT)
+        with pytest.raises(ValueError, match="text is empty"):
+            builder.whole_many([(head, role_ids, ids), (head, role_ids, [])])
+        with pytest.raises(ValueError, match="text is empty"):
+            builder.whole(head, "")
         rows = [builder.text_rows(ids[:1]), builder.text_rows(ids[2:])]
         with pytest.raises(ValueError, match=rf"segments of \[1, {len(ids) - 1}\] ids, got \[1, {len(ids) - 2}\]"):
             builder.with_text(head, role_ids, ids, complete=True, text=rows)
@@ -270,7 +281,7 @@ def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(ti
     }
     outputs = dict(zip(requests, scheduler.compute([StagePayload(rid, r, None) for rid, r in requests.items()]), strict=True))
     assert isinstance(outputs["bad language"], ItemFailure) and "klingon" in str(outputs["bad language"].error)
-    assert isinstance(outputs["empty"], ItemFailure) and "text is empty" in str(outputs["empty"].error)
+    assert isinstance(outputs["empty"], ItemFailure) and "no tokens" in str(outputs["empty"].error)
     assert [rid for rid, _ in outbox.streamed] == ["live", "a", "c"]  # the live one before the prompts are built
     live = outputs["live"]
     assert isinstance(live, TalkerStart) and live.live is not None and live.live.text == "Hello"

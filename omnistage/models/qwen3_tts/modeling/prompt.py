@@ -344,31 +344,31 @@ class PromptBuilder:
 
     def whole(self, head: PromptHead, text: str) -> TalkerPrompt:
         """``head`` with the whole ``text`` (raises ``ValueError`` if it is empty)."""
-        return self.whole_many([(head, text)])[0]
+        return self.whole_many([(head, *self.tokens.target(text))])[0]
 
     @torch.no_grad()
-    def whole_many(self, items: Sequence[tuple[PromptHead, str]]) -> list[TalkerPrompt]:
-        """:meth:`whole` of each ``(head, text)``, in order, the same prompts: the ids of all
-        of them go up in one copy and through the text embedding (a row lookup) at once;
+    def whole_many(self, items: Sequence[tuple[PromptHead, list[int], list[int]]]) -> list[TalkerPrompt]:
+        """:meth:`whole` of each ``(head, role_ids, ids)`` (a text's
+        :meth:`PromptTokens.target`), in order, the same prompts: the ids of all of them go
+        up in one copy and through the text embedding (a row lookup) at once;
         the text projection (a matmul, whose rows can round differently by how many it has)
         runs per :meth:`text_segments` as :meth:`whole` runs it. One upload and one lookup
         a batch instead of a prompt's (four of its ~27 torch calls; on a GPU host each call
         costs tens of microseconds of the GIL).
 
         Raises:
-            ValueError: a text is empty (nothing is built).
+            ValueError: a text has no ids (nothing is built).
         """
-        if not all(text for _, text in items):
+        if not all(ids for _, _, ids in items):
             raise ValueError("text is empty")
-        targets = [self.tokens.target(text) for _, text in items]
-        segments = [self.text_segments(head, ids) for (head, _), (_, ids) in zip(items, targets, strict=True)]
+        segments = [self.text_segments(head, ids) for head, _, ids in items]
         lengths = [len(segment) for prompt in segments for segment in prompt]
         flat = [i for prompt in segments for segment in prompt for i in segment]
         rows = self.talker.model.text_embedding(upload(flat, self._device))
         looked_up = iter(rows.split(lengths) if len(lengths) > 1 else (rows,))
         return [
             self.with_text(head, role_ids, ids, True, [self.talker.text_projection(next(looked_up)) for _ in prompt])
-            for (head, _), (role_ids, ids), prompt in zip(items, targets, segments, strict=True)
+            for (head, role_ids, ids), prompt in zip(items, segments, strict=True)
         ]
 
     @staticmethod
