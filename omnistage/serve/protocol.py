@@ -476,7 +476,7 @@ def _check_model(req: SpeechRequest, caps: SpeechCapabilities) -> None:
 _UNSPEAKABLE = re.compile("[\x00\ud800-\udfff]")
 
 
-def _is_blank(text: str) -> bool:
+def is_blank(text: str) -> bool:
     """Only whitespace and format characters (Unicode category Cf: zero-width space U+200B,
     BOM U+FEFF, direction marks): nothing a model can speak."""
     return all(char.isspace() or unicodedata.category(char) == "Cf" for char in text)
@@ -487,7 +487,7 @@ def check_text(name: str, text: str | None, max_chars: int, required: bool = Fal
     ``max_chars``, holds a NUL or an unpaired surrogate, or (``required``) is blank."""
     if text is None:
         return
-    if required and _is_blank(text):
+    if required and is_blank(text):
         raise RequestValidationError(f"{name} must not be empty", param=name)
     if len(text) > max_chars:
         raise RequestValidationError(

@@ -9,7 +9,11 @@ a step whose row has not arrived waits, out of the batch, while the other reques
 
 Tokens are final only where the text can no longer change them: a token is appended once
 the text has grown past the pre-tokenizer piece it belongs to (BPE merges never cross a
-piece), so the last piece waits for the next delta or the end of the input. At the end the
+piece), so the last piece waits for the next delta or the end of the input. The
+tokenizer's added tokens (``<|im_end|>``, ``<tts_pad>``, ...) are matched in the raw text
+before the pre-tokenizer splits it, as the whole text's tokenization matches them: the
+text before one is final, the token itself too, and text that may still grow into one
+waits (with the piece before it). At the end the
 whole text is tokenized once more and must begin with every token already fed; the result
 is the very prompt the whole text gives at once
 (:meth:`~.modeling.prompt.PromptBuilder.with_text`), and its step rows up to the rounding
@@ -20,7 +24,12 @@ the same seed the same audio unless that rounding flips a sampled code.
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from omnistage.core.messages import StagePayload, StreamChunk
 from omnistage.core.payloads import InputText
@@ -31,6 +40,41 @@ from omnistage.models.qwen3_tts.request_builders import max_frames_for_text, tex
 from omnistage.scheduling.ar import RowFeed, StreamInput
 
 __all__ = ["FinalTokens", "LiveTextFeed"]
+
+
+@dataclass(frozen=True)
+class _AddedTokens:
+    """A tokenizer's added tokens, which it finds in the raw text before its pre-tokenizer
+    splits the rest.
+
+    Attributes:
+        pattern: any of them, the longest first (as the tokenizer prefers it); None if none.
+        prefixes: their proper prefixes (the tail of a text that may still become one).
+        longest: the longest one's length.
+    """
+
+    pattern: re.Pattern[str] | None
+    prefixes: frozenset[str]
+    longest: int
+
+    def first(self, text: str) -> tuple[int, int] | None:
+        """``(start, length)`` of the first added token in ``text``, or of a tail that may
+        still become one (length 0), whichever starts first; None if neither."""
+        found = self.pattern.search(text) if self.pattern is not None else None
+        for start in range(max(0, len(text) - self.longest + 1), len(text)):
+            if found is not None and found.start() <= start:
+                break
+            if text[start:] in self.prefixes:
+                return start, 0
+        return (found.start(), len(found.group())) if found is not None else None
+
+
+@lru_cache(maxsize=8)
+def _added_tokens(tokenizer: PreTrainedTokenizerBase) -> _AddedTokens:
+    words = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, words))) if words else None
+    prefixes = frozenset(word[:k] for word in words for k in range(1, len(word)))
+    return _AddedTokens(pattern, prefixes, max(map(len, words), default=0))
 
 
 class FinalTokens:
@@ -50,19 +94,30 @@ class FinalTokens:
         self.role: list[int] | None = None
         self.ids: list[int] = []
         self._end = 0  # characters of `text` whose tokens are in `ids`
+        self._added = _added_tokens(tokens.tokenizer)
 
     def push(self, delta: str) -> None:
-        """Add ``delta``; tokenize what became final (all but the last piece)."""
+        """Add ``delta``; tokenize what became final."""
         self.text += delta
-        pieces = self.tokens.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(self.text[self._end :])
-        if len(pieces) < 2:
-            return
-        end = self._end + pieces[-1][1][0]
-        if self.role is None:  # the first tokens, with the role's: the text's own template
-            self.role, self.ids = self.tokens.target(self.text[:end])
-        else:  # from a piece boundary on, the text tokenizes by itself
-            self.ids = self.ids + self.tokens.tokenizer(self.text[self._end : end])["input_ids"]
-        self._end = end
+        while (final := self._final(self.text[self._end :])) > 0:
+            end = self._end + final
+            if self.role is None:  # the first tokens, with the role's: the text's own template
+                self.role, self.ids = self.tokens.target(self.text[:end])
+            else:  # from a piece boundary on, the text tokenizes by itself
+                self.ids = self.ids + self.tokens.tokenizer(self.text[self._end : end])["input_ids"]
+            self._end = end
+
+    def _final(self, pending: str) -> int:
+        """Characters at the start of ``pending`` (the text after the final ids) whose
+        tokens more text cannot change: an added token at its start; else up to the first
+        added token, or to the last pre-tokenizer piece before the first added token or the
+        tail that may still become one."""
+        added = self._added.first(pending)
+        if added is not None and added[1]:  # a whole added token: the tokenizer splits there
+            return added[0] or added[1]
+        head = pending if added is None else pending[: added[0]]
+        pieces = self.tokens.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(head)
+        return pieces[-1][1][0] if pieces else 0
 
     def finish(self) -> tuple[list[int], list[int]]:
         """(role, target ids) of the whole text, which must begin with every final id.

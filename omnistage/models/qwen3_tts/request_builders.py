@@ -83,7 +83,7 @@ from omnistage.models.qwen3_tts.payload_types import (
     SamplingOverrides,
 )
 from omnistage.serve.media import MediaPolicy, ReferenceAudio, ReferenceClip, load_reference_audio
-from omnistage.serve.protocol import SpeechRequest, check_text, choice
+from omnistage.serve.protocol import SpeechRequest, check_text, choice, is_blank
 
 
 class Qwen3TTSReference(BaseModel):
@@ -391,7 +391,7 @@ def _min_new_tokens(request: Qwen3TTSSpeechRequest) -> int:
 
 def _instructions(request: Qwen3TTSSpeechRequest, facts: Qwen3TTSModelFacts) -> str | None:
     text = request.instructions
-    if text is not None and not text.strip():
+    if text is not None and is_blank(text):
         raise RequestValidationError(
             "instructions must not be blank; omit the field", param="instructions"
         )

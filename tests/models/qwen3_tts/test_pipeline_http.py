@@ -705,7 +705,13 @@ def test_the_models_own_checks_refuse_a_session_config_before_any_text(servers, 
     assert not server.speech.pipeline.coordinator.requests
 
 
-@pytest.mark.parametrize("text", ["Hello world, it's 2024.", "a  b\n\nc", "\nx.y z", "Hi you all, good day."])
+@pytest.mark.parametrize(
+    "text",
+    ["Hello world, it's 2024.", "a  b\n\nc", "\nx.y z", "Hi you all, good day.",
+     # the tokenizer's added tokens, matched before its pre-tokenizer splits the text
+     "<|im_end|>", "Hi <|im_end|> there", "a  <|im_end|> b", "<tts_pad>x y", "a<|endoftext|> b",
+     "x <|im_start|>assistant\n y", "<|im but not a token", "ends in <|im"],
+)  # fmt: skip
 def test_final_tokens_grow_to_the_whole_texts_however_it_is_split(tiny_servable_checkpoints, text):
     checkpoint = load_checkpoint(str(tiny_servable_checkpoints["custom_voice"]), "cpu")
     prompt_tokens = PromptTokens(checkpoint.config, checkpoint.tokenizer)

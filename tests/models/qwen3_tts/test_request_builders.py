@@ -239,15 +239,16 @@ def test_voice_design_carries_instructions(checkpoint):
     assert req.instructions == "a calm low voice" and req.voice is None and req.non_streaming_mode
 
 
+@pytest.mark.parametrize("blank", [" ", "\u200b", " \ufeff\n"])  # format characters are blank too
 @pytest.mark.parametrize("model_type", ["voice_design", "custom_voice"])
-def test_blank_instructions_are_refused(checkpoint, model_type):
+def test_blank_instructions_are_refused(checkpoint, model_type, blank):
     rejects(
         "instructions",
         checkpoint(model_type),
         {
             "input": "Hi.",
             "voice": "ryan" if model_type == "custom_voice" else None,
-            "instructions": " ",
+            "instructions": blank,
         },
     )
 
