@@ -8,9 +8,10 @@ preprocessing -> tts_engine -> vocoder.
   :class:`TalkerStart`: the whole :class:`~omnistage.engine.sequence.GenerationInput`, or
   for a request whose text is still arriving the prompt before its text), built without
   waiting for the device: it launches on the CUDA stream the engine's steps are queued
-  on (:class:`~.modeling.prompt.PromptBuilder`); the requests waiting are built together. It also streams the vocoder its
-  setup (first chunk size, the ICL reference codes as left context, on the host, stream or
-  not) at once, so the vocoder is ready before the first frame.
+  on (:class:`~.modeling.prompt.PromptBuilder`); the requests waiting are built together.
+  It also streams the vocoder its setup (first chunk size, the ICL reference codes as left
+  context, on the host, stream or not) at once, so the vocoder is ready before the first
+  frame.
 - ``tts_engine`` (the AR engine): one frame of 16 codes per step, each streamed to the
   vocoder as it exists; the client's text of a live request enters here while it runs
   (:mod:`.live_text`); its result (a summary: the frames travelled already) becomes the
@@ -230,14 +231,14 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
             try:
                 head = _head(builder, payload.data, request)
                 sampling = resolve_sampling(request, defaults, facts)
-                role_ids, ids = builder.tokens.target(request.text) if not request.more_text else ([], [])
-                if not request.more_text and not ids:
-                    raise ValueError("text is empty: no tokens to speak")
+                if not request.more_text:
+                    role_ids, ids = builder.tokens.target(request.text)
+                    if not ids:
+                        raise ValueError("text is empty: no tokens to speak")
+                    whole.append((index, head, role_ids, ids, request, sampling))
+                    continue
             except ValueError as exc:
                 outputs[index] = ItemFailure(exc)
-                continue
-            if not request.more_text:
-                whole.append((index, head, role_ids, ids, request, sampling))
                 continue
             # its input tokens are the prompt's positions before the text (still coming)
             known = head.positions_before_text
@@ -373,10 +374,9 @@ def create_vocoder_stage(
     cached by their content (0: decode the reference codes for every stream).
     ``channels_last``: the decoder's activations as channels-last ``[B, C, 1, L]`` tensors
     and its convs as cuDNN's NHWC kernels, without the NCHW <-> NHWC transposes cuDNN adds
-    around each conv of a ``[B, C, L]`` input but the one-channel output conv's (6.9 ms of a 35.6 ms graph replay at 128
-    streams x 8 frames on the H100: ``vocoder_all_kernels`` of
-    benchmarks/results/gpu_share_dense.json);
-    the same audio up to rounding
+    around each conv of a ``[B, C, L]`` input but the one-channel output conv's (6.9 ms of
+    a 35.6 ms graph replay at 128 streams x 8 frames on the H100: ``vocoder_all_kernels``
+    of benchmarks/results/gpu_share_dense.json); the same audio up to rounding
     (:meth:`~omnistage.engine.causal_vocoder.CarriedStateVocoder.to_channels_last`).
     None (the default): channels-last on CUDA with ``cuda_graphs``, where it was measured
     faster (H100, torch 2.11, graph replays: 128 streams x 8 frames 36.3 -> 28.6 ms, 16 x 8

@@ -364,6 +364,7 @@ class PromptBuilder:
         segments = [self.text_segments(head, ids) for head, _, ids in items]
         lengths = [len(segment) for prompt in segments for segment in prompt]
         flat = [i for prompt in segments for segment in prompt for i in segment]
+        # Talker.text_embed in its two parts: the lookup for all, the projection per segment
         rows = self.talker.model.text_embedding(upload(flat, self._device))
         looked_up = iter(rows.split(lengths) if len(lengths) > 1 else (rows,))
         return [
