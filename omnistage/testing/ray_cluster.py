@@ -25,10 +25,21 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omnistage.testing.waits import free_port
+from omnistage.testing.waits import free_ports
 
 RAY = str(Path(sys.executable).with_name("ray"))
 NODE_IP = "127.0.0.2"  # every node's address (see above)
+
+
+_NODE_PORTS = (
+    "node-manager-port",
+    "object-manager-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "metrics-export-port",
+)
+"""The ports each node is given (``ray start`` options), picked free and distinct."""
 
 
 @dataclass
@@ -53,16 +64,17 @@ class LocalRayCluster:
         return f"{NODE_IP}:{self.port}"
 
     def start_head(self, name: str = "head", timeout_s: float = 60.0) -> None:
-        self.port = free_port(NODE_IP)
+        # the node's own ports are picked with these, so that none of them repeats one
+        self.port, dashboard, *ports = free_ports(2 + len(_NODE_PORTS), NODE_IP)
         # --no-monitor: no autoscaler (nothing to scale), whose metrics server binds the fixed
         # port 44217 on every interface (two clusters at once would collide)
         head = ["--head", f"--port={self.port}", f"--temp-dir={self.root}", "--include-dashboard=false",
-                f"--dashboard-port={free_port(NODE_IP)}", "--no-monitor"]  # fmt: skip
-        self._start(name, head, timeout_s)
+                f"--dashboard-port={dashboard}", "--no-monitor"]  # fmt: skip
+        self._start(name, head, timeout_s, ports)
 
     def add_node(self, name: str, timeout_s: float = 60.0) -> None:
         """Start a worker node that joins the head, and wait until the cluster has it."""
-        self._start(name, [f"--address={self.address}"], timeout_s)
+        self._start(name, [f"--address={self.address}"], timeout_s, free_ports(len(_NODE_PORTS), NODE_IP))
 
     def kill_node(self, name: str) -> None:
         """SIGKILL every process of node ``name`` (its raylet, its workers): a lost node."""
@@ -74,14 +86,14 @@ class LocalRayCluster:
             _kill_group(self.nodes.pop(name).process, signal.SIGKILL)
         shutil.rmtree(self.root, ignore_errors=True)
 
-    def _start(self, name: str, role: list[str], timeout_s: float) -> None:
+    def _start(self, name: str, role: list[str], timeout_s: float, ports: list[int]) -> None:
+        """Start node ``name`` with ``ports`` (distinct, one per :data:`_NODE_PORTS` option:
+        Ray refuses a node whose components were given one port twice)."""
         log = self.root / f"{name}.log"
         command = [
             RAY, "start", "--block", *role, f"--node-ip-address={NODE_IP}", f"--num-cpus={self.cpus}",
             "--num-gpus=0", f"--resources={json.dumps({name: 1})}", "--disable-usage-stats",
-            f"--node-manager-port={free_port(NODE_IP)}", f"--object-manager-port={free_port(NODE_IP)}",
-            f"--dashboard-agent-listen-port={free_port(NODE_IP)}", f"--dashboard-agent-grpc-port={free_port(NODE_IP)}",
-            f"--runtime-env-agent-port={free_port(NODE_IP)}", f"--metrics-export-port={free_port(NODE_IP)}",
+            *(f"--{option}={port}" for option, port in zip(_NODE_PORTS, ports, strict=True)),
             "--object-store-memory=100000000", "--include-log-monitor=false",
         ]  # fmt: skip
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}

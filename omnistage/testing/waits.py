@@ -5,6 +5,7 @@ reports: every thread's stack (:func:`thread_stacks`)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import socket
 import sys
@@ -18,9 +19,18 @@ POLL_S = 0.01
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the kernel's pick for a bind to port 0)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` TCP ports free on ``host`` now, all different: bound together, so the
+    kernel cannot hand out one twice (separate :func:`free_port` calls can: each releases
+    its port before the next pick)."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
 
 
 def wait_until(predicate: Callable[[], object], timeout_s: float = 10.0, what: str = "the condition") -> None:
