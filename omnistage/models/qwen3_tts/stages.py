@@ -296,7 +296,9 @@ def create_tts_engine_stage(
     block_size: int = 16,
     prefill_hold_ms: float = 5.0,
     max_model_len: int = MAX_MODEL_LEN,
+    max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
     cuda_graphs: bool = True,
+    cuda_graph_prefill_tokens: tuple[int, ...] | None = None,
     prefix_caching: bool = True,
     overlap: bool | None = None,
 ) -> ARScheduler:
@@ -312,6 +314,12 @@ def create_tts_engine_stage(
     per token; the real 0.6B in fp32: 229 KB).
     ``max_model_len``: prompt + frames per request at most (:data:`MAX_MODEL_LEN`; the
     request builder refuses a request over it before any model work).
+    ``max_prefill_tokens``: prompt tokens computed per prefill step at most (a burst of
+    arrivals is prefilled this many tokens a step; a longer single prompt runs alone).
+    ``cuda_graph_prefill_tokens``: the prefill buckets captured as CUDA graphs, in tokens
+    computed by one prefill step (each at most ``max_prefill_tokens``); None: the engine's
+    default buckets (16 to 128). A prefill step of more tokens than the largest runs
+    eagerly. Ignored without ``cuda_graphs`` (no graphs at all).
     ``prefix_caching``: the KV of full blocks of prompt rows is shared between requests
     whose prompts begin with the same rows (a known voice's prefix is not prefilled
     again; keyed by the rows' content).
@@ -333,9 +341,10 @@ def create_tts_engine_stage(
         # one request's step rows are at most max_model_len (the request builder checks
         # it), so the shared pool always holds at least one request
         num_step_rows=max(EngineConfig.num_step_rows, max_model_len),
+        max_prefill_tokens=max_prefill_tokens,
         prefill_hold_ms=prefill_hold_ms,
         cuda_graph_batch_sizes=None if cuda_graphs else (),
-        cuda_graph_prefill_tokens=None if cuda_graphs else (),
+        cuda_graph_prefill_tokens=cuda_graph_prefill_tokens if cuda_graphs else (),
         graph_sampling=_default_step_sampling(checkpoint),
         prefix_caching=prefix_caching,
         overlap=overlap,

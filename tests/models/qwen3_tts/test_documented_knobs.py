@@ -42,7 +42,8 @@ def test_the_doc_lists_every_knob_the_factories_take(tiny_checkpoints):
 
 def changed(value, annotation):
     """A value of the same kind as the default ``value`` but different (None: a bool if
-    the parameter's ``annotation`` takes one, else an int)."""
+    the parameter's ``annotation`` takes one, a one-item list if it takes a tuple, else an
+    int)."""
     if isinstance(value, bool):
         return not value
     if isinstance(value, int | float):
@@ -50,7 +51,10 @@ def changed(value, annotation):
     if isinstance(value, list):
         return value[:-1]
     assert value is None
-    return True if bool in typing.get_args(annotation) else 1 << 20
+    options = typing.get_args(annotation)
+    if bool in options:
+        return True
+    return [16] if any(typing.get_origin(option) is tuple for option in options) else 1 << 20
 
 
 @pytest.mark.parametrize("source", ["cli", "yaml"])
