@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from omnistage.engine.attention import AttentionBackend, DenseKVCache
@@ -285,8 +286,10 @@ class ModelRunner:
         n = sum(s.prompt_len - s.num_cached for s in seqs)
         if n > size:
             raise ValueError(f"a prefill of {n} tokens does not fit {size} rows")
-        rows = [[s.slot, self.scratch_row, t + 1] for s in seqs for t in range(s.num_cached, s.prompt_len)]
-        meta = torch.cat([torch.tensor(rows, dtype=torch.int64).reshape(n, 3), self.padding_meta(size - n)])
+        slots = np.repeat([s.slot for s in seqs], [s.prompt_len - s.num_cached for s in seqs])
+        context_lens = np.concatenate([np.arange(s.num_cached + 1, s.prompt_len + 1) for s in seqs])
+        rows = np.stack([slots, np.full_like(slots, self.scratch_row), context_lens], axis=1).astype(np.int64)
+        meta = torch.cat([torch.from_numpy(rows), self.padding_meta(size - n)])
         positions = None
         if self.rope_deltas is not None:
             given = [_prompt_positions(s)[:, s.num_cached :] for s in seqs]
@@ -307,25 +310,29 @@ class ModelRunner:
         hidden additions are added at their rows of the batch."""
         device, size = self.spec.device, self.cache.block_size
         lengths = [s.prompt_len - s.num_cached for s in seqs]
-        positions = [t for s in seqs for t in range(s.num_cached, s.prompt_len)]
-        kv_slots = [s.kv_slot(t, size) for s in seqs for t in range(s.num_cached, s.prompt_len)]
-        # with a cached prefix: every context token's slot, for attention over the prefix
-        context = [s.kv_slot(t, size) for s in seqs for t in range(s.prompt_len)] if any(s.num_cached for s in seqs) else []
+        # every prompt token's KV slot; with a cached prefix all of them are the context
+        # that attention reads, else only the computed ones are needed (numpy: a few
+        # microseconds a request, where per-token Python took 40 ms for 64 prompts of 1,500)
+        cached = any(s.num_cached for s in seqs)
+        slots = [prompt_kv_slots(s, size, 0 if cached else s.num_cached) for s in seqs]
+        kv_slots = np.concatenate([slot[slot.shape[0] - n :] for slot, n in zip(slots, lengths, strict=True)])
+        context = np.concatenate(slots) if cached else kv_slots[:0]
         ends = [end - 1 for end in itertools.accumulate(lengths)]
-        per_seq = [s.slot for s in seqs] + ends
-        n, b = len(positions), len(seqs)
+        per_seq = np.array([s.slot for s in seqs] + ends, dtype=np.int64)
+        n, b = kv_slots.shape[0], len(seqs)
         if self.rope_deltas is None:
-            flat = upload(positions + kv_slots + context + per_seq, device)
+            positions = np.concatenate([np.arange(s.num_cached, s.prompt_len) for s in seqs])
+            flat = upload(torch.from_numpy(np.concatenate([positions, kv_slots, context, per_seq])), device)
             positions_d, kv_slots_d = flat[: 2 * n].view(2, n)
-            context_d = flat[2 * n : 2 * n + len(context)]
+            context_d = flat[2 * n : 2 * n + context.shape[0]]
         else:
             # float32: multimodal positions may be fractional
             positions_d = upload(torch.cat([_prompt_positions(s)[:, s.num_cached :] for s in seqs], dim=1), device)
-            flat = upload(kv_slots + context + per_seq, device)
-            kv_slots_d, context_d = flat[:n], flat[n : n + len(context)]
+            flat = upload(torch.from_numpy(np.concatenate([kv_slots, context, per_seq])), device)
+            kv_slots_d, context_d = flat[:n], flat[n : n + context.shape[0]]
         slot_ids, last = flat[flat.shape[0] - 2 * b :].view(2, b)
         embeds = torch.cat([self._prompt_embeds(s)[s.num_cached :] for s in seqs])
-        if context:
+        if cached:
             self.attn.prepare_prefill(kv_slots_d, lengths, context_d, [s.prompt_len for s in seqs])
         else:
             self.attn.prepare_prefill(kv_slots_d, lengths)
@@ -456,6 +463,14 @@ class ModelRunner:
 # request whose predictor shares its talker seed would draw code 0 of frame k and code g
 # of frame j with the same noise whenever k == j * G + g. (< 2**31, so seeds stay valid.)
 PREDICTOR_NOISE_SALT = 0x5BD1E995
+
+
+def prompt_kv_slots(seq: Sequence, block_size: int, start: int = 0) -> np.ndarray:
+    """The KV-pool slots ``[prompt_len - start] int64`` of ``seq``'s prompt tokens
+    ``start..prompt_len-1``: token ``t`` lives in block ``block_table[t // block_size]`` at
+    offset ``t % block_size``."""
+    tokens = np.arange(start, seq.prompt_len, dtype=np.int64)
+    return np.asarray(seq.block_table, dtype=np.int64)[tokens // block_size] * block_size + tokens % block_size
 
 
 def _prompt_positions(seq: Sequence) -> torch.Tensor:

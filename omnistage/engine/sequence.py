@@ -318,9 +318,6 @@ class Sequence:
             return False
         return self.rows_complete or self.num_scheduled - 1 < self.num_rows
 
-    def kv_slot(self, token: int, block_size: int) -> int:
-        return self.block_table[token // block_size] * block_size + token % block_size
-
     def step_row(self, frame: int) -> int:
         """The pool row added to frame ``frame``'s feedback embedding (its row while it has
         one, else the pad row)."""

@@ -4,10 +4,12 @@ what the eager variable-length prefill does (last hidden, every KV slot but the 
 block's), at any length up to its bucket and over cached prefixes; on CUDA the engine
 replays it for small prefills and generates what the reference loop does."""
 
+import numpy as np
 import pytest
 import torch
 
 from omnistage.engine.engine import AREngine, EngineConfig
+from omnistage.engine.model_runner import prompt_kv_slots
 from omnistage.engine.reference import reference_generate
 from omnistage.engine.sequence import GenerationInput
 from omnistage.testing.toy_ar import ToyARConfig, ToyTalker
@@ -283,9 +285,7 @@ def test_cuda_prefill_graph_replay_matches_the_eager_prefill_in_bf16():
         assert graphs is not None and graphs.fits_prefill(seqs) == bool(tokens)
         with torch.no_grad():
             last, _, _ = graphs.prefill(seqs) if tokens else engine.runner.prefill(seqs)
-        slots = torch.tensor(
-            [s.kv_slot(t, 16) for s in seqs for t in range(s.prompt_len)], device="cuda"
-        )
+        slots = torch.from_numpy(np.concatenate([prompt_kv_slots(s, 16) for s in seqs])).cuda()
         kv = torch.stack(
             [engine.cache.k.index_select(1, slots), engine.cache.v.index_select(1, slots)]
         )
