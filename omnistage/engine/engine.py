@@ -151,6 +151,8 @@ class EngineConfig:
     own_stream: bool = False
 
     def __post_init__(self) -> None:
+        if self.max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}")
         tokens = self.cuda_graph_prefill_tokens
         if tokens is not None and not all(
             isinstance(t, int) and not isinstance(t, bool) and 1 <= t <= self.max_prefill_tokens for t in tokens

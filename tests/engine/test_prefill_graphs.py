@@ -4,6 +4,8 @@ what the eager variable-length prefill does (last hidden, every KV slot but the 
 block's), at any length up to its bucket and over cached prefixes; on CUDA the engine
 replays it for small prefills and generates what the reference loop does."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -325,3 +327,10 @@ def test_cuda_prefill_graphs_take_multimodal_positions_and_return_hidden_layers(
         graph_frame, graph_hidden = outputs[1][request_id]
         assert torch.equal(graph_frame, frame), request_id
         torch.testing.assert_close(graph_hidden, hidden, rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_kv_slots_are_each_tokens_block_and_offset():
+    seq = SimpleNamespace(prompt_len=37, block_table=[9, 2, 14, 5])
+    expected = [seq.block_table[t // 16] * 16 + t % 16 for t in range(37)]
+    slots = prompt_kv_slots(seq, 16)
+    assert slots.dtype == np.int64 and slots.tolist() == expected

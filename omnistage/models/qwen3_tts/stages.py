@@ -25,6 +25,7 @@ device memory (``mem_fraction_static``).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 from pathlib import Path
 
@@ -317,9 +318,11 @@ def create_tts_engine_stage(
     ``max_prefill_tokens``: prompt tokens computed per prefill step at most (a burst of
     arrivals is prefilled this many tokens a step; a longer single prompt runs alone).
     ``cuda_graph_prefill_tokens``: the prefill buckets captured as CUDA graphs, in tokens
-    computed by one prefill step (each at most ``max_prefill_tokens``); None: the engine's
-    default buckets (16 to 128). A prefill step of more tokens than the largest runs
-    eagerly. Ignored without ``cuda_graphs`` (no graphs at all).
+    computed by one prefill step (each at most ``max_prefill_tokens``; () for none); None:
+    the engine's default buckets (16 to 128, those up to ``max_prefill_tokens``). A prefill
+    step of more tokens than the largest runs eagerly. Ignored without ``cuda_graphs`` (no
+    graphs at all). A bad value fails the stage's build before the weights load
+    (ValueError naming the field).
     ``prefix_caching``: the KV of full blocks of prompt rows is shared between requests
     whose prompts begin with the same rows (a known voice's prefix is not prefilled
     again; keyed by the rows' content).
@@ -328,10 +331,9 @@ def create_tts_engine_stage(
     later; :attr:`~omnistage.engine.engine.EngineConfig.overlap`); None: on CUDA.
     """
     where = resolve_device(ctx)
-    model_path = _model_path(ctx)
-    checkpoint = loaded_checkpoint(model_path, where)
     if max_num_seqs is None:
         max_num_seqs = 64 if where.type == "cuda" else 4
+    # checked before the weights load: a bad knob fails the start at once
     config = EngineConfig(
         kv_cache_bytes=kv_cache_bytes,
         mem_fraction_static=mem_fraction_static,
@@ -345,10 +347,11 @@ def create_tts_engine_stage(
         prefill_hold_ms=prefill_hold_ms,
         cuda_graph_batch_sizes=None if cuda_graphs else (),
         cuda_graph_prefill_tokens=cuda_graph_prefill_tokens if cuda_graphs else (),
-        graph_sampling=_default_step_sampling(checkpoint),
         prefix_caching=prefix_caching,
         overlap=overlap,
     )
+    checkpoint = loaded_checkpoint(_model_path(ctx), where)
+    config = dataclasses.replace(config, graph_sampling=_default_step_sampling(checkpoint))
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
     engine = AREngine(Qwen3TTSEngineModel(checkpoint.model.talker), config)
     return ARScheduler(engine, stream_input=lambda request_id: LiveTextFeed(builder))
