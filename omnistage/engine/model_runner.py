@@ -310,9 +310,9 @@ class ModelRunner:
         hidden additions are added at their rows of the batch."""
         device, size = self.spec.device, self.cache.block_size
         lengths = [s.prompt_len - s.num_cached for s in seqs]
-        # every prompt token's KV slot (numpy: microseconds a request, where per-token
-        # Python took 42 ms for 64 prompts of 1,500 tokens on the development VM); with a
-        # cached prefix all of them are the context that attention reads
+        # every prompt token's KV slot, with numpy per request (per-token Python held the
+        # GIL for tens of ms in a burst of long prompts); with a cached prefix all of them
+        # are the context that attention reads
         cached = any(s.num_cached for s in seqs)
         slots = [prompt_kv_slots(s, size) for s in seqs]
         kv_slots = np.concatenate([slot[s.num_cached :] for slot, s in zip(slots, seqs, strict=True)])
