@@ -289,6 +289,20 @@ def _head(builder: PromptBuilder, reference: EncodedReference | None, request: Q
 # --------------------------------------------------------------------------- tts_engine
 
 
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512, 1024)
+"""The tts_engine's prefill graph buckets by default (with ``max_prefill_tokens`` 1024): a
+burst of arrivals is prefilled a graph replay per step, up to 1,024 computed tokens (about
+60 known-voice requests), where the engine's default buckets stop at 128 and a larger step
+ran eagerly. On an H100 at 128 concurrent streams that made a burst's mixed steps 15.7-33.2
+ms against 47.9-70.0 (benchmarks/README.md, "Device runs of 2026-12-07, sixth session")."""
+
+
+def _prefill_buckets(given: tuple[int, ...] | None, max_prefill_tokens: int) -> tuple[int, ...]:
+    if given is not None:
+        return given
+    return tuple(t for t in PREFILL_GRAPH_TOKENS if t <= max_prefill_tokens)
+
+
 def create_tts_engine_stage(
     ctx: StageBuildContext,
     max_num_seqs: int | None = None,
@@ -297,7 +311,7 @@ def create_tts_engine_stage(
     block_size: int = 16,
     prefill_hold_ms: float = 5.0,
     max_model_len: int = MAX_MODEL_LEN,
-    max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
+    max_prefill_tokens: int = 1024,
     cuda_graphs: bool = True,
     cuda_graph_prefill_tokens: tuple[int, ...] | None = None,
     prefix_caching: bool = True,
@@ -319,10 +333,10 @@ def create_tts_engine_stage(
     arrivals is prefilled this many tokens a step; a longer single prompt runs alone).
     ``cuda_graph_prefill_tokens``: the prefill buckets captured as CUDA graphs, in tokens
     computed by one prefill step (each at most ``max_prefill_tokens``; () for none); None:
-    the engine's default buckets (16 to 128, those up to ``max_prefill_tokens``). A prefill
-    step of more tokens than the largest runs eagerly. Ignored without ``cuda_graphs`` (no
-    graphs at all). A bad value fails the stage's build before the weights load
-    (ValueError naming the field).
+    :data:`PREFILL_GRAPH_TOKENS` up to ``max_prefill_tokens``. A prefill step of more
+    tokens than the largest runs eagerly. Ignored without ``cuda_graphs`` (no graphs at
+    all). A bad value fails the stage's build before the weights load (ValueError naming
+    the field).
     ``prefix_caching``: the KV of full blocks of prompt rows is shared between requests
     whose prompts begin with the same rows (a known voice's prefix is not prefilled
     again; keyed by the rows' content).
@@ -346,7 +360,7 @@ def create_tts_engine_stage(
         max_prefill_tokens=max_prefill_tokens,
         prefill_hold_ms=prefill_hold_ms,
         cuda_graph_batch_sizes=None if cuda_graphs else (),
-        cuda_graph_prefill_tokens=cuda_graph_prefill_tokens if cuda_graphs else (),
+        cuda_graph_prefill_tokens=_prefill_buckets(cuda_graph_prefill_tokens, max_prefill_tokens) if cuda_graphs else (),
         prefix_caching=prefix_caching,
         overlap=overlap,
     )

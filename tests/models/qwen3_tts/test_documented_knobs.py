@@ -4,6 +4,7 @@ checkpoint has every stage (its reference encoder included)."""
 
 from __future__ import annotations
 
+import inspect
 import re
 import typing
 from pathlib import Path
@@ -14,6 +15,11 @@ import yaml
 from omnistage.config.hooks import factory_parameters
 from omnistage.config.overrides import resolve_config
 from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
+from omnistage.models.qwen3_tts.stages import (
+    PREFILL_GRAPH_TOKENS,
+    _prefill_buckets,
+    create_tts_engine_stage,
+)
 
 DOC = Path(__file__).parents[3] / "docs" / "qwen3_tts.md"
 
@@ -77,3 +83,11 @@ def test_a_documented_knob_is_listed_and_settable(tiny_checkpoints, tmp_path, pa
     assert resolved.provenance[path] == source
     got = resolved.config.stage(stage).factory.args[name]
     assert (list(got) if isinstance(got, tuple) else got) == new
+
+
+def test_the_tts_engines_prefill_buckets_default_to_graphs_up_to_its_prefill_budget():
+    assert _prefill_buckets(None, 1024) == PREFILL_GRAPH_TOKENS == (16, 32, 64, 128, 256, 512, 1024)
+    assert _prefill_buckets(None, 300) == (16, 32, 64, 128, 256)
+    assert _prefill_buckets((), 1024) == ()
+    assert _prefill_buckets((48,), 1024) == (48,)
+    assert inspect.signature(create_tts_engine_stage).parameters["max_prefill_tokens"].default == 1024
