@@ -399,10 +399,8 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
                 continue
             sampler = GpuSampler()
             sampler.start()
-            profile = None
-            if args.py_spy and conc == max(args.concurrency):
-                raw = Path(args.out_dir) / f"py_spy_{size}{'_split' if args.split else ''}_c{conc}{f'_x{clients}' if clients > 1 else ''}.txt"
-                profile = PySpyProfile(args.py_spy, proc.pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
+            stem = f"{size}{'_split' if args.split else ''}_c{conc}{f'_x{clients}' if clients > 1 else ''}"
+            profile = level_profile(args, proc.pid, conc == max(args.concurrency), stem)
             out = Path(args.work_dir) / f"bench_{size}_c{conc}.json"
             level = closed_level(port, proc.pid, args, ref, out, conc, clients)
             record["levels"].append(level | {"client_processes": clients} | sampler.stop() | (profile.stop() if profile else {}))
@@ -450,6 +448,16 @@ def run_size(size: str, args: argparse.Namespace, record: dict, save, budget: Bu
         record["skipped"].append("prefix caching off")
     save()
     return model_dir
+
+
+def level_profile(args: argparse.Namespace, pid: int, highest: bool, stem: str) -> PySpyProfile | None:
+    """``--py-spy``'s profile of the server ``pid`` during a level, into
+    ``py_spy_<stem>.txt``: only for the ``highest`` level of a run (the highest closed level;
+    in ``--config`` mode every configuration's highest ``--compare-concurrency``)."""
+    if not (args.py_spy and highest):
+        return None
+    raw = Path(args.out_dir) / f"py_spy_{stem}.txt"
+    return PySpyProfile(args.py_spy, pid, raw, args.py_spy_delay_s, args.py_spy_s, args.py_spy_gil)
 
 
 def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget: Budget, before_levels) -> None:
@@ -501,9 +509,10 @@ def run_compare(size: str, args: argparse.Namespace, record: dict, save, budget:
             else:
                 sampler = GpuSampler()
                 sampler.start()
+                profile = level_profile(args, proc.pid, conc == max(args.compare_concurrency), f"{size}_{config['name']}_c{conc}")
                 out = Path(args.work_dir) / f"bench_{size}_{config['name']}_c{conc}.json"
                 level = closed_level(port, proc.pid, args, ref, out, conc, args.client_processes[0])
-                config["levels"].append(level | sampler.stop())
+                config["levels"].append(level | sampler.stop() | (profile.stop() if profile else {}))
             save()
     finally:
         for _, _, proc in servers:
@@ -569,6 +578,9 @@ def print_compare(results: dict, frames: int) -> None:
             for lv in config["levels"]:
                 if batches := lv.get("stage_batches"):
                     print(f"  {config['name']:>16} {'c=' + str(lv.get('concurrency')):>10}: {batch_line(batches)}")
+            for lv in config["levels"]:
+                if "py_spy" in lv:
+                    print_profile(f"{r['size']} {config['name']} c={lv.get('concurrency')}", lv["py_spy"])
         if "varied_text_c1" in (r.get("configs") or [{}])[0]:
             v = r["configs"][0]["varied_text_c1"]
             if "error" not in v:
@@ -774,7 +786,7 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=520.0)
     parser.add_argument("--reserve-s", type=float, default=20.0, help="kept for saving and the closing steps")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--py-spy", metavar="BIN", help="profile the server with this py-spy binary during the highest closed level (see PySpyProfile)")
+    parser.add_argument("--py-spy", metavar="BIN", help="profile the server with this py-spy binary during the highest closed level; with --config, each configuration's highest --compare-concurrency level (see PySpyProfile)")
     parser.add_argument("--py-spy-s", type=float, default=8.0, help="seconds the --py-spy profile samples")
     parser.add_argument("--py-spy-delay-s", type=float, default=3.0, help="seconds into the level the --py-spy profile starts")
     parser.add_argument("--rounds", type=int, default=2, help="requests of a closed level in multiples of its concurrency (one round: one burst at a closed loop's start)")
