@@ -59,7 +59,9 @@ modes' defaults: ``icl`` (the voice clone of the GPU run: its texts, a 3 s refer
 frames of codes, streaming text), ``x_vector`` (streaming text) and ``custom_voice``
 (voice aiden, whole text), each built again and again (the same voice); in a tree whose
 builder has ``whole_many`` also ``icl_batch32``: 32 such voice-clone prompts (heads and
-texts) built as the preprocessing stage builds a batch, per prompt.
+texts) built as the preprocessing stage builds a batch, per prompt, and
+``icl_batch32_known_head``: the same with the voice's head made once before (the stage's
+head cache hit: only the texts are built).
 
     python benchmarks/host_cost.py --prompt --config before /tmp/before --config after . \\
       --output /tmp/prompt_cost.json
@@ -368,6 +370,13 @@ def prompt_worker(iterations: int) -> dict:
 
         builds[f"icl_batch{PROMPT_BATCH}"] = batch
         per[f"icl_batch{PROMPT_BATCH}"] = PROMPT_BATCH
+        known = base.voice_clone_head(x_vector, "english", REF_TEXT, codes)
+
+        def batch_known_voice() -> list:  # the preprocessing stage's head cache hit
+            return base.whole_many([(known, *base.tokens.target(TEXT)) for _ in range(PROMPT_BATCH)])
+
+        builds[f"icl_batch{PROMPT_BATCH}_known_head"] = batch_known_voice
+        per[f"icl_batch{PROMPT_BATCH}_known_head"] = PROMPT_BATCH
     modes = {}
     with torch.inference_mode():  # as the preprocessing stage builds them
         for mode, build in builds.items():

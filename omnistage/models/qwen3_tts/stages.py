@@ -26,7 +26,7 @@ device memory (``mem_fraction_static``).
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
+from functools import lru_cache, partial
 from pathlib import Path
 
 import numpy as np
@@ -199,7 +199,7 @@ def create_reference_encoder_stage(
     return reference_scheduler(ReferenceEncoder(checkpoint.model.speaker_encoder, codec_encoder, cache_size), max_batch_size, max_batch_wait_ms)
 
 
-def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64) -> SimpleScheduler:
+def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64, head_cache_size: int = 256) -> SimpleScheduler:
     """Requests (and, for Base, their :class:`EncodedReference`) -> :class:`TalkerStart` s
     (and each one's vocoder setup, streamed before its result), for up to
     ``max_batch_size`` waiting requests at once: the ids of a batch's prompts go up in one
@@ -218,6 +218,12 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
     with eight threads for the GIL (47.9 against 182.7 ms each;
     ``results/qwen3_tts_gpu_0.6b_compare_batched_prefill_graphs.json``).
 
+    A voice's prompt head (everything before the text: :class:`PromptHead`) is kept for
+    ``head_cache_size`` voices (0: none), keyed by what it is made of
+    (:func:`head_key`: the mode, the language, the speaker or instructions, and for a clone
+    the reference's content key and transcript), so a known voice's request builds only
+    its text: about half of a voice-clone prompt's torch calls (``host_cost.py --prompt``).
+
     A request the builder rejects (``ValueError``: an unknown language or an empty text,
     say; the request builder refuses these before admission) fails alone; any other error
     fails the batch (the scheduler's batch boundary)."""
@@ -226,6 +232,7 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
     checkpoint = loaded_checkpoint(model_path, where)
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
     facts, defaults = Qwen3TTSModelFacts.from_config(checkpoint.config), checkpoint.generation
+    heads: BoundedLRU[tuple, PromptHead] = BoundedLRU(max_entries=head_cache_size)
 
     @torch.inference_mode()
     def compute(batch: list[StagePayload]) -> list[TalkerStart | ItemFailure]:
@@ -234,7 +241,7 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
         for index, payload in enumerate(batch):
             request: Qwen3TTSRequest = payload.request
             try:
-                head = _head(builder, payload.data, request)
+                head = heads.get_or_compute(head_key(request), partial(_head, builder, payload.data, request))
                 sampling = resolve_sampling(request, defaults, facts)
                 if not request.more_text:
                     role_ids, ids = builder.tokens.target(request.text)
@@ -271,6 +278,16 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64)
 
     scheduler = SimpleScheduler(compute, max_batch_size)
     return scheduler
+
+
+def head_key(request: Qwen3TTSRequest) -> tuple:
+    """What ``request``'s :class:`PromptHead` is made of, so equal keys make equal heads
+    (architecture rule 8): the mode, the language, the CustomVoice speaker, the
+    instructions, the text mode, and for a clone the reference clip's content key (its
+    :class:`EncodedReference` is the reference encoder's for that key) and, in ICL mode, its
+    transcript."""
+    clone = (request.ref_key, request.ref_text if request.icl else None) if request.model_type == "base" else None
+    return (request.model_type, request.language, request.voice, request.instructions, request.non_streaming_mode, clone)
 
 
 def _head(builder: PromptBuilder, reference: EncodedReference | None, request: Qwen3TTSRequest) -> PromptHead:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 import torch
 
@@ -23,7 +24,13 @@ from omnistage.models.qwen3_tts.modeling.prompt import (
     TalkerPrompt,
 )
 from omnistage.models.qwen3_tts.modeling.weights import LoadedCheckpoint, load_checkpoint
-from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest, SamplingOverrides, TalkerStart
+from omnistage.models.qwen3_tts.payload_types import (
+    EncodedReference,
+    Qwen3TTSRequest,
+    SamplingOverrides,
+    TalkerStart,
+)
+from omnistage.models.qwen3_tts.stages import head_key
 from omnistage.pipeline.stage import build_scheduler
 from omnistage.scheduling.base import ItemFailure
 from omnistage.scheduling.vocoder import VocoderSetup
@@ -294,3 +301,55 @@ def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(ti
             alone = builder.whole(head, requests[rid].text)
         assert torch.equal(output.whole.prompt, alone.prefill)
         assert isinstance(setup, VocoderSetup) and setup.input_tokens == alone.prefill.shape[0] + alone.step_rows.shape[0]
+
+
+@pytest.mark.parametrize("head_cache_size", [256, 0])
+def test_a_known_voices_head_is_kept_by_its_content_key(tiny_servable_checkpoints, head_cache_size) -> None:
+    """The preprocessing stage keeps a voice's prompt head by :func:`head_key`: a request
+    with a known key gets the kept head (built from the first request's reference: here a
+    second payload under the same key is made different to show it is not read), a new
+    key, or the same clip in the other clone mode, gets its own; every prompt is the one
+    built alone from the head it used. With ``head_cache_size`` 0 every request builds its
+    own."""
+    path = tiny_servable_checkpoints["base"]
+    defaults = Qwen3TTSPipelineConfig.for_model_path(str(path))
+    overrides = [("preprocessing.device", "cpu"), ("preprocessing.factory.args.head_cache_size", str(head_cache_size))]
+    config = resolve_config(defaults, None, overrides).config
+    scheduler = build_scheduler(config, config.stage("preprocessing"))
+    scheduler.bind("preprocessing", _Outbox(), expects_stream=False)
+    builder = builder_of(load_checkpoint(path))
+    hidden = builder.config.talker.decoder.hidden_size
+    generator = torch.Generator().manual_seed(0)
+
+    def reference() -> EncodedReference:
+        codes = torch.randint(0, 2048, (12, 16), generator=generator)
+        return EncodedReference(torch.randn(hidden, generator=generator), codes)
+
+    def request(key: str, icl: bool = True) -> Qwen3TTSRequest:
+        return Qwen3TTSRequest(
+            text=TEXT, model_type="base", language="english", voice=None, instructions=None,
+            ref_audio=np.zeros(2400, dtype=np.float32), ref_key=key, ref_text="A reference." if icl else None,
+            x_vector_only=not icl, non_streaming_mode=False, sampling=SamplingOverrides(), seed=0,
+            max_new_tokens=None, min_new_tokens=2, frame_cap=40, initial_codec_chunk_frames=None, stream=True,
+            more_text=False,
+        )  # fmt: skip
+
+    def prompt(req: Qwen3TTSRequest, ref: EncodedReference) -> torch.Tensor:
+        (output,) = scheduler.compute([StagePayload("r", req, ref)])
+        assert isinstance(output, TalkerStart) and output.whole is not None
+        return output.whole.prompt
+
+    def alone(req: Qwen3TTSRequest, ref: EncodedReference) -> torch.Tensor:
+        with torch.inference_mode():
+            codes = ref.ref_codes if req.icl else None
+            head = builder.voice_clone_head(ref.x_vector, "english", req.ref_text, codes)
+            return builder.whole(head, req.text).prefill
+
+    first, other, same_key_other_payload = reference(), reference(), reference()
+    assert torch.equal(prompt(request("k1"), first), alone(request("k1"), first))
+    expected = first if head_cache_size else same_key_other_payload
+    assert torch.equal(prompt(request("k1"), same_key_other_payload), alone(request("k1"), expected))
+    assert torch.equal(prompt(request("k2"), other), alone(request("k2"), other))
+    x_vector_only = request("k1", icl=False)
+    assert head_key(x_vector_only) != head_key(request("k1"))
+    assert torch.equal(prompt(x_vector_only, same_key_other_payload), alone(x_vector_only, same_key_other_payload))
