@@ -199,7 +199,7 @@ def create_reference_encoder_stage(
     return reference_scheduler(ReferenceEncoder(checkpoint.model.speaker_encoder, codec_encoder, cache_size), max_batch_size, max_batch_wait_ms)
 
 
-def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64, head_cache_size: int = 256) -> SimpleScheduler:
+def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64, head_cache_mib: float = 64.0) -> SimpleScheduler:
     """Requests (and, for Base, their :class:`EncodedReference`) -> :class:`TalkerStart` s
     (and each one's vocoder setup, streamed before its result), for up to
     ``max_batch_size`` waiting requests at once: the ids of a batch's prompts go up in one
@@ -218,8 +218,10 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64,
     with eight threads for the GIL (47.9 against 182.7 ms each;
     ``results/qwen3_tts_gpu_0.6b_compare_batched_prefill_graphs.json``).
 
-    A voice's prompt head (everything before the text: :class:`PromptHead`) is kept for
-    ``head_cache_size`` voices (0: none), keyed by what it is made of
+    A voice's prompt head (everything before the text: :class:`PromptHead`) is kept, up to
+    ``head_cache_mib`` MiB of its tensors (0: none; a voice-clone head of a 3 s reference
+    is about 100 KB at the 0.6B's width, an instruction of 2,000 characters a few MB),
+    keyed by what it is made of
     (:func:`head_key`: the mode, the language, the speaker or instructions, and for a clone
     the reference's content key and transcript), so a known voice's request builds only
     its text: about half of a voice-clone prompt's torch calls (``host_cost.py --prompt``).
@@ -232,7 +234,7 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64,
     checkpoint = loaded_checkpoint(model_path, where)
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
     facts, defaults = Qwen3TTSModelFacts.from_config(checkpoint.config), checkpoint.generation
-    heads: BoundedLRU[tuple, PromptHead] = BoundedLRU(max_entries=head_cache_size)
+    heads: BoundedLRU[tuple, PromptHead] = BoundedLRU(max_cost=int(head_cache_mib * 2**20), cost=_head_bytes)
 
     @torch.inference_mode()
     def compute(batch: list[StagePayload]) -> list[TalkerStart | ItemFailure]:
@@ -288,6 +290,11 @@ def head_key(request: Qwen3TTSRequest) -> tuple:
     transcript."""
     clone = (request.ref_key, request.ref_text if request.icl else None) if request.model_type == "base" else None
     return (request.model_type, request.language, request.voice, request.instructions, request.non_streaming_mode, clone)
+
+
+def _head_bytes(head: PromptHead) -> int:
+    tensors = (*head.instructions, head.codec_rows, head.icl_codec)
+    return sum(t.nbytes for t in tensors if t is not None)
 
 
 def _head(builder: PromptBuilder, reference: EncodedReference | None, request: Qwen3TTSRequest) -> PromptHead:

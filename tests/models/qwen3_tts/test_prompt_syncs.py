@@ -303,17 +303,17 @@ def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(ti
         assert isinstance(setup, VocoderSetup) and setup.input_tokens == alone.prefill.shape[0] + alone.step_rows.shape[0]
 
 
-@pytest.mark.parametrize("head_cache_size", [256, 0])
-def test_a_known_voices_head_is_kept_by_its_content_key(tiny_servable_checkpoints, head_cache_size) -> None:
+@pytest.mark.parametrize("head_cache_mib", [64.0, 0.0])
+def test_a_known_voices_head_is_kept_by_its_content_key(tiny_servable_checkpoints, head_cache_mib) -> None:
     """The preprocessing stage keeps a voice's prompt head by :func:`head_key`: a request
     with a known key gets the kept head (built from the first request's reference: here a
     second payload under the same key is made different to show it is not read), a new
     key, or the same clip in the other clone mode, gets its own; every prompt is the one
-    built alone from the head it used. With ``head_cache_size`` 0 every request builds its
+    built alone from the head it used. With ``head_cache_mib`` 0 every request builds its
     own."""
     path = tiny_servable_checkpoints["base"]
     defaults = Qwen3TTSPipelineConfig.for_model_path(str(path))
-    overrides = [("preprocessing.device", "cpu"), ("preprocessing.factory.args.head_cache_size", str(head_cache_size))]
+    overrides = [("preprocessing.device", "cpu"), ("preprocessing.factory.args.head_cache_mib", str(head_cache_mib))]
     config = resolve_config(defaults, None, overrides).config
     scheduler = build_scheduler(config, config.stage("preprocessing"))
     scheduler.bind("preprocessing", _Outbox(), expects_stream=False)
@@ -347,7 +347,7 @@ def test_a_known_voices_head_is_kept_by_its_content_key(tiny_servable_checkpoint
 
     first, other, same_key_other_payload = reference(), reference(), reference()
     assert torch.equal(prompt(request("k1"), first), alone(request("k1"), first))
-    expected = first if head_cache_size else same_key_other_payload
+    expected = first if head_cache_mib else same_key_other_payload
     assert torch.equal(prompt(request("k1"), same_key_other_payload), alone(request("k1"), expected))
     assert torch.equal(prompt(request("k2"), other), alone(request("k2"), other))
     x_vector_only = request("k1", icl=False)
