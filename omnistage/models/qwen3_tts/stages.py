@@ -26,7 +26,7 @@ device memory (``mem_fraction_static``).
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache, partial
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -221,10 +221,13 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64,
     A voice's prompt head (everything before the text: :class:`PromptHead`) is kept, up to
     ``head_cache_mib`` MiB of its tensors (0: none; a voice-clone head of a 3 s reference
     is about 100 KB at the 0.6B's width, an instruction of 2,000 characters a few MB),
-    keyed by what it is made of
-    (:func:`head_key`: the mode, the language, the speaker or instructions, and for a clone
-    the reference's content key and transcript), so a known voice's request builds only
+    keyed by what it is made of (:func:`head_key`), so a known voice's request builds only
     its text: about half of a voice-clone prompt's torch calls (``host_cost.py --prompt``).
+    A clone's kept head is used only by a request that carries the very
+    :class:`EncodedReference` it was built from (the reference encoder's cache hit): a clip
+    encoded again (out of that cache) may get other codes, since the encoder's batches are
+    zero-padded, and then its head is built again, so every request's prompt is built from
+    its own encoding.
 
     A request the builder rejects (``ValueError``: an unknown language or an empty text,
     say; the request builder refuses these before admission) fails alone; any other error
@@ -234,7 +237,18 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64,
     checkpoint = loaded_checkpoint(model_path, where)
     builder = PromptBuilder(checkpoint.model.talker, checkpoint.config, checkpoint.tokenizer)
     facts, defaults = Qwen3TTSModelFacts.from_config(checkpoint.config), checkpoint.generation
-    heads: BoundedLRU[tuple, PromptHead] = BoundedLRU(max_cost=int(head_cache_mib * 2**20), cost=_head_bytes)
+    heads: BoundedLRU[tuple, tuple[EncodedReference | None, PromptHead]] = BoundedLRU(
+        max_cost=int(head_cache_mib * 2**20), cost=_head_bytes
+    )
+
+    def known_head(reference: EncodedReference | None, request: Qwen3TTSRequest) -> PromptHead:
+        key = head_key(request)
+        kept = heads.get(key)
+        if kept is not None and kept[0] is reference:
+            return kept[1]
+        head = _head(builder, reference, request)
+        heads.put(key, (reference, head))
+        return head
 
     @torch.inference_mode()
     def compute(batch: list[StagePayload]) -> list[TalkerStart | ItemFailure]:
@@ -243,7 +257,7 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64,
         for index, payload in enumerate(batch):
             request: Qwen3TTSRequest = payload.request
             try:
-                head = heads.get_or_compute(head_key(request), partial(_head, builder, payload.data, request))
+                head = known_head(payload.data, request)
                 sampling = resolve_sampling(request, defaults, facts)
                 if not request.more_text:
                     role_ids, ids = builder.tokens.target(request.text)
@@ -283,17 +297,22 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64,
 
 
 def head_key(request: Qwen3TTSRequest) -> tuple:
-    """What ``request``'s :class:`PromptHead` is made of, so equal keys make equal heads
-    (architecture rule 8): the mode, the language, the CustomVoice speaker, the
-    instructions, the text mode, and for a clone the reference clip's content key (its
-    :class:`EncodedReference` is the reference encoder's for that key) and, in ICL mode, its
-    transcript."""
+    """What ``request``'s :class:`PromptHead` is made of (architecture rule 8): the mode,
+    the language, the CustomVoice speaker, the instructions, the text mode, and for a clone
+    the reference clip's content key and, in ICL mode, its transcript. A clone's head also
+    depends on the clip's :class:`EncodedReference`, which the preprocessing stage checks
+    by identity."""
     clone = (request.ref_key, request.ref_text if request.icl else None) if request.model_type == "base" else None
     return (request.model_type, request.language, request.voice, request.instructions, request.non_streaming_mode, clone)
 
 
-def _head_bytes(head: PromptHead) -> int:
+def _head_bytes(kept: tuple[EncodedReference | None, PromptHead]) -> int:
+    """A kept head's tensors (device rows, the reference codes on the host; its shared
+    special rows are the builder's), bytes."""
+    reference, head = kept
     tensors = (*head.instructions, head.codec_rows, head.icl_codec)
+    if reference is not None:
+        tensors += (reference.x_vector, reference.ref_codes)
     return sum(t.nbytes for t in tensors if t is not None)
 
 

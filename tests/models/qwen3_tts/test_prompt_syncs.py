@@ -21,6 +21,7 @@ from omnistage.models.qwen3_tts.config import Qwen3TTSPipelineConfig
 from omnistage.models.qwen3_tts.modeling.prompt import (
     REF_CODES_CACHE_SIZE,
     PromptBuilder,
+    PromptHead,
     TalkerPrompt,
 )
 from omnistage.models.qwen3_tts.modeling.weights import LoadedCheckpoint, load_checkpoint
@@ -304,13 +305,13 @@ def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(ti
 
 
 @pytest.mark.parametrize("head_cache_mib", [64.0, 0.0])
-def test_a_known_voices_head_is_kept_by_its_content_key(tiny_servable_checkpoints, head_cache_mib) -> None:
+def test_a_known_voices_head_is_kept_for_the_same_encoded_reference(tiny_servable_checkpoints, head_cache_mib) -> None:
     """The preprocessing stage keeps a voice's prompt head by :func:`head_key`: a request
-    with a known key gets the kept head (built from the first request's reference: here a
-    second payload under the same key is made different to show it is not read), a new
-    key, or the same clip in the other clone mode, gets its own; every prompt is the one
-    built alone from the head it used. With ``head_cache_mib`` 0 every request builds its
-    own."""
+    with a known key and the very :class:`EncodedReference` the head was built from (a
+    reference encoder cache hit) gets the kept head; the same key with another encoding (a
+    clip encoded again), a new key, or the same clip in the other clone mode, gets a head
+    of its own. Every prompt is the one built alone from the request's own encoding. With
+    ``head_cache_mib`` 0 nothing is kept."""
     path = tiny_servable_checkpoints["base"]
     defaults = Qwen3TTSPipelineConfig.for_model_path(str(path))
     overrides = [("preprocessing.device", "cpu"), ("preprocessing.factory.args.head_cache_mib", str(head_cache_mib))]
@@ -325,31 +326,37 @@ def test_a_known_voices_head_is_kept_by_its_content_key(tiny_servable_checkpoint
         codes = torch.randint(0, 2048, (12, 16), generator=generator)
         return EncodedReference(torch.randn(hidden, generator=generator), codes)
 
-    def request(key: str, icl: bool = True) -> Qwen3TTSRequest:
+    def request(key: str, icl: bool = True, live: bool = False) -> Qwen3TTSRequest:
         return Qwen3TTSRequest(
             text=TEXT, model_type="base", language="english", voice=None, instructions=None,
             ref_audio=np.zeros(2400, dtype=np.float32), ref_key=key, ref_text="A reference." if icl else None,
             x_vector_only=not icl, non_streaming_mode=False, sampling=SamplingOverrides(), seed=0,
             max_new_tokens=None, min_new_tokens=2, frame_cap=40, initial_codec_chunk_frames=None, stream=True,
-            more_text=False,
+            more_text=live,
         )  # fmt: skip
 
-    def prompt(req: Qwen3TTSRequest, ref: EncodedReference) -> torch.Tensor:
+    def start(req: Qwen3TTSRequest, ref: EncodedReference) -> TalkerStart:
         (output,) = scheduler.compute([StagePayload("r", req, ref)])
-        assert isinstance(output, TalkerStart) and output.whole is not None
-        return output.whole.prompt
+        assert isinstance(output, TalkerStart)
+        return output
+
+    def head(req: Qwen3TTSRequest, ref: EncodedReference) -> PromptHead:
+        output = start(req, ref)
+        assert output.live is not None
+        return output.live.head
 
     def alone(req: Qwen3TTSRequest, ref: EncodedReference) -> torch.Tensor:
         with torch.inference_mode():
             codes = ref.ref_codes if req.icl else None
-            head = builder.voice_clone_head(ref.x_vector, "english", req.ref_text, codes)
-            return builder.whole(head, req.text).prefill
+            return builder.whole(builder.voice_clone_head(ref.x_vector, "english", req.ref_text, codes), req.text).prefill
 
-    first, other, same_key_other_payload = reference(), reference(), reference()
-    assert torch.equal(prompt(request("k1"), first), alone(request("k1"), first))
-    expected = first if head_cache_mib else same_key_other_payload
-    assert torch.equal(prompt(request("k1"), same_key_other_payload), alone(request("k1"), expected))
-    assert torch.equal(prompt(request("k2"), other), alone(request("k2"), other))
-    x_vector_only = request("k1", icl=False)
-    assert head_key(x_vector_only) != head_key(request("k1"))
-    assert torch.equal(prompt(x_vector_only, same_key_other_payload), alone(x_vector_only, same_key_other_payload))
+    first, again, other = reference(), reference(), reference()
+    kept = head(request("k1", live=True), first)
+    assert (head(request("k1", live=True), first) is kept) == bool(head_cache_mib)
+    assert head(request("k1", live=True), again) is not kept
+    assert head(request("k2", live=True), other) is not kept
+    assert head(request("k1", icl=False, live=True), first) is not kept
+    assert head_key(request("k1", icl=False)) != head_key(request("k1"))
+    for key, ref, icl in (("k1", first, True), ("k1", again, True), ("k1", first, False), ("k2", other, True)):
+        whole = start(request(key, icl), ref).whole
+        assert whole is not None and torch.equal(whole.prompt, alone(request(key, icl), ref))
