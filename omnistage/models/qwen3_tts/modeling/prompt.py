@@ -406,22 +406,23 @@ class PromptBuilder:
                 (or a non-streaming head) while incomplete; ``text`` not the rows of
                 :meth:`text_segments`.
         """
-        if text is not None:
-            expected = [len(segment) for segment in self.text_segments(head, ids)]
-            if [rows.shape[0] for rows in text] != expected:
-                raise ValueError(f"text must be the rows of segments of {expected} ids, got {[r.shape[0] for r in text]}")
+        segments = self.text_segments(head, ids)
+        expected = [len(segment) for segment in segments]
+        if text is not None and [rows.shape[0] for rows in text] != expected:
+            raise ValueError(f"text must be the rows of segments of {expected} ids, got {[r.shape[0] for r in text]}")
         if complete and not ids:
             raise ValueError("text is empty")
         needed = head.ids_to_start()
         if not complete and (needed is None or len(ids) < needed):
             raise ValueError(f"the prompt needs {needed or 'all'} text tokens before it starts, got {len(ids)}")
+        if text is None:
+            text = [self.text_rows(segment) for segment in segments]
         eos = head.tts_eos[None] if complete else head.tts_eos[None][:0]
         pad_row = head.tts_pad
         parts = [*head.instructions, self._role_rows(tuple(role_ids)), head.codec_rows]
         trailing = pad_row[None][:0]
         if head.icl_codec is not None:
-            # the transcript's and the text's rows
-            text_rows = self.text_rows(self.text_segments(head, ids)[0]) if text is None else text[0]
+            text_rows = text[0]  # the transcript's and the text's rows
             codec_rows_icl = head.icl_codec
             n_text, n_codec = text_rows.shape[0] + eos.shape[0], codec_rows_icl.shape[0]
             if head.non_streaming_mode:  # complete: eos is there
@@ -435,15 +436,9 @@ class PromptBuilder:
                 padded = torch.cat((text_rows, eos, pad_row.expand(n_codec - n_text, -1)))
                 parts.append(padded + codec_rows_icl)
         elif head.non_streaming_mode:
-            parts += [(self.text_rows(ids) if text is None else text[0]) + head.codec_pad, self._specials().text_end]
+            parts += [text[0] + head.codec_pad, self._specials().text_end]
         else:
-            if text is None:
-                # the first row alone, as a live text's prompt must make it (its other ids
-                # may not exist yet; a matmul's rows can round differently by how many it has)
-                uploaded = upload(ids, self._device)
-                first, rest = self.talker.text_embed(uploaded[:1]), self.talker.text_embed(uploaded[1:])
-            else:
-                first, rest = text
+            first, rest = text  # the first row alone: a live text's other ids may not exist yet
             parts.append(first + head.codec_bos)
             trailing = torch.cat((rest, eos))
         return TalkerPrompt(prefill=torch.cat(parts), step_rows=trailing, tts_pad=pad_row, ref_codes=head.ref_codes)
