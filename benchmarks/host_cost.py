@@ -61,7 +61,9 @@ frames of codes, streaming text), ``x_vector`` (streaming text) and ``custom_voi
 builder has ``whole_many`` also ``icl_batch32``: 32 such voice-clone prompts (heads and
 texts) built as the preprocessing stage builds a batch, per prompt, and
 ``icl_batch32_known_head``: the same with the voice's head made once before (the stage's
-head cache hit: only the texts are built).
+head cache hit: only the texts are built), and ``icl_batch32_known_ids``: the same with the
+text's token ids made before too (the request builder's, which the stage takes from the
+request: only the text rows are built).
 
     python benchmarks/host_cost.py --prompt --config before /tmp/before --config after . \\
       --output /tmp/prompt_cost.json
@@ -377,6 +379,13 @@ def prompt_worker(iterations: int) -> dict:
 
         builds[f"icl_batch{PROMPT_BATCH}_known_head"] = batch_known_voice
         per[f"icl_batch{PROMPT_BATCH}_known_head"] = PROMPT_BATCH
+        target = base.tokens.target(TEXT)
+
+        def batch_known_ids() -> list:  # and the text's ids made by the request builder
+            return base.whole_many([(known, *target) for _ in range(PROMPT_BATCH)])
+
+        builds[f"icl_batch{PROMPT_BATCH}_known_ids"] = batch_known_ids
+        per[f"icl_batch{PROMPT_BATCH}_known_ids"] = PROMPT_BATCH
     modes = {}
     with torch.inference_mode():  # as the preprocessing stage builds them
         for mode, build in builds.items():

@@ -14,7 +14,7 @@ from omnistage.engine.sequence import GenerationInput
 from omnistage.models.qwen3_tts.capabilities import ModelType
 
 if TYPE_CHECKING:  # the prompt module needs transformers: not loaded to serve a schema
-    from omnistage.models.qwen3_tts.modeling.prompt import PromptHead
+    from omnistage.models.qwen3_tts.modeling.prompt import PromptHead, TargetIds
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,11 @@ class Qwen3TTSRequest(PipelineRequest):
 
     Attributes:
         text: the text to speak (non-blank, at most ``MAX_INPUT_CHARS`` characters).
+        target_ids: ``text``'s token ids in the talker prompt's template
+            (:meth:`~.modeling.prompt.PromptTokens.target`), made once by the request
+            builder, which sizes the prompt with them; the preprocessing stage builds the
+            prompt from them. With ``more_text``, the ids of the first part only (a live
+            prompt tokenizes its text as it grows).
         model_type: the served checkpoint's type (``base`` | ``custom_voice`` |
             ``voice_design``); decides the prompt layout.
         language: ``"auto"`` or a non-dialect ``codec_language_id`` key, as requested
@@ -72,6 +77,7 @@ class Qwen3TTSRequest(PipelineRequest):
     """
 
     text: str
+    target_ids: TargetIds
     model_type: ModelType
     language: str
     voice: str | None

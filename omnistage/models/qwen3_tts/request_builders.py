@@ -284,6 +284,7 @@ def build_qwen3_tts_request(
     reference, ref_text, x_vector_only = _voice_clone(request, facts, media)
     built = Qwen3TTSRequest(
         text=request.input,
+        target_ids=limits.tokens.target(request.input),
         model_type=facts.model_type,
         language=request.language or AUTO_LANGUAGE,
         voice=request.voice if facts.model_type == "custom_voice" else None,
@@ -323,7 +324,7 @@ def _check_fits(request: Qwen3TTSRequest, limits: RequestLimits) -> None:
     ref_frames = math.ceil(len(request.ref_audio) / SAMPLES_PER_FRAME) if request.ref_text is not None else 0
     tokens = limits.tokens
     size = tokens.size(
-        request.text, tokens.language_id(request.language, request.voice), request.model_type != "voice_design",
+        request.target_ids.text, tokens.language_id(request.language, request.voice), request.model_type != "voice_design",
         request.instructions, request.non_streaming_mode, request.ref_text, ref_frames,
     )  # fmt: skip
     frames, limit = frames_to_generate(request, limits.default_max_new_tokens), limits.max_model_len

@@ -262,7 +262,7 @@ def create_preprocessing_stage(ctx: StageBuildContext, max_batch_size: int = 64,
                 head = known_head(payload.data, request)
                 sampling = resolve_sampling(request, defaults, facts)
                 if not request.more_text:
-                    role_ids, ids = builder.tokens.target(request.text)
+                    role_ids, ids = request.target_ids
                     if not ids:
                         raise ValueError("text is empty: no tokens to speak")
                     whole.append((index, head, role_ids, ids, request, sampling))

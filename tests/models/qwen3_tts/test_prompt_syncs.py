@@ -271,10 +271,11 @@ def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(ti
     scheduler = build_scheduler(config, config.stage("preprocessing"))
     outbox = _Outbox()
     scheduler.bind("preprocessing", outbox, expects_stream=False)
+    builder = builder_of(load_checkpoint(path))
 
     def request(text: str, language: str, more_text: bool = False) -> Qwen3TTSRequest:
         return Qwen3TTSRequest(
-            text=text, model_type="custom_voice", language=language, voice="aiden", instructions=None,
+            text=text, target_ids=builder.tokens.target(text), model_type="custom_voice", language=language, voice="aiden", instructions=None,
             ref_audio=None, ref_key=None, ref_text=None, x_vector_only=False, non_streaming_mode=more_text is False,
             sampling=SamplingOverrides(), seed=0, max_new_tokens=None, min_new_tokens=2, frame_cap=40,
             initial_codec_chunk_frames=None, stream=True, more_text=more_text,
@@ -293,7 +294,6 @@ def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(ti
     assert [rid for rid, _ in outbox.streamed] == ["live", "a", "c"]  # the live one before the prompts are built
     live = outputs["live"]
     assert isinstance(live, TalkerStart) and live.live is not None and live.live.text == "Hello"
-    builder = builder_of(load_checkpoint(path))
     for rid, setup in outbox.streamed[1:]:
         output = outputs[rid]
         assert isinstance(output, TalkerStart) and output.whole is not None
@@ -328,7 +328,7 @@ def test_a_known_voices_head_is_kept_for_the_same_encoded_reference(tiny_servabl
 
     def request(key: str, icl: bool = True, live: bool = False) -> Qwen3TTSRequest:
         return Qwen3TTSRequest(
-            text=TEXT, model_type="base", language="english", voice=None, instructions=None,
+            text=TEXT, target_ids=builder.tokens.target(TEXT), model_type="base", language="english", voice=None, instructions=None,
             ref_audio=np.zeros(2400, dtype=np.float32), ref_key=key, ref_text="A reference." if icl else None,
             x_vector_only=not icl, non_streaming_mode=False, sampling=SamplingOverrides(), seed=0,
             max_new_tokens=None, min_new_tokens=2, frame_cap=40, initial_codec_chunk_frames=None, stream=True,

@@ -31,6 +31,7 @@ from omnistage.models.qwen3_tts.modeling.config import (
     load_config,
     load_generation_config,
 )
+from omnistage.models.qwen3_tts.modeling.prompt import TargetIds
 from omnistage.models.qwen3_tts.payload_types import Qwen3TTSRequest, SamplingOverrides
 from omnistage.models.qwen3_tts.random_checkpoint import (
     GENERATION_CONFIG,
@@ -541,7 +542,7 @@ def test_reference_transcript_ids_are_memoized_as_tokenized(checkpoint, tmp_path
 def test_a_request_with_ref_audio_has_its_key():
     with pytest.raises(ValueError, match="ref_key"):
         Qwen3TTSRequest(
-            text="Hi.", model_type="base", language="auto", voice=None, instructions=None,
+            text="Hi.", target_ids=TargetIds([151644, 77091, 198], [13048, 13]), model_type="base", language="auto", voice=None, instructions=None,
             ref_audio=np.zeros(24000, np.float32), ref_key=None, ref_text=None, x_vector_only=True,
             non_streaming_mode=False, sampling=SamplingOverrides(), seed=0, max_new_tokens=None,
             min_new_tokens=2, frame_cap=25, initial_codec_chunk_frames=None, stream=False,

@@ -149,7 +149,8 @@ def test_batched_frame_completion_equals_one_by_one(loaded) -> None:
 
 
 LONG = "The quick brown fox jumps over the lazy dog, twice."
-# (model type, builder call, PromptTokens.size arguments besides non_streaming_mode)
+# (model type, builder call, PromptTokens.size arguments besides non_streaming_mode, with the
+# text whose ids it takes)
 SIZE_CASES = {
     "custom_voice_auto": ("custom_voice", lambda b, ns: b.custom_voice(LONG, "aiden", non_streaming_mode=ns),
                           dict(text=LONG, language_id=None, speaker=True, instructions=None)),
@@ -174,5 +175,7 @@ def test_the_size_counted_from_token_ids_is_the_built_prompts(loaded, case, non_
     model_type, build, arguments = SIZE_CASES[case]
     prompts = builder(loaded[model_type])
     prompt = build(prompts, non_streaming_mode)
-    size = prompts.tokens.size(non_streaming_mode=non_streaming_mode, **arguments)
+    text_ids = prompts.tokens.target(arguments["text"]).text
+    others = {key: value for key, value in arguments.items() if key != "text"}
+    size = prompts.tokens.size(text_ids, non_streaming_mode=non_streaming_mode, **others)
     assert (size.prefill, size.step_rows) == (prompt.prefill.shape[0], prompt.step_rows.shape[0])

@@ -29,6 +29,7 @@ import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -77,6 +78,18 @@ class TalkerPrompt:
         return self.step_rows[step] if step < self.step_rows.shape[0] else self.tts_pad
 
 
+class TargetIds(NamedTuple):
+    """A target text's token ids (:meth:`PromptTokens.target`).
+
+    Attributes:
+        role: the assistant role's ids that open the text's template (3).
+        text: the text's own ids, sliced as the reference slices them.
+    """
+
+    role: list[int]
+    text: list[int]
+
+
 @dataclass(frozen=True)
 class PromptSize:
     """The rows of a talker prompt, known from token ids alone (no embedding).
@@ -108,10 +121,10 @@ class PromptTokens:
         self.config, self.tokenizer = config, tokenizer
         self._ref_ids = lru_cache(maxsize=REF_TEXT_CACHE_SIZE)(self._ref_text_ids)  # thread-safe
 
-    def target(self, text: str) -> tuple[list[int], list[int]]:
-        """(role ids, text ids) of the target text, sliced as the reference does."""
+    def target(self, text: str) -> TargetIds:
+        """The role's and the text's ids of the target text, sliced as the reference does."""
         target = self._tokenize(f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n")
-        return target[:3], target[3:-5]
+        return TargetIds(target[:3], target[3:-5])
 
     def instructions(self, instructions: str) -> list[int]:
         return self._tokenize(f"<|im_start|>user\n{instructions}<|im_end|>\n")
@@ -142,7 +155,7 @@ class PromptTokens:
 
     def size(
         self,
-        text: str,
+        text_ids: list[int],
         language_id: int | None,
         speaker: bool,
         instructions: str | None,
@@ -152,8 +165,8 @@ class PromptTokens:
     ) -> PromptSize:
         """The rows :class:`PromptBuilder` builds for these inputs (``speaker``: a speaker
         row, CustomVoice or Base; ``ref_frames``: ICL's reference frames ``R``, with
-        ``ref_text``), counted from token ids (the layout: module docstring)."""
-        _, text_ids = self.target(text)
+        ``ref_text``), counted from the target's ``text_ids`` (:attr:`TargetIds.text`) and
+        the other inputs' token ids (the layout: module docstring)."""
         codec = (3 if language_id is None else 4) + int(speaker) + 2
         prefill = 3 + codec - 1 + (len(self.instructions(instructions)) if instructions is not None else 0)
         if ref_text is not None:
