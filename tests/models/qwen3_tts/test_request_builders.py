@@ -164,6 +164,15 @@ def test_custom_voice_request_carries_speaker_and_language(checkpoint):
     assert req.ref_audio is None and not req.icl and req.instructions is None
 
 
+def test_the_request_carries_its_texts_token_ids_in_the_prompts_template(checkpoint):
+    """The preprocessing stage builds the prompt from these ids (it does not tokenize)."""
+    facts = checkpoint("custom_voice")
+    req = build(facts, {"input": "Hello there, 12 cats.", "voice": "vivian"})
+    template = LIMITS[facts].tokens.tokenizer("<|im_start|>assistant\nHello there, 12 cats.<|im_end|>\n<|im_start|>assistant\n")
+    ids = list(template["input_ids"])
+    assert req.target_ids == (ids[:3], ids[3:-5]) and req.target_ids.text
+
+
 def test_voice_and_language_are_case_insensitive_as_on_model_cards(checkpoint):
     req = build(
         checkpoint("custom_voice"), {"input": "Hi.", "voice": "Vivian", "language": "English"}
