@@ -366,14 +366,19 @@ def engine_config(
     num_step_rows: int = EngineConfig.num_step_rows,
     mem_fraction_static: float = EngineConfig.mem_fraction_static,
     own_stream: bool = False,
+    max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
+    cuda_graph_prefill_tokens: tuple[int, ...] | None = None,
 ) -> EngineConfig:
     """The thinker's and the talker's engine config. With ``cuda_graphs`` (used on CUDA
     only) decode steps and prefill tails run as CUDA graphs per batch bucket (1, 2, 4, 8,
     then every 8 up to ``max_num_seqs``), captured at start-up for the general sampler and
     for the step sampling of each ``(code 0, code predictor)`` pair of ``graph_sampling``
-    (the stage's common requests; any other mix is captured when first used), and so are
-    prefills of at most 128 computed tokens, per token bucket
-    (``EngineConfig.cuda_graph_prefill_tokens``).
+    (:func:`step_variants`; the stage's common requests; any other mix is captured when
+    first used), and so are prefills per token bucket: ``cuda_graph_prefill_tokens``
+    (tokens computed by one prefill step, each at most ``max_prefill_tokens``; () for none),
+    None: the engine's, 16 to 128 (``EngineConfig.cuda_graph_prefill_tokens``).
+    ``max_prefill_tokens``: prompt tokens computed per prefill step at most (8,192, the
+    engine's default).
     ``num_step_rows``: the step-row pool (the talker's: :func:`talker_step_rows`).
     KV pool (:func:`~omnistage.engine.kv_cache.kv_pool_blocks`): ``kv_cache_bytes`` when
     given; else ``max_num_seqs`` requests of ``max_model_len`` tokens, on CUDA at most
@@ -386,16 +391,21 @@ def engine_config(
     device; on one stream their steps run one after the other and each step's wait also
     waits for the other engine's queued kernels. Off by default until measured on the
     device (docs/qwen3_omni.md, "Own streams")."""
-    variants = tuple(
+    return EngineConfig(
+        kv_cache_bytes=kv_cache_bytes, mem_fraction_static=mem_fraction_static,
+        max_model_len=max_model_len, max_num_seqs=max_num_seqs, max_prefill_tokens=max_prefill_tokens,
+        prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=step_variants(graph_sampling),
+        cuda_graph_prefill_tokens=cuda_graph_prefill_tokens if cuda_graphs else (), num_step_rows=num_step_rows,
+        own_stream=own_stream,
+    )  # fmt: skip
+
+
+def step_variants(graph_sampling: tuple[tuple[SamplingParams, SamplingParams], ...]) -> tuple[StepSampling, ...]:
+    """The engine's graph variants of ``(code 0, code predictor)`` sampling pairs."""
+    return tuple(
         StepSampling(SamplerFeatures.of([code0]), SamplerFeatures.of([predictor]))
         for code0, predictor in graph_sampling
     )
-    return EngineConfig(
-        kv_cache_bytes=kv_cache_bytes, mem_fraction_static=mem_fraction_static,
-        max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-        prefill_hold_ms=0.0, cuda_graph_batch_sizes=None if cuda_graphs else (), graph_sampling=variants,
-        cuda_graph_prefill_tokens=None if cuda_graphs else (), num_step_rows=num_step_rows, own_stream=own_stream,
-    )  # fmt: skip
 
 
 def talker_step_rows(max_num_seqs: int) -> int:
@@ -436,11 +446,17 @@ def create_thinker_stage(
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
     own_stream: bool = False,
+    max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
+    cuda_graph_prefill_tokens: tuple[int, ...] | None = None,
 ) -> ARScheduler:
     """The thinker on the AR engine; in a pipeline with a talker stage it returns the hidden
     states of layers 0 and ``accept_hidden_layer`` for audio requests (``return_hidden``).
-    ``cuda_graphs``, ``kv_cache_bytes``, ``mem_fraction_static``, ``own_stream``: see
-    :func:`engine_config`."""
+    ``cuda_graphs``, ``kv_cache_bytes``, ``mem_fraction_static``, ``own_stream``,
+    ``max_prefill_tokens``, ``cuda_graph_prefill_tokens``: see :func:`engine_config`; a bad
+    value fails the stage's build before the weights load (ValueError naming the field)."""
+    config = engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, (), mem_fraction_static=mem_fraction_static,
+                           own_stream=own_stream, max_prefill_tokens=max_prefill_tokens,
+                           cuda_graph_prefill_tokens=cuda_graph_prefill_tokens)  # fmt: skip
     model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format, language_parts(ctx))
     assert model.thinker is not None
     speaks = model.config.talker is not None and any(s.name == "talker" for s in ctx.pipeline.stages)
@@ -448,9 +464,8 @@ def create_thinker_stage(
     stop = model.config.im_end_id
     engine = AREngine(
         ThinkerEngineModel(model.thinker, layers),
-        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, thinker_graph_sampling(stop),
-                      mem_fraction_static=mem_fraction_static, own_stream=own_stream),
-    )  # fmt: skip
+        replace(config, graph_sampling=step_variants(thinker_graph_sampling(stop))),
+    )
     thinker = model.thinker
 
     @torch.inference_mode()
@@ -687,28 +702,30 @@ def create_talker_stage(
     load_format: LoadFormat = "safetensors",
     cuda_graphs: bool = True,
     own_stream: bool = False,
+    max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
+    cuda_graph_prefill_tokens: tuple[int, ...] | None = None,
 ) -> ARScheduler:
     """The talker + code predictor on the AR engine, fed by the thinker's stream.
 
     Sampling: the request's :class:`TalkerSampling` (the reference's by default) and seed
     (:func:`talker_sampling_params`). ``cuda_graphs``, ``kv_cache_bytes``,
-    ``mem_fraction_static``, ``own_stream``: see :func:`engine_config`.
+    ``mem_fraction_static``, ``own_stream``, ``max_prefill_tokens``,
+    ``cuda_graph_prefill_tokens``: see :func:`engine_config`.
 
-    Raises: ValueError: ``talker_start_tokens < 2``."""
+    Raises: ValueError (before the weights load): ``talker_start_tokens < 2``, or a bad
+    engine knob (naming the field)."""
     if talker_start_tokens < 2:
         raise ValueError(
             "talker_start_tokens must be >= 2 (the prompt ends with the first reply token)"
         )
+    config = engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, (), talker_step_rows(max_num_seqs),
+                           mem_fraction_static, own_stream, max_prefill_tokens, cuda_graph_prefill_tokens)  # fmt: skip
     model = loaded_model(_model_path(ctx), torch.device(ctx.stage.device), load_format, language_parts(ctx))
     assert model.talker is not None
     talker = model.talker
     embed = model.thinker.model.embed_tokens if model.thinker is not None else model.thinker_embed
     assert embed is not None  # language_parts loads one or the other
-    engine = AREngine(
-        TalkerEngineModel(talker),
-        engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, talker_graph_sampling(talker),
-                      talker_step_rows(max_num_seqs), mem_fraction_static, own_stream),
-    )  # fmt: skip
+    engine = AREngine(TalkerEngineModel(talker), replace(config, graph_sampling=step_variants(talker_graph_sampling(talker))))
     return ARScheduler(
         engine, stream_input=lambda request_id: TalkerFeed(model, embed, talker_start_tokens)
     )

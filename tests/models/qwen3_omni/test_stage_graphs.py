@@ -26,6 +26,7 @@ from omnistage.models.qwen3_omni.stages import (
     thinker_graph_sampling,
     thinker_sampling,
 )
+from omnistage.pipeline.stage import build_scheduler
 
 CLIENT_SAMPLING = [
     OmniSampling(),
@@ -82,3 +83,25 @@ def test_own_stream_is_a_thinker_and_talker_knob_of_the_pipeline(omni_tiny_check
     stages = {stage.name: stage for stage in resolve_config(config, None, cli).config.stages}
     for name in ("thinker", "talker"):
         assert factory_args(stages[name])["own_stream"] is True
+
+
+def test_the_prefill_budget_and_its_graph_buckets_reach_the_engine_config() -> None:
+    """``max_prefill_tokens`` and ``cuda_graph_prefill_tokens``: the engine's defaults (8,192
+    tokens a step; buckets 16 to 128) unless given; no prefill graphs without graphs."""
+    default = engine_config(4, 1 << 20, 64, True, thinker_graph_sampling(7))
+    assert (default.max_prefill_tokens, default.prefill_graph_tokens()) == (8192, [16, 32, 64, 128])
+    given = engine_config(4, 1 << 20, 64, True, (), max_prefill_tokens=1024, cuda_graph_prefill_tokens=(256, 1024))
+    assert (given.max_prefill_tokens, given.prefill_graph_tokens()) == (1024, [256, 1024])
+    assert engine_config(4, 1 << 20, 64, False, (), cuda_graph_prefill_tokens=(256,)).cuda_graph_prefill_tokens == ()
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_a_bad_prefill_knob_fails_the_stage_before_its_weights_load(omni_tiny_checkpoint: Path, stage: str) -> None:
+    """Given on the command line, a prefill bucket over the prefill budget fails the stage's
+    build naming the field, before the checkpoint is read (a missing one here)."""
+    config = Qwen3OmniPipelineConfig.for_model_path(str(omni_tiny_checkpoint), load_format="dummy")
+    cli = [(f"{stage}.factory.args.max_prefill_tokens", "512"), (f"{stage}.factory.args.cuda_graph_prefill_tokens", "[1024]")]
+    resolved = resolve_config(config, None, cli).config
+    resolved = resolved.model_copy(update={"model_path": str(omni_tiny_checkpoint / "missing")})
+    with pytest.raises(ValueError, match="cuda_graph_prefill_tokens must be token counts in 1..max_prefill_tokens"):
+        build_scheduler(resolved, resolved.stage(stage))
