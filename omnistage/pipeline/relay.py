@@ -67,11 +67,11 @@ class _Pickler(pickle.Pickler):
         elif (
             self.shared_memory and isinstance(obj, np.ndarray) and obj.dtype != object and obj.nbytes >= SHM_MIN_BYTES
         ):
-            return ("shm_numpy", *self._segment(torch.from_numpy(np.ascontiguousarray(obj))))
+            return ("shm_numpy", *self._segment(obj))
         return None
 
-    def _segment(self, tensor: torch.Tensor) -> tuple[str, torch.dtype, tuple[int, ...]]:
-        descriptor = _to_segment(self.prefix, tensor)
+    def _segment(self, data: torch.Tensor | np.ndarray) -> tuple[str, torch.dtype, tuple[int, ...]]:
+        descriptor = _to_segment(self.prefix, data)
         self.segments.append(descriptor[0])
         return descriptor
 
@@ -101,17 +101,24 @@ def _from_raw(dtype: torch.dtype, shape: tuple[int, ...], data: np.ndarray) -> t
     return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
-def _to_segment(prefix: str, tensor: torch.Tensor) -> tuple[str, torch.dtype, tuple[int, ...]]:
+def _to_segment(prefix: str, data: torch.Tensor | np.ndarray) -> tuple[str, torch.dtype, tuple[int, ...]]:
+    """``data`` copied into a new segment: ``(its name, the torch dtype, the shape)``. A
+    numpy array is copied by numpy, so a read-only one (a cached reference clip) needs no
+    writable torch view of it."""
     name = f"{prefix}{next(_counter)}"
-    segment = shared_memory.SharedMemory(name=name, create=True, size=max(tensor.nbytes, 1))
+    segment = shared_memory.SharedMemory(name=name, create=True, size=max(data.nbytes, 1))
     # The receiver unlinks the segment; the creator's tracker must not unlink it again.
     resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    view = torch.frombuffer(segment.buf, dtype=tensor.dtype, count=tensor.numel()) if tensor.numel() else None
-    if view is not None:
-        view.copy_(tensor.reshape(-1))
-        del view
+    if isinstance(data, np.ndarray):
+        dtype = torch.from_numpy(np.empty(0, dtype=data.dtype)).dtype  # the dtype's torch name
+        if data.size:
+            np.frombuffer(segment.buf, dtype=data.dtype, count=data.size)[:] = data.reshape(-1)
+    else:
+        dtype = data.dtype
+        if data.numel():
+            torch.frombuffer(segment.buf, dtype=dtype, count=data.numel()).copy_(data.reshape(-1))
     segment.close()
-    return name, tensor.dtype, tuple(tensor.shape)
+    return name, dtype, tuple(data.shape)
 
 
 def _from_segment(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

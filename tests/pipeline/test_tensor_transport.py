@@ -1,6 +1,9 @@
 """Tensors stay where they were made: same process -> the object itself; other process ->
 shared memory (CPU) or CUDA IPC (GPU), chosen from the tensor's device."""
 
+import os
+
+import numpy as np
 import pytest
 import torch
 
@@ -59,3 +62,15 @@ def test_a_steps_code_frames_cross_processes_as_their_own_rows():
     for i, chunk in enumerate(got.chunks):
         assert chunk.request_id == f"r{i}" and chunk.source == "engine"
         assert chunk.data.codes.dtype == torch.int64 and torch.equal(chunk.data.codes, step[i : i + 1])
+
+
+def test_a_read_only_array_crosses_by_shared_memory_without_a_writable_view(recwarn):
+    """A cached reference clip is a read-only array: it is copied into its segment by numpy
+    (no torch view of read-only memory, which torch warns of), and arrives equal."""
+    clip = np.linspace(-1.0, 1.0, relay.SHM_MIN_BYTES, dtype=np.float32)
+    clip.flags.writeable = False
+    data = relay.dumps({"clip": clip}, f"/omnistage-test-{os.getpid()}-")
+    assert len(data) < relay.SHM_MIN_BYTES  # the samples went to a segment
+    got = relay.loads(data)["clip"]
+    assert got.dtype == np.float32 and np.array_equal(got, clip)
+    assert not [w for w in recwarn if "not writable" in str(w.message)]
