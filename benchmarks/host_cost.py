@@ -63,7 +63,8 @@ texts) built as the preprocessing stage builds a batch, per prompt, and
 ``icl_batch32_known_head``: the same with the voice's head made once before (the stage's
 head cache hit: only the texts are built), and ``icl_batch32_known_ids``: the same with the
 text's token ids made before too (the request builder's, which the stage takes from the
-request: only the text rows are built).
+request: only the text rows are built). These two time ``whole_many`` given a kept head
+(and ids) in any tree that has it, not what that tree's stage does.
 
     python benchmarks/host_cost.py --prompt --config before /tmp/before --config after . \\
       --output /tmp/prompt_cost.json

@@ -376,7 +376,9 @@ def engine_config(
     (:func:`step_variants`; the stage's common requests; any other mix is captured when
     first used), and so are prefills per token bucket: ``cuda_graph_prefill_tokens``
     (tokens computed by one prefill step, each at most ``max_prefill_tokens``; () for none),
-    None: the engine's, 16 to 128 (``EngineConfig.cuda_graph_prefill_tokens``).
+    None: the engine's, 16 to 128 up to ``max_prefill_tokens``
+    (``EngineConfig.cuda_graph_prefill_tokens``). Without ``cuda_graphs`` no bucket is
+    captured and ``cuda_graph_prefill_tokens`` is ignored.
     ``max_prefill_tokens``: prompt tokens computed per prefill step at most (8,192, the
     engine's default).
     ``num_step_rows``: the step-row pool (the talker's: :func:`talker_step_rows`).
@@ -453,7 +455,8 @@ def create_thinker_stage(
     states of layers 0 and ``accept_hidden_layer`` for audio requests (``return_hidden``).
     ``cuda_graphs``, ``kv_cache_bytes``, ``mem_fraction_static``, ``own_stream``,
     ``max_prefill_tokens``, ``cuda_graph_prefill_tokens``: see :func:`engine_config`; a bad
-    value fails the stage's build before the weights load (ValueError naming the field)."""
+    value fails the stage's build before the weights load (ValueError naming the field;
+    the buckets only with ``cuda_graphs``)."""
     config = engine_config(max_num_seqs, kv_cache_bytes, max_model_len, cuda_graphs, (), mem_fraction_static=mem_fraction_static,
                            own_stream=own_stream, max_prefill_tokens=max_prefill_tokens,
                            cuda_graph_prefill_tokens=cuda_graph_prefill_tokens)  # fmt: skip

@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from omnistage.core.messages import StagePayload, StreamChunk
 from omnistage.core.payloads import InputText
 from omnistage.engine.sequence import GenerationInput
-from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, PromptTokens
+from omnistage.models.qwen3_tts.modeling.prompt import PromptBuilder, PromptTokens, TargetIds
 from omnistage.models.qwen3_tts.payload_types import LivePrompt, TalkerStart
 from omnistage.models.qwen3_tts.request_builders import max_frames_for_text, text_frame_cap
 from omnistage.scheduling.ar import RowFeed, StreamInput
@@ -119,16 +119,16 @@ class FinalTokens:
         pieces = self.tokens.tokenizer.backend_tokenizer.pre_tokenizer.pre_tokenize_str(head)
         return pieces[-1][1][0] if pieces else 0
 
-    def finish(self) -> tuple[list[int], list[int]]:
-        """(role, target ids) of the whole text, which must begin with every final id.
+    def finish(self) -> TargetIds:
+        """The role's and the text's ids of the whole text, which must begin with every final id.
 
         Raises:
             ValueError: they do not (a tokenizer whose pieces were not final after all).
         """
-        role, ids = self.tokens.target(self.text)
-        if (self.role is not None and role != self.role) or ids[: len(self.ids)] != self.ids:
+        target = self.tokens.target(self.text)
+        if (self.role is not None and target.role != self.role) or target.text[: len(self.ids)] != self.ids:
             raise ValueError("the text's tokens changed after they were fed (the tokenizer's pieces were not final)")
-        return role, ids
+        return target
 
 
 class LiveTextFeed(StreamInput):

@@ -16,11 +16,13 @@ from omnistage.engine.model_runner import StepSampling
 from omnistage.engine.sampler import SamplingParams
 from omnistage.engine.sequence import GenerationInput, Sequence
 from omnistage.models.qwen3_omni.config import Qwen3OmniPipelineConfig
+from omnistage.models.qwen3_omni.modeling.config import load_config
 from omnistage.models.qwen3_omni.modeling.model import load_model
 from omnistage.models.qwen3_omni.payload_types import OmniSampling, TalkerSampling
 from omnistage.models.qwen3_omni.request_builders import talker_sampling_of
 from omnistage.models.qwen3_omni.stages import (
     engine_config,
+    step_variants,
     talker_graph_sampling,
     talker_sampling_params,
     thinker_graph_sampling,
@@ -105,3 +107,18 @@ def test_a_bad_prefill_knob_fails_the_stage_before_its_weights_load(omni_tiny_ch
     resolved = resolved.model_copy(update={"model_path": str(omni_tiny_checkpoint / "missing")})
     with pytest.raises(ValueError, match="cuda_graph_prefill_tokens must be token counts in 1..max_prefill_tokens"):
         build_scheduler(resolved, resolved.stage(stage))
+
+
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
+def test_the_stages_engine_gets_the_prefill_knobs_and_its_graph_sampling(omni_tiny_checkpoint: Path, stage: str) -> None:
+    """The knobs given on the command line and the stage's common sampling variants reach
+    the engine its factory builds (the config is made before the weights load, the
+    variants after)."""
+    config = Qwen3OmniPipelineConfig.for_model_path(str(omni_tiny_checkpoint), load_format="dummy")
+    cli = [(f"{stage}.factory.args.max_prefill_tokens", "512"), (f"{stage}.factory.args.cuda_graph_prefill_tokens", "[64, 512]")]
+    resolved = resolve_config(config, None, cli).config
+    engine = build_scheduler(resolved, resolved.stage(stage)).engine
+    assert (engine.config.max_prefill_tokens, tuple(engine.config.cuda_graph_prefill_tokens)) == (512, (64, 512))
+    model = load_model(str(omni_tiny_checkpoint), torch.device("cpu"), parts=("talker",)).talker if stage == "talker" else None
+    pairs = talker_graph_sampling(model) if model is not None else thinker_graph_sampling(load_config(omni_tiny_checkpoint).im_end_id)
+    assert engine.config.graph_sampling == step_variants(pairs) and engine.config.graph_sampling

@@ -22,6 +22,7 @@ from omnistage.models.qwen3_tts.modeling.prompt import (
     REF_CODES_CACHE_SIZE,
     PromptBuilder,
     PromptHead,
+    PromptTokens,
     TalkerPrompt,
 )
 from omnistage.models.qwen3_tts.modeling.weights import LoadedCheckpoint, load_checkpoint
@@ -260,7 +261,7 @@ class _Outbox:
         self.streamed.append((request_id, data))
 
 
-def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(tiny_servable_checkpoints) -> None:
+def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(tiny_servable_checkpoints, monkeypatch) -> None:
     """The stage's batch: each good request gets its prompt (exactly as built alone), a
     live one its head, each its vocoder setup first; one the builder rejects (an unknown
     language, an empty text: the request builder refuses both before admission) an
@@ -288,7 +289,10 @@ def test_the_preprocessing_stage_builds_a_batch_and_a_bad_request_fails_alone(ti
         "empty": request("", "english"),
         "c": request("Short.", "auto"),
     }
-    outputs = dict(zip(requests, scheduler.compute([StagePayload(rid, r, None) for rid, r in requests.items()]), strict=True))
+    with monkeypatch.context() as patch:  # the stage builds from the request's ids: it tokenizes no target text
+        patch.setattr(PromptTokens, "target", lambda self, text: pytest.fail(f"the stage tokenized {text!r}"))
+        batch = [StagePayload(rid, r, None) for rid, r in requests.items()]
+        outputs = dict(zip(requests, scheduler.compute(batch), strict=True))
     assert isinstance(outputs["bad language"], ItemFailure) and "klingon" in str(outputs["bad language"].error)
     assert isinstance(outputs["empty"], ItemFailure) and "no tokens" in str(outputs["empty"].error)
     assert [rid for rid, _ in outbox.streamed] == ["live", "a", "c"]  # the live one before the prompts are built
