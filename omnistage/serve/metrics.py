@@ -23,6 +23,10 @@ The phases decompose each time to first audio: one observation per phase of a re
 timeline up to its first byte (:mod:`omnistage.pipeline.timeline`; a phase is named by the
 mark that ends it), so per request they sum to its TTFA.
 
+The per-stage series (queue depth, batch size and seconds) cover the stages hosted in the
+server process; a stage in a stage process (``--<stage>.process``, local or Ray placement)
+is not reported.
+
 A stage's batches are labelled by ``kind``: an AR engine's step is ``prefill``, ``mixed``
 (a prefill that also decodes the running requests), ``decode`` or ``drain`` (only the
 in-flight step waited for); every other stage's batch is ``batch``. So a step's wall time
