@@ -86,7 +86,7 @@ TEXT_PROMPT = "What is the capital of France? Answer in one sentence."
 #: The issue's targets (issue 17): checked per level in the JSON's ``targets``.
 TARGETS = (
     ("c=64 with image or audio inputs: no failures, TTFA p99 <= 1 s", 64, ("image+text", "audio+text"), 1000.0, None),
-    ("c=32: TTFA p99 <= 600 ms, RTF p99 <= 0.3", 32, PROMPTS, 600.0, 0.3),
+    ("c=32: TTFA p99 <= 600 ms, every stream RTF <= 0.3", 32, PROMPTS, 600.0, 0.3),
 )  # fmt: skip
 
 
@@ -361,16 +361,16 @@ def estimate_round_s(levels: list[dict], kind: str, concurrency: int) -> float |
 def targets_met(levels: list[dict]) -> list[dict]:
     """Each :data:`TARGETS` entry per prompt level it names: met or not, with the numbers."""
     rows = []
-    for name, concurrency, kinds, ttfa_p99_ms, rtf_p99 in TARGETS:
+    for name, concurrency, kinds, ttfa_p99_ms, rtf_max in TARGETS:
         for lv in levels:
             if lv["concurrency"] != concurrency or lv["prompt"] not in kinds:
                 continue
-            p99, rtf = lv["ttfa_ms"]["p99"], lv["rtf"]["p99"]
+            p99, rtf = lv["ttfa_ms"]["p99"], lv["rtf"]["max"]
             met = lv["failed"] == 0 and lv["cut"] == 0 and p99 is not None and p99 <= ttfa_p99_ms
-            if rtf_p99 is not None:
-                met = met and rtf is not None and rtf <= rtf_p99
+            if rtf_max is not None:
+                met = met and rtf is not None and rtf <= rtf_max
             rows.append({"target": name, "prompt": lv["prompt"], "met": met, "failed": lv["failed"],
-                         "ttfa_p99_ms": p99, "rtf_p99": rtf})  # fmt: skip
+                         "ttfa_p99_ms": p99, "rtf_max": rtf})  # fmt: skip
     return rows
 
 
@@ -576,7 +576,7 @@ def print_table(result: dict) -> None:
         )
     for row in result["targets"]:
         print(f"target {'met' if row['met'] else 'NOT met'}: {row['target']} [{row['prompt']}] "
-              f"failed {row['failed']}, TTFA p99 {row['ttfa_p99_ms']} ms, RTF p99 {row['rtf_p99']}")  # fmt: skip
+              f"failed {row['failed']}, TTFA p99 {row['ttfa_p99_ms']} ms, RTF max {row['rtf_max']}")  # fmt: skip
 
 
 def parse_args() -> argparse.Namespace:

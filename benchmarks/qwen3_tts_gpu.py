@@ -669,8 +669,14 @@ def run_gpu_tests(timeout_s: float, paths: list[str] = GPU_TESTS) -> dict:
     return {"returncode": done.returncode, "summary": lines[-1] if lines else "", "tail": "\n".join(lines[-40:])}
 
 
+def _fmt_max(dist: dict) -> str:
+    """A distribution's maximum (``bench speed`` records it from 2026-12-08 on; "-" in
+    results written before)."""
+    return "-" if dist.get("max") is None else f"{dist['max']:.3f}"
+
+
 def print_table(results: dict, frames: int) -> None:
-    print(f"\n{'size':6} {'load':>14} {'TTFA p50':>9} {'TTFA p99':>9} {'RTF p50':>8} {'RTF p99':>8} {'audio s/s':>10} {'req/s':>7} {'ms/frame':>9} {'fail':>5}")
+    print(f"\n{'size':6} {'load':>14} {'TTFA p50':>9} {'TTFA p99':>9} {'RTF p50':>8} {'RTF p99':>8} {'RTF max':>8} {'audio s/s':>10} {'req/s':>7} {'ms/frame':>9} {'fail':>5}")
     for r in results["sizes"]:
         levels = list(r.get("levels", [])) + ([r["open_loop"]] if "open_loop" in r else [])
         for lv in levels:
@@ -685,7 +691,7 @@ def print_table(results: dict, frames: int) -> None:
             per_frame = lv["latency_ms"]["p50"] / frames
             print(
                 f"{r['size']:6} {load:>14} {ttfa['p50']:>9.1f} {ttfa['p99']:>9.1f} {rtf['p50']:>8.3f} "
-                f"{rtf['p99']:>8.3f} {lv['audio_throughput']:>10.1f} {lv['request_throughput']:>7.2f} {per_frame:>9.2f} {lv['num_failed']:>5}"
+                f"{rtf['p99']:>8.3f} {_fmt_max(rtf):>8} {lv['audio_throughput']:>10.1f} {lv['request_throughput']:>7.2f} {per_frame:>9.2f} {lv['num_failed']:>5}"
                 f"  GPU util {lv.get('gpu_util_mean') or 0:.0f}%"
             )
         cpu = "  ".join(

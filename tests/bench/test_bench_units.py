@@ -77,7 +77,7 @@ def test_percentile_is_monotone_and_bounded(values, q1, q2):
 
 
 def test_distribution_of_nothing_is_empty():
-    assert Distribution.of([]) == Distribution(None, None, None, None)
+    assert Distribution.of([]) == Distribution(None, None, None, None, None)
 
 
 def test_summarize_level_from_synthetic_timings():
@@ -89,7 +89,7 @@ def test_summarize_level_from_synthetic_timings():
     assert stats.latency_ms.mean == pytest.approx(550.0)
     assert stats.latency_ms.p50 == pytest.approx(550.0)
     assert stats.latency_ms.p90 == pytest.approx(910.0)
-    assert stats.ttfa_ms.p99 == pytest.approx(99.1)
+    assert stats.ttfa_ms.p99 == pytest.approx(99.1) and stats.ttfa_ms.max == pytest.approx(100.0)
     assert stats.rtf.mean == pytest.approx(0.1) and stats.rtf.p50 == pytest.approx(0.1)
     assert stats.audio_s_total == pytest.approx(55.0)
     assert stats.audio_throughput == pytest.approx(11.0)
