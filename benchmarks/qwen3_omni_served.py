@@ -211,9 +211,9 @@ def gpu_memory_mib() -> float | None:
     return float(out.stdout.split()[0])
 
 
-def dist(values: list[float]) -> dict:
+def dist(values: list[float], digits: int = 2) -> dict:
     d = Distribution.of(values)
-    return {k: None if v is None else round(v, 2) for k, v in asdict(d).items()}
+    return {k: None if v is None else round(v, digits) for k, v in asdict(d).items()}
 
 
 async def run_level(
@@ -276,7 +276,7 @@ async def run_level(
         "failed": len(results) - len(ok), "cut": requests - len(results) if cut else 0,
         "errors": sorted({r.error for r in results if r.error})[:5],
         "ttft_ms": dist([r.ttft_ms for r in ok if r.ttft_ms is not None]),
-        "ttfa_ms": dist([r.ttfa_ms for r in ok]), "rtf": dist(rtf), "rtf_max": round(max(rtf), 3) if rtf else None,
+        "ttfa_ms": dist([r.ttfa_ms for r in ok]), "rtf": dist(rtf, 3),
         "tokens_per_s_per_stream": dist(tps),
         "tokens_per_s": round(sum(r.completion_tokens or 0 for r in ok) / wall, 1),
         "audio_s_per_request": dist([r.audio_s for r in ok]),
@@ -557,7 +557,7 @@ def print_table(result: dict) -> None:
         asked = lv.get("requests_reduced_from", lv["requests"])
         print(f"{lv['prompt']:11} {lv['concurrency']:>4} {str(lv['done']) + '/' + str(asked):>7} {lv['failed']:>4} {lv['cut']:>3} "
               f"{lv['ttft_ms']['p50']!s:>9} {lv['ttfa_ms']['p50']!s:>9} {lv['ttfa_ms']['p99']!s:>9} "
-              f"{lv['rtf']['p50']!s:>8} {lv['rtf_max']!s:>8} {lv['tokens_per_s']:>7} "
+              f"{lv['rtf']['p50']!s:>8} {lv['rtf']['max']!s:>8} {lv['tokens_per_s']:>7} "
               f"{lv['tokens_per_s_per_stream']['p50']!s:>8} {lv['audio_s_per_s']:>9} "
               f"{lv['gpu_memory_mib_max'] or lv['gpu_memory_mib']!s:>8}")  # fmt: skip
     for lv in result["levels"]:
